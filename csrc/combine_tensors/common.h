@@ -1,0 +1,186 @@
+// Shared definitions of the torch-free kernel core.
+//
+// Everything here works on raw host buffers: a pointer, an element count and a
+// dtype code. Nothing includes or links libtorch, so one build serves every
+// torch version (and numpy-only tests).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace apexc {
+
+using idx_t = std::int64_t;
+
+// Dtype codes shared with Python (apex._core.DTYPE_CODES).
+enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+inline bool valid_dtype(int d) { return d == F32 || d == F16 || d == BF16; }
+inline std::size_t dtype_size(int d) { return d == F32 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------
+// Scalar conversions, written branch-free (selects only) so that loops using
+// them auto-vectorise at every SIMD level.
+// ---------------------------------------------------------------------------
+inline float bits_to_f32(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline std::uint32_t f32_to_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float half_to_f32(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t em = h & 0x7fffu;
+  // Shift exponent+mantissa into float position and rebias by multiplying
+  // with 2^112: this also normalises half subnormals exactly.
+  const std::uint32_t shifted = em << 13;
+  const float scaled = bits_to_f32(shifted) * 5.192296858534828e+33f;  // 2^112
+  const std::uint32_t normal = f32_to_bits(scaled);
+  const std::uint32_t special = shifted | 0x7f800000u;  // inf / nan keep payload
+  const std::uint32_t out = (em >= 0x7c00u) ? special : normal;
+  return bits_to_f32(out | sign);
+}
+
+inline std::uint16_t f32_to_half(float f) {
+  const std::uint32_t u = f32_to_bits(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t a = u & 0x7fffffffu;
+  // Normal range: rebias the exponent, round to nearest even on bit 13.
+  const std::uint32_t odd = (a >> 13) & 1u;
+  const std::uint32_t normal = (a + 0xc8000fffu + odd) >> 13;  // 0xc8000000 = (15-127)<<23
+  // Subnormal range: adding 0.5f aligns the mantissa so the FPU rounds (RNE).
+  const std::uint32_t sub = f32_to_bits(bits_to_f32(a) + 0.5f) - 0x3f000000u;
+  std::uint32_t r = (a < 0x38800000u) ? sub : normal;  // 2^-14
+  r = (a >= 0x477ff000u) ? 0x7c00u : r;                 // rounds to inf
+  r = (a > 0x7f800000u) ? 0x7e00u : r;                  // nan
+  return static_cast<std::uint16_t>(r | sign);
+}
+
+inline float bf16_to_f32(std::uint16_t h) { return bits_to_f32(static_cast<std::uint32_t>(h) << 16); }
+
+inline std::uint16_t f32_to_bf16(float f) {
+  const std::uint32_t u = f32_to_bits(f);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RNE
+  const std::uint32_t nan = (u >> 16) | 0x0040u;                            // quiet nan
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<std::uint16_t>(is_nan ? nan : rounded);
+}
+
+// Storage types: float for F32, distinct 16-bit wrappers for F16 / BF16.
+struct half_t { std::uint16_t x; };
+struct bf16_t { std::uint16_t x; };
+
+inline float load(const float* p, idx_t i) { return p[i]; }
+inline float load(const half_t* p, idx_t i) { return half_to_f32(p[i].x); }
+inline float load(const bf16_t* p, idx_t i) { return bf16_to_f32(p[i].x); }
+inline void store(float* p, idx_t i, float v) { p[i] = v; }
+inline void store(half_t* p, idx_t i, float v) { p[i].x = f32_to_half(v); }
+inline void store(bf16_t* p, idx_t i, float v) { p[i].x = f32_to_bf16(v); }
+
+// Bit test for inf/nan that vectorises (no float compares on nan).
+inline bool nonfinite_bits(float v) { return (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u; }
+
+// ---------------------------------------------------------------------------
+// Threading: std::thread per call, no persistent pool. Nothing survives a
+// call, so a fork (DataLoader workers) never inherits dead pool threads.
+// ---------------------------------------------------------------------------
+constexpr idx_t kMinPerThread = 1 << 15;  // below this, threads cost more than they save
+constexpr idx_t kChunk = 1 << 14;         // reduction chunk: fixed, so sums do not depend on threads
+
+int default_threads();
+void set_default_threads(int n);
+int resolve_threads(int requested);
+
+// Runs fn(begin, end) over [0, n) split into `threads` contiguous ranges whose
+// boundaries are multiples of `align`.
+template <class F>
+void parallel_for(idx_t n, int threads, F&& fn, idx_t align = 64) {
+  threads = resolve_threads(threads);
+  idx_t max_by_size = n / kMinPerThread;
+  if (max_by_size < threads) threads = static_cast<int>(max_by_size < 1 ? 1 : max_by_size);
+  if (threads <= 1) {
+    if (n > 0) fn(idx_t{0}, n);
+    return;
+  }
+  idx_t per = (n + threads - 1) / threads;
+  per = (per + align - 1) / align * align;
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) {
+    idx_t b = per * t, e = b + per < n ? b + per : n;
+    if (b >= n) break;
+    pool.emplace_back([&fn, b, e] { fn(b, e); });
+  }
+  fn(idx_t{0}, per < n ? per : n);
+  for (auto& th : pool) th.join();
+}
+
+// Same split, over an index space of work items (chunks, segments).
+template <class F>
+void parallel_items(idx_t items, idx_t elems_hint, int threads, F&& fn) {
+  threads = resolve_threads(threads);
+  idx_t max_by_size = elems_hint / kMinPerThread;
+  if (max_by_size < threads) threads = static_cast<int>(max_by_size < 1 ? 1 : max_by_size);
+  if (items < threads) threads = static_cast<int>(items < 1 ? 1 : items);
+  if (threads <= 1) {
+    if (items > 0) fn(idx_t{0}, items);
+    return;
+  }
+  idx_t per = (items + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) {
+    idx_t b = per * t, e = b + per < items ? b + per : items;
+    if (b >= items) break;
+    pool.emplace_back([&fn, b, e] { fn(b, e); });
+  }
+  fn(idx_t{0}, per < items ? per : items);
+  for (auto& th : pool) th.join();
+}
+
+// ---------------------------------------------------------------------------
+// Kernel table: one instance per SIMD level, all compiled from the same source
+// (kernels_impl.h) with different target flags.
+// ---------------------------------------------------------------------------
+// Segment layout for per-tensor work inside one flat buffer: seg_off has
+// nseg+1 entries, segment s covers [seg_off[s], seg_off[s+1]).
+struct Segments {
+  const idx_t* off;
+  idx_t n;
+};
+
+struct Kernels {
+  const char* name;
+  // dst[i] = src[i] * scale with dtype conversion; src may equal dst (same dtype).
+  // Returns true when `check` and any *input* element is inf or nan.
+  bool (*scale)(const void* src, int sdt, void* dst, int ddt, idx_t n, float scale, bool check, int threads);
+  // Adds src*scale into dst (gradient accumulation with unscale); returns non-finite of src.
+  bool (*axpy)(const void* src, int sdt, void* dst, int ddt, idx_t n, float scale, bool check, int threads);
+  void (*fill)(void* dst, int dt, idx_t n, float value, int threads);
+  bool (*has_nonfinite)(const void* src, int dt, idx_t n, int threads);
+  double (*sum_sq)(const void* src, int dt, idx_t n, int threads);
+  double (*max_abs)(const void* src, int dt, idx_t n, int threads);
+  // Per-segment sum of squares into out[nseg] (double).
+  void (*segment_sum_sq)(const void* src, int dt, Segments seg, double* out, int threads);
+};
+
+const Kernels& kernels_baseline();
+#if defined(__x86_64__) || defined(_M_X64)
+const Kernels& kernels_avx2();
+const Kernels& kernels_avx512();
+#endif
+#if defined(__aarch64__)
+const Kernels& kernels_neon();
+#endif
+
+// Currently selected table (dispatch.cpp).
+const Kernels& K();
+
+}  // namespace apexc

@@ -1,0 +1,268 @@
+// Kernel bodies, compiled once per SIMD level. The including translation unit
+// defines APEX_SIMD_NS (namespace) and APEX_SIMD_NAME, and is built with that
+// level's target flags; the loops below are written so that the compiler can
+// vectorise them (no branches on data, fixed-width accumulators for sums).
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+
+#include "common.h"
+
+namespace apexc {
+namespace APEX_SIMD_NS {
+
+// Calls f(T*) with the storage type matching dtype code `dt`.
+template <class F>
+inline void with_type(int dt, F&& f) {
+  switch (dt) {
+    case F16: f(static_cast<half_t*>(nullptr)); break;
+    case BF16: f(static_cast<bf16_t*>(nullptr)); break;
+    default: f(static_cast<float*>(nullptr)); break;
+  }
+}
+
+constexpr int kLanes = 16;
+
+template <class S, class D>
+static bool scale_range(const S* __restrict src, D* __restrict dst, idx_t n, float s, bool check) {
+  std::uint32_t bad = 0;
+  if (check) {
+    for (idx_t i = 0; i < n; ++i) {
+      float v = load(src, i);
+      bad |= (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+      store(dst, i, v * s);
+    }
+  } else {
+    for (idx_t i = 0; i < n; ++i) store(dst, i, load(src, i) * s);
+  }
+  return bad != 0;
+}
+
+// In-place variant: src and dst alias, so no __restrict.
+template <class T>
+static bool scale_inplace_range(T* p, idx_t n, float s, bool check) {
+  std::uint32_t bad = 0;
+  for (idx_t i = 0; i < n; ++i) {
+    float v = load(p, i);
+    bad |= (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+    store(p, i, v * s);
+  }
+  return check && bad != 0;
+}
+
+template <class S, class D>
+static bool axpy_range(const S* __restrict src, D* __restrict dst, idx_t n, float s) {
+  std::uint32_t bad = 0;
+  for (idx_t i = 0; i < n; ++i) {
+    float v = load(src, i);
+    bad |= (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+    store(dst, i, load(dst, i) + v * s);
+  }
+  return bad != 0;
+}
+
+static bool scale(const void* src, int sdt, void* dst, int ddt, idx_t n, float s, bool check, int threads) {
+  bool found = false;
+  with_type(sdt, [&](auto* st) {
+    using S = std::remove_pointer_t<decltype(st)>;
+    with_type(ddt, [&](auto* dt_) {
+      using D = std::remove_pointer_t<decltype(dt_)>;
+      const S* sp = static_cast<const S*>(src);
+      D* dp = static_cast<D*>(dst);
+      std::atomic_bool any{false};
+      parallel_for(n, threads, [&](idx_t b, idx_t e) {
+        bool r;
+        if (static_cast<const void*>(sp) == static_cast<void*>(dp)) {
+          if constexpr (std::is_same_v<S, D>) {
+            r = scale_inplace_range(dp + b, e - b, s, check);
+          } else {
+            r = false;  // unreachable: aliasing with different dtypes is rejected by the binding
+          }
+        } else {
+          r = scale_range(sp + b, dp + b, e - b, s, check);
+        }
+        if (r) any.store(true, std::memory_order_relaxed);
+      });
+      found = any.load();
+    });
+  });
+  return found;
+}
+
+static bool axpy(const void* src, int sdt, void* dst, int ddt, idx_t n, float s, bool check, int threads) {
+  bool found = false;
+  with_type(sdt, [&](auto* st) {
+    using S = std::remove_pointer_t<decltype(st)>;
+    with_type(ddt, [&](auto* dt_) {
+      using D = std::remove_pointer_t<decltype(dt_)>;
+      std::atomic_bool any{false};
+      parallel_for(n, threads, [&](idx_t b, idx_t e) {
+        if (axpy_range(static_cast<const S*>(src) + b, static_cast<D*>(dst) + b, e - b, s))
+          any.store(true, std::memory_order_relaxed);
+      });
+      found = any.load();
+    });
+  });
+  return check && found;
+}
+
+static void fill(void* dst, int dt, idx_t n, float value, int threads) {
+  with_type(dt, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    T* p = static_cast<T*>(dst);
+    parallel_for(n, threads, [&](idx_t b, idx_t e) {
+      for (idx_t i = b; i < e; ++i) store(p, i, value);
+    });
+  });
+}
+
+template <class T>
+static bool nonfinite_range(const T* p, idx_t n) {
+  std::uint32_t bad = 0;
+  for (idx_t i = 0; i < n; ++i) bad |= nonfinite_bits(load(p, i)) ? 1u : 0u;
+  return bad != 0;
+}
+
+static bool has_nonfinite(const void* src, int dt, idx_t n, int threads) {
+  bool found = false;
+  with_type(dt, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    std::atomic_bool any{false};
+    parallel_for(n, threads, [&](idx_t b, idx_t e) {
+      if (nonfinite_range(static_cast<const T*>(src) + b, e - b)) any.store(true, std::memory_order_relaxed);
+    });
+    found = any.load();
+  });
+  return found;
+}
+
+// Sum of squares of one range with kLanes independent double accumulators,
+// combined in a fixed order: the result depends only on the range, never on
+// how ranges were distributed over threads.
+template <class T>
+static double sum_sq_range(const T* p, idx_t n) {
+  double acc[kLanes] = {0};
+  idx_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      double v = static_cast<double>(load(p, i + l));
+      acc[l] += v * v;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    double v = static_cast<double>(load(p, i));
+    acc[l] += v * v;
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+// Max |x|; nan anywhere makes the result nan (as torch.norm(inf) does).
+template <class T>
+static double max_abs_range(const T* p, idx_t n) {
+  float acc[kLanes] = {0};
+  std::uint32_t nan = 0;
+  idx_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      float v = load(p, i + l);
+      std::uint32_t a = f32_to_bits(v) & 0x7fffffffu;
+      nan |= a > 0x7f800000u ? 1u : 0u;
+      float av = bits_to_f32(a);
+      acc[l] = av > acc[l] ? av : acc[l];
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    std::uint32_t a = f32_to_bits(load(p, i)) & 0x7fffffffu;
+    nan |= a > 0x7f800000u ? 1u : 0u;
+    float av = bits_to_f32(a);
+    acc[l] = av > acc[l] ? av : acc[l];
+  }
+  float m = 0.f;
+  for (int l = 0; l < kLanes; ++l) m = acc[l] > m ? acc[l] : m;
+  return nan ? std::nan("") : static_cast<double>(m);
+}
+
+template <class R>
+static double chunked_reduce(idx_t n, int threads, R&& range_fn, bool use_max) {
+  const idx_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> part(static_cast<std::size_t>(chunks), 0.0);
+  parallel_items(chunks, n, threads, [&](idx_t b, idx_t e) {
+    for (idx_t c = b; c < e; ++c) {
+      idx_t lo = c * kChunk, hi = lo + kChunk < n ? lo + kChunk : n;
+      part[static_cast<std::size_t>(c)] = range_fn(lo, hi - lo);
+    }
+  });
+  double r = 0.0;
+  for (double v : part) {
+    if (use_max) {
+      r = (std::isnan(v) || std::isnan(r)) ? std::nan("") : (v > r ? v : r);
+    } else {
+      r += v;
+    }
+  }
+  return r;
+}
+
+static double sum_sq(const void* src, int dt, idx_t n, int threads) {
+  double r = 0.0;
+  with_type(dt, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    const T* p = static_cast<const T*>(src);
+    r = chunked_reduce(n, threads, [&](idx_t lo, idx_t len) { return sum_sq_range(p + lo, len); }, false);
+  });
+  return r;
+}
+
+static double max_abs(const void* src, int dt, idx_t n, int threads) {
+  double r = 0.0;
+  with_type(dt, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    const T* p = static_cast<const T*>(src);
+    r = chunked_reduce(n, threads, [&](idx_t lo, idx_t len) { return max_abs_range(p + lo, len); }, true);
+  });
+  return r;
+}
+
+// Work items for per-segment reductions: each segment is cut into kChunk
+// pieces; partials are summed per segment in item order (thread-independent).
+struct SegItems {
+  std::vector<idx_t> seg, lo, hi;
+};
+
+inline SegItems make_items(Segments s) {
+  SegItems it;
+  for (idx_t k = 0; k < s.n; ++k) {
+    for (idx_t lo = s.off[k]; lo < s.off[k + 1]; lo += kChunk) {
+      idx_t hi = lo + kChunk < s.off[k + 1] ? lo + kChunk : s.off[k + 1];
+      it.seg.push_back(k);
+      it.lo.push_back(lo);
+      it.hi.push_back(hi);
+    }
+  }
+  return it;
+}
+
+static void segment_sum_sq(const void* src, int dt, Segments s, double* out, int threads) {
+  for (idx_t k = 0; k < s.n; ++k) out[k] = 0.0;
+  if (s.n == 0) return;
+  SegItems it = make_items(s);
+  const idx_t items = static_cast<idx_t>(it.seg.size());
+  std::vector<double> part(it.seg.size(), 0.0);
+  with_type(dt, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    const T* p = static_cast<const T*>(src);
+    parallel_items(items, s.off[s.n] - s.off[0], threads, [&](idx_t b, idx_t e) {
+      for (idx_t i = b; i < e; ++i) part[i] = sum_sq_range(p + it.lo[i], it.hi[i] - it.lo[i]);
+    });
+  });
+  for (idx_t i = 0; i < items; ++i) out[it.seg[i]] += part[i];
+}
+
+static const Kernels table = {
+    APEX_SIMD_NAME, scale, axpy, fill, has_nonfinite, sum_sq, max_abs, segment_sum_sq,
+};
+
+}  // namespace APEX_SIMD_NS
+}  // namespace apexc

@@ -1,0 +1,111 @@
+// Optimizer kernels over combined (flat) buffers.
+//
+// One call updates every tensor of a param group at once. The flat buffers
+// hold consecutive slots ("segments"), one per parameter; per-segment inputs
+// (step counts, skip flags, trust ratios) let one pass honour per-tensor
+// semantics such as bias correction per parameter.
+#pragma once
+
+#include "common.h"
+
+namespace apexc {
+
+struct OptArgs {
+  void* p = nullptr;  // params, dtype pdt
+  int pdt = F32;
+  const void* g = nullptr;  // grads, dtype gdt
+  int gdt = F32;
+  void* s[3] = {nullptr, nullptr, nullptr};  // state buffers, dtype sdt (meaning per kernel)
+  int sdt = F32;
+  void* out = nullptr;  // optional second copy of the updated param (dtype odt), e.g. O2 model weights
+  int odt = F32;
+  const idx_t* seg = nullptr;  // nseg+1 slot starts (last = end of the used buffer)
+  idx_t nseg = 0;
+  const float* steps = nullptr;         // per-segment step count, already advanced for this update
+  const std::uint8_t* skip = nullptr;   // per-segment: nonzero = leave this slot untouched
+  const std::uint8_t* first = nullptr;  // per-segment: nonzero = first update of this slot
+  const float* seg_mul = nullptr;       // per-segment multiplier on the step (e.g. LAMB trust ratio)
+  const float* seg_gmul = nullptr;      // per-segment multiplier on the grad (e.g. per-tensor clipping)
+  const float* seg_aux = nullptr;       // per-segment extra input; meaning per kernel
+  float grad_scale = 1.f;               // grads are multiplied by this first (unscale)
+  double hp[12] = {0};                  // hyperparameters; meaning per kernel
+  int flags = 0;                        // per-kernel option bits
+  int threads = 0;
+  double* seg_out = nullptr;  // per-segment reduction outputs, for kernels that produce them
+};
+
+// Flag bits (shared names so Python and C++ agree; see apex/_core.py).
+enum OptFlags : int {
+  kNesterov = 1 << 0,
+  kAmsgrad = 1 << 1,
+  kDecoupled = 1 << 2,  // AdamW-style decoupled weight decay
+  kCentered = 1 << 3,
+  kLrInMomentum = 1 << 4,
+  kFirstStepSeen = 1 << 5,
+};
+
+struct OptimKernels {
+  // SGD. hp: lr, momentum, dampening, weight_decay. s[0]: momentum buffer.
+  void (*sgd)(const OptArgs&);
+  // Adam / AdamW. hp: lr, beta1, beta2, eps, weight_decay. s: exp_avg, exp_avg_sq, max_exp_avg_sq.
+  void (*adam)(const OptArgs&);
+  // Adadelta. hp: lr, rho, eps, weight_decay. s: square_avg, acc_delta.
+  void (*adadelta)(const OptArgs&);
+  // RMSprop (torch). hp: lr, alpha, eps, weight_decay, momentum. s: square_avg, momentum_buffer, grad_avg.
+  void (*rmsprop)(const OptArgs&);
+  // RMSpropTF (TF/timm). hp: lr, alpha, eps, weight_decay, momentum. s: square_avg, momentum_buffer, grad_avg.
+  void (*rmsprop_tf)(const OptArgs&);
+  // BertAdam. hp: lr_scheduled, beta1, beta2, eps, weight_decay. s: exp_avg, exp_avg_sq. seg_gmul: clip coef.
+  void (*bert_adam)(const OptArgs&);
+  // LAMB stage 1: update m, v; seg_out[2k] = ||p_k||^2, seg_out[2k+1] = ||u_k||^2 with
+  // u = m/(sqrt(v)+eps) + wd*p. hp: beta1, beta2, eps, weight_decay. seg_gmul: grad divisor as multiplier.
+  void (*lamb_stage1)(const OptArgs&);
+  // LAMB stage 2: p -= lr * seg_mul[k] * u (u recomputed from the updated m, v). hp: lr, eps, weight_decay.
+  void (*lamb_stage2)(const OptArgs&);
+  // Per-segment dot products of the grad and param: seg_out[3k..3k+2] = (g.p, g.g, p.p); grads scaled by
+  // grad_scale. Segments here are rows (AdamP's channel views).
+  void (*row_dots)(const OptArgs&);
+  // AdamP, over rows (seg = row starts; steps per row). hp: lr, beta1, beta2, eps, weight_decay.
+  // seg_mul[r] = 1/(||p view||+eps) for rows being projected, 0 otherwise; seg_aux[r] = wd_ratio of
+  // the row's param. Stage A (no writes to m/v/p): seg_out[r] = sum over the row of p_n * perturb.
+  // Stage B: updates m, v, p with perturb -= p_n * seg_out[r]. flags: kNesterov.
+  void (*adamp_stage_a)(const OptArgs&);
+  void (*adamp_stage_b)(const OptArgs&);
+};
+
+const OptimKernels& optim_kernels_baseline();
+#if defined(__x86_64__) || defined(_M_X64)
+const OptimKernels& optim_kernels_avx2();
+const OptimKernels& optim_kernels_avx512();
+#endif
+#if defined(__aarch64__)
+const OptimKernels& optim_kernels_neon();
+#endif
+
+const OptimKernels& OK();
+
+// Runs fn(k, lo, hi) for every part of segment k that falls in this thread's
+// element range; segments flagged in `skip` are not visited.
+template <class F>
+void for_segments(const OptArgs& a, F&& fn) {
+  if (a.nseg <= 0) return;
+  const idx_t base = a.seg[0], total = a.seg[a.nseg] - base;
+  parallel_for(total, a.threads, [&](idx_t b, idx_t e) {
+    b += base;
+    e += base;
+    // first segment whose end is past b
+    idx_t lo = 0, hi = a.nseg;
+    while (lo < hi) {
+      idx_t mid = (lo + hi) / 2;
+      if (a.seg[mid + 1] <= b) lo = mid + 1; else hi = mid;
+    }
+    for (idx_t k = lo; k < a.nseg && a.seg[k] < e; ++k) {
+      if (a.skip && a.skip[k]) continue;
+      idx_t s0 = a.seg[k] > b ? a.seg[k] : b;
+      idx_t s1 = a.seg[k + 1] < e ? a.seg[k + 1] : e;
+      if (s0 < s1) fn(k, s0, s1);
+    }
+  });
+}
+
+}  // namespace apexc

@@ -1,0 +1,452 @@
+// Optimizer kernel bodies, compiled once per SIMD level (see kernels_impl.h).
+// Arithmetic is fp32 whatever the storage dtype (as torch's opmath); per-segment
+// scalars (bias corrections) are computed in double once per segment.
+#include <cmath>
+#include <stdexcept>
+
+#include "optim.h"
+
+namespace apexc {
+namespace APEX_SIMD_NS {
+
+using apexc::load;
+using apexc::store;
+struct no_out_t {};
+inline void store(no_out_t*, idx_t, float) {}
+
+// Calls f(P*, G*, O*) for the supported (param, grad, out) storage combinations:
+// grads in the param dtype, or fp32 params (master weights) with any grad dtype;
+// an out copy only for fp32 params. Anything else is rejected by the binding.
+template <class F>
+inline void with_pgo(const OptArgs& a, F&& f) {
+  if (a.pdt == F32) {
+    auto with_g = [&](auto* o) {
+      switch (a.gdt) {
+        case F16: f(static_cast<float*>(nullptr), static_cast<half_t*>(nullptr), o); break;
+        case BF16: f(static_cast<float*>(nullptr), static_cast<bf16_t*>(nullptr), o); break;
+        default: f(static_cast<float*>(nullptr), static_cast<float*>(nullptr), o); break;
+      }
+    };
+    if (!a.out) with_g(static_cast<no_out_t*>(nullptr));
+    else if (a.odt == F16) with_g(static_cast<half_t*>(nullptr));
+    else with_g(static_cast<bf16_t*>(nullptr));
+  } else if (a.pdt == F16) {
+    f(static_cast<half_t*>(nullptr), static_cast<half_t*>(nullptr), static_cast<no_out_t*>(nullptr));
+  } else {
+    f(static_cast<bf16_t*>(nullptr), static_cast<bf16_t*>(nullptr), static_cast<no_out_t*>(nullptr));
+  }
+}
+
+#define APEX_TYPES(pt, gt, ot)                       \
+  using P = std::remove_pointer_t<decltype(pt)>;     \
+  using G = std::remove_pointer_t<decltype(gt)>;     \
+  using O = std::remove_pointer_t<decltype(ot)>;     \
+  P* __restrict p = static_cast<P*>(a.p);            \
+  const G* __restrict g = static_cast<const G*>(a.g); \
+  O* __restrict o = static_cast<O*>(a.out);          \
+  (void)p; (void)g; (void)o
+
+inline float gmul(const OptArgs& a, idx_t k) { return a.grad_scale * (a.seg_gmul ? a.seg_gmul[k] : 1.f); }
+
+// ---------------------------------------------------------------------------
+static void sgd(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict buf = static_cast<P*>(a.s[0]);
+    const float lr = static_cast<float>(a.hp[0]), mom = static_cast<float>(a.hp[1]);
+    const float damp = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    const bool nesterov = a.flags & kNesterov;
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const float gs = gmul(a, k);
+      if (mom == 0.f || !buf) {
+        for (idx_t i = lo; i < hi; ++i) {
+          float d = load(g, i) * gs + wd * load(p, i);
+          float np = load(p, i) - lr * d;
+          store(p, i, np);
+          store(o, i, np);
+        }
+        return;
+      }
+      const bool first = a.first && a.first[k];
+      // torch: the first momentum buffer is the gradient itself (no dampening)
+      const float keep = first ? 0.f : mom, take = first ? 1.f : 1.f - damp;
+      for (idx_t i = lo; i < hi; ++i) {
+        float d = load(g, i) * gs + wd * load(p, i);
+        float b = keep * load(buf, i) + take * d;
+        store(buf, i, b);
+        b = load(buf, i);  // what torch sees when the buffer is low precision
+        float step = nesterov ? d + mom * b : b;
+        float np = load(p, i) - lr * step;
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------
+static void adam(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict m = static_cast<P*>(a.s[0]);
+    P* __restrict v = static_cast<P*>(a.s[1]);
+    P* __restrict vmax = static_cast<P*>(a.s[2]);
+    const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
+    const float eps = static_cast<float>(a.hp[3]), wd = static_cast<float>(a.hp[4]);
+    const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
+    const bool amsgrad = a.flags & kAmsgrad, decoupled = a.flags & kDecoupled;
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const double t = a.steps[k];
+      const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+      const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, t)));
+      const float gs = gmul(a, k);
+      const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
+      const float l2 = decoupled ? 0.f : wd;
+      if (!amsgrad) {
+        for (idx_t i = lo; i < hi; ++i) {
+          float pv = load(p, i) * decay;
+          float gv = load(g, i) * gs + l2 * pv;
+          float mv = fb1 * load(m, i) + (1.f - fb1) * gv;
+          float vv = fb2 * load(v, i) + (1.f - fb2) * gv * gv;
+          store(m, i, mv);
+          store(v, i, vv);
+          float denom = std::sqrt(load(v, i)) / bc2_sqrt + eps;
+          float np = pv - step_size * load(m, i) / denom;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      } else {
+        for (idx_t i = lo; i < hi; ++i) {
+          float pv = load(p, i) * decay;
+          float gv = load(g, i) * gs + l2 * pv;
+          float mv = fb1 * load(m, i) + (1.f - fb1) * gv;
+          float vv = fb2 * load(v, i) + (1.f - fb2) * gv * gv;
+          store(m, i, mv);
+          store(v, i, vv);
+          float vm = load(vmax, i);
+          float vn = load(v, i);
+          vm = vn > vm ? vn : vm;
+          store(vmax, i, vm);
+          float denom = std::sqrt(load(vmax, i)) / bc2_sqrt + eps;
+          float np = pv - step_size * load(m, i) / denom;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------
+static void adadelta(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict sq = static_cast<P*>(a.s[0]);
+    P* __restrict acc = static_cast<P*>(a.s[1]);
+    const float lr = static_cast<float>(a.hp[0]), rho = static_cast<float>(a.hp[1]);
+    const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const float gs = gmul(a, k);
+      for (idx_t i = lo; i < hi; ++i) {
+        float pv = load(p, i);
+        float gv = load(g, i) * gs + wd * pv;
+        store(sq, i, rho * load(sq, i) + (1.f - rho) * gv * gv);
+        float stdv = std::sqrt(load(sq, i) + eps);
+        float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
+        store(acc, i, rho * load(acc, i) + (1.f - rho) * delta * delta);
+        float np = pv - lr * delta;
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------
+// torch.optim.RMSprop (tf=false) and the TensorFlow/timm variant (tf=true):
+// TF puts eps inside the sqrt, updates the averages as v += (1-a)(g^2 - v),
+// and can fold lr into the momentum buffer.
+template <bool TF>
+static void rmsprop_impl(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict sq = static_cast<P*>(a.s[0]);
+    P* __restrict buf = static_cast<P*>(a.s[1]);
+    P* __restrict gavg = static_cast<P*>(a.s[2]);
+    const float lr = static_cast<float>(a.hp[0]), alpha = static_cast<float>(a.hp[1]);
+    const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    const float mom = static_cast<float>(a.hp[4]);
+    const bool centered = a.flags & kCentered, decoupled = a.flags & kDecoupled;
+    const bool lr_in_mom = a.flags & kLrInMomentum;
+    const float one_minus = 1.f - alpha;
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const float gs = gmul(a, k);
+      for (idx_t i = lo; i < hi; ++i) {
+        float pv = load(p, i);
+        if (TF && decoupled) pv = pv - wd * pv;
+        float gv = load(g, i) * gs + ((TF && decoupled) ? 0.f : wd * pv);
+        float avg;
+        if (TF) {
+          float s = load(sq, i);
+          store(sq, i, s + one_minus * (gv * gv - s));
+          float sv = load(sq, i);
+          if (centered) {
+            float ga = load(gavg, i);
+            store(gavg, i, ga + one_minus * (gv - ga));
+            ga = load(gavg, i);
+            sv = sv - ga * ga;
+          }
+          avg = std::sqrt(sv + eps);
+        } else {
+          store(sq, i, alpha * load(sq, i) + one_minus * gv * gv);
+          float sv = load(sq, i);
+          if (centered) {
+            float ga = load(gavg, i);
+            store(gavg, i, ga + one_minus * (gv - ga));
+            ga = load(gavg, i);
+            sv = sv - ga * ga;
+          }
+          avg = std::sqrt(sv) + eps;
+        }
+        float np;
+        if (mom > 0.f) {
+          if (TF && lr_in_mom) {
+            store(buf, i, mom * load(buf, i) + lr * gv / avg);
+            np = pv - load(buf, i);
+          } else {
+            store(buf, i, mom * load(buf, i) + gv / avg);
+            np = pv - lr * load(buf, i);
+          }
+        } else {
+          np = pv - lr * gv / avg;
+        }
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+static void rmsprop(const OptArgs& a) { rmsprop_impl<false>(a); }
+static void rmsprop_tf(const OptArgs& a) { rmsprop_impl<true>(a); }
+
+// ---------------------------------------------------------------------------
+static void bert_adam(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict m = static_cast<P*>(a.s[0]);
+    P* __restrict v = static_cast<P*>(a.s[1]);
+    const float lr = static_cast<float>(a.hp[0]), b1 = static_cast<float>(a.hp[1]);
+    const float b2 = static_cast<float>(a.hp[2]), eps = static_cast<float>(a.hp[3]);
+    const float wd = static_cast<float>(a.hp[4]);
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const float gs = gmul(a, k);
+      for (idx_t i = lo; i < hi; ++i) {
+        float pv = load(p, i);
+        float gv = load(g, i) * gs;
+        store(m, i, b1 * load(m, i) + (1.f - b1) * gv);
+        store(v, i, b2 * load(v, i) + (1.f - b2) * gv * gv);
+        float u = load(m, i) / (std::sqrt(load(v, i)) + eps) + wd * pv;
+        float np = pv - lr * u;
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Per-segment reductions with a fixed chunking (thread-count independent):
+// fn(k, lo, hi, double* acc) accumulates N values for one chunk of segment k.
+template <int N, class F>
+static void segment_reduce(const OptArgs& a, double* out, F&& fn) {
+  for (idx_t k = 0; k < a.nseg * N; ++k) out[k] = 0.0;
+  if (a.nseg <= 0) return;
+  std::vector<idx_t> seg, lo, hi;
+  for (idx_t k = 0; k < a.nseg; ++k) {
+    if (a.skip && a.skip[k]) continue;
+    for (idx_t b = a.seg[k]; b < a.seg[k + 1]; b += kChunk) {
+      seg.push_back(k);
+      lo.push_back(b);
+      hi.push_back(b + kChunk < a.seg[k + 1] ? b + kChunk : a.seg[k + 1]);
+    }
+  }
+  const idx_t items = static_cast<idx_t>(seg.size());
+  std::vector<double> part(static_cast<std::size_t>(items) * N, 0.0);
+  parallel_items(items, a.seg[a.nseg] - a.seg[0], a.threads, [&](idx_t b, idx_t e) {
+    for (idx_t i = b; i < e; ++i) fn(seg[i], lo[i], hi[i], &part[static_cast<std::size_t>(i) * N]);
+  });
+  for (idx_t i = 0; i < items; ++i)
+    for (int j = 0; j < N; ++j) out[seg[i] * N + j] += part[static_cast<std::size_t>(i) * N + j];
+}
+
+constexpr int kL = 8;  // independent accumulators per reduced value
+
+template <int N>
+struct LaneAcc {
+  double v[N][kL] = {};
+  void fold(double* out) const {
+    for (int j = 0; j < N; ++j) {
+      double s = 0.0;
+      for (int l = 0; l < kL; ++l) s += v[j][l];
+      out[j] += s;
+    }
+  }
+};
+
+static void lamb_stage1(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict m = static_cast<P*>(a.s[0]);
+    P* __restrict v = static_cast<P*>(a.s[1]);
+    const float b1 = static_cast<float>(a.hp[0]), b2 = static_cast<float>(a.hp[1]);
+    const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    segment_reduce<2>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
+      const float gs = gmul(a, k);
+      LaneAcc<2> acc;
+      idx_t i = lo;
+      auto body = [&](idx_t j, int l) {
+        float pv = load(p, j);
+        float gv = load(g, j) * gs;
+        store(m, j, b1 * load(m, j) + (1.f - b1) * gv);
+        store(v, j, b2 * load(v, j) + (1.f - b2) * gv * gv);
+        float u = load(m, j) / (std::sqrt(load(v, j)) + eps) + wd * pv;
+        acc.v[0][l] += static_cast<double>(pv) * pv;
+        acc.v[1][l] += static_cast<double>(u) * u;
+      };
+      for (; i + kL <= hi; i += kL)
+        for (int l = 0; l < kL; ++l) body(i + l, l);
+      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      acc.fold(out);
+    });
+  });
+}
+
+static void lamb_stage2(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    const P* __restrict m = static_cast<const P*>(a.s[0]);
+    const P* __restrict v = static_cast<const P*>(a.s[1]);
+    const float lr = static_cast<float>(a.hp[0]), eps = static_cast<float>(a.hp[1]);
+    const float wd = static_cast<float>(a.hp[2]);
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
+      for (idx_t i = lo; i < hi; ++i) {
+        float pv = load(p, i);
+        float u = load(m, i) / (std::sqrt(load(v, i)) + eps) + wd * pv;
+        float np = pv - step * u;
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------
+static void row_dots(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    segment_reduce<3>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
+      const float gs = gmul(a, k);
+      LaneAcc<3> acc;
+      idx_t i = lo;
+      auto body = [&](idx_t j, int l) {
+        double gv = static_cast<double>(load(g, j) * gs), pv = load(p, j);
+        acc.v[0][l] += gv * pv;
+        acc.v[1][l] += gv * gv;
+        acc.v[2][l] += pv * pv;
+      };
+      for (; i + kL <= hi; i += kL)
+        for (int l = 0; l < kL; ++l) body(i + l, l);
+      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      acc.fold(out);
+    });
+  });
+}
+
+// AdamP's per-element perturbation from the updated moments.
+struct AdamPScalars {
+  float b1, b2, eps, step_size, bc2_sqrt, gs;
+  bool nesterov;
+};
+
+inline AdamPScalars adamp_scalars(const OptArgs& a, idx_t k) {
+  const double t = a.steps[k];
+  AdamPScalars s;
+  s.b1 = static_cast<float>(a.hp[1]);
+  s.b2 = static_cast<float>(a.hp[2]);
+  s.eps = static_cast<float>(a.hp[3]);
+  s.step_size = static_cast<float>(a.hp[0] / (1.0 - std::pow(a.hp[1], t)));
+  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(a.hp[2], t)));
+  s.gs = gmul(a, k);
+  s.nesterov = a.flags & kNesterov;
+  return s;
+}
+
+static void adamp_stage_a(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    const P* __restrict m = static_cast<const P*>(a.s[0]);
+    const P* __restrict v = static_cast<const P*>(a.s[1]);
+    segment_reduce<1>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
+      const float pn = a.seg_mul[k];
+      if (pn == 0.f) return;
+      const AdamPScalars s = adamp_scalars(a, k);
+      LaneAcc<1> acc;
+      idx_t i = lo;
+      auto body = [&](idx_t j, int l) {
+        float gv = load(g, j) * s.gs;
+        // round the moments through the storage dtype, as stage B stores them
+        P mt, vt;
+        store(&mt, 0, s.b1 * load(m, j) + (1.f - s.b1) * gv);
+        store(&vt, 0, s.b2 * load(v, j) + (1.f - s.b2) * gv * gv);
+        float mv = load(&mt, 0), vv = load(&vt, 0);
+        float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
+        float pert = (s.nesterov ? s.b1 * mv + (1.f - s.b1) * gv : mv) / denom;
+        acc.v[0][l] += static_cast<double>(load(p, j) * pn) * pert;
+      };
+      for (; i + kL <= hi; i += kL)
+        for (int l = 0; l < kL; ++l) body(i + l, l);
+      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      acc.fold(out);
+    });
+  });
+}
+
+static void adamp_stage_b(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict m = static_cast<P*>(a.s[0]);
+    P* __restrict v = static_cast<P*>(a.s[1]);
+    const double lr = a.hp[0], wd = a.hp[4];
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const AdamPScalars s = adamp_scalars(a, k);
+      const float pn = a.seg_mul ? a.seg_mul[k] : 0.f;
+      const float coef = (pn != 0.f && a.seg_out) ? static_cast<float>(a.seg_out[k]) : 0.f;
+      const float wdr = a.seg_aux ? a.seg_aux[k] : 1.f;
+      const float decay = static_cast<float>(1.0 - lr * wd * wdr);
+      for (idx_t i = lo; i < hi; ++i) {
+        float gv = load(g, i) * s.gs;
+        store(m, i, s.b1 * load(m, i) + (1.f - s.b1) * gv);
+        store(v, i, s.b2 * load(v, i) + (1.f - s.b2) * gv * gv);
+        float mv = load(m, i), vv = load(v, i);
+        float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
+        float pert = (s.nesterov ? s.b1 * mv + (1.f - s.b1) * gv : mv) / denom;
+        float pv = load(p, i);
+        pert -= pv * pn * coef;
+        float np = pv * decay - s.step_size * pert;
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+
+static const OptimKernels optim_table = {
+    sgd, adam, adadelta, rmsprop, rmsprop_tf, bert_adam, lamb_stage1, lamb_stage2, row_dots, adamp_stage_a,
+    adamp_stage_b,
+};
+
+#undef APEX_TYPES
+
+}  // namespace APEX_SIMD_NS
+}  // namespace apexc

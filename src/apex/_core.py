@@ -1,0 +1,188 @@
+"""Bridge between torch tensors and the torch-free C++ core (`apex_C`).
+
+`apex_C` works on raw host buffers (address, element count, dtype code). This
+module is the only place that turns tensors into such triples, so the checks
+that keep that safe (CPU, contiguous, supported dtype, alive for the call) live
+here once.
+
+When the extension is missing or cannot be loaded, every function falls back to
+torch ops and a single warning says so. ``APEX_REQUIRE_EXT=1`` turns that into
+an ImportError, so a broken build can never pass on the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "DTYPE_CODES",
+    "ext",
+    "ext_available",
+    "ext_error",
+    "kernel_dtype",
+    "num_threads",
+    "simd_level",
+    "uses_kernel",
+    "scale_",
+    "axpy_",
+    "copy_",
+    "fill_",
+    "has_nonfinite",
+    "sum_sq",
+    "max_abs",
+]
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _load():
+    try:
+        import apex_C  # noqa: PLC0415  (top-level extension shipped in the same wheel)
+
+        return apex_C, None
+    except ImportError as exc:  # missing or unloadable .so
+        return None, exc
+
+
+ext, ext_error = _load()
+_warned = False
+
+
+def _require_or_warn() -> None:
+    global _warned
+    if ext is not None or _warned:
+        return
+    _warned = True
+    msg = (
+        f"apex: the C++ core (apex_C) could not be loaded ({ext_error}); "
+        "falling back to torch ops, which are correct but slower on CPU"
+    )
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+if ext is None and os.environ.get("APEX_REQUIRE_EXT") == "1":
+    raise ImportError(f"APEX_REQUIRE_EXT=1 but the apex_C extension cannot be loaded: {ext_error}") from ext_error
+
+
+def ext_available() -> bool:
+    _require_or_warn()
+    return ext is not None
+
+
+def simd_level() -> Optional[str]:
+    return ext.simd_level() if ext is not None else None
+
+
+def num_threads() -> int:
+    """Threads for a kernel call: torch's intra-op setting (what users already tune)."""
+    return torch.get_num_threads()
+
+
+def kernel_dtype(dtype: torch.dtype) -> Optional[int]:
+    return DTYPE_CODES.get(dtype)
+
+
+def uses_kernel(*tensors: torch.Tensor) -> bool:
+    """True when every tensor can go through apex_C (CPU, contiguous, fp32/fp16/bf16)."""
+    if ext is None:
+        _require_or_warn()
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or not t.is_contiguous():
+            return False
+    return True
+
+
+def _flat_check(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {t.dtype}")
+
+
+def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, check: bool = True) -> bool:
+    """``out = src * scale`` (``out`` defaults to ``src``); True if any src value is inf/nan."""
+    _flat_check(src, "scale_ src")
+    dst = src if out is None else out
+    _flat_check(dst, "scale_ out")
+    if dst.numel() != src.numel():
+        raise ValueError(f"scale_: out has {dst.numel()} elements, src has {src.numel()}")
+    if uses_kernel(src, dst):
+        return ext.scale_(
+            src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype],
+            src.numel(), float(scale), check, num_threads(),
+        )
+    bad = bool(check and src.numel() and not torch.isfinite(src).all())
+    if dst is src:
+        src.mul_(scale)
+    else:
+        dst.copy_((src.reshape(dst.shape).float() * scale))
+    return bad
+
+
+def axpy_(src: torch.Tensor, dst: torch.Tensor, scale: float, check: bool = True) -> bool:
+    """``dst += src * scale``; True if any src value is inf/nan."""
+    _flat_check(src, "axpy_ src")
+    _flat_check(dst, "axpy_ dst")
+    if dst.numel() != src.numel():
+        raise ValueError(f"axpy_: dst has {dst.numel()} elements, src has {src.numel()}")
+    if uses_kernel(src, dst):
+        return ext.axpy_(
+            src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype],
+            src.numel(), float(scale), check, num_threads(),
+        )
+    bad = bool(check and src.numel() and not torch.isfinite(src).all())
+    dst.add_(src.reshape(dst.shape).to(dst.dtype), alpha=scale)
+    return bad
+
+
+def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Dtype-converting copy of equal-sized buffers (round to nearest even)."""
+    _flat_check(src, "copy_ src")
+    _flat_check(dst, "copy_ dst")
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy_: dst has {dst.numel()} elements, src has {src.numel()}")
+    if uses_kernel(src, dst):
+        ext.copy_(src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
+                  num_threads())
+    else:
+        dst.copy_(src.reshape(dst.shape))
+
+
+def fill_(dst: torch.Tensor, value: float = 0.0) -> None:
+    _flat_check(dst, "fill_ dst")
+    if uses_kernel(dst):
+        ext.fill_(dst.data_ptr(), DTYPE_CODES[dst.dtype], dst.numel(), float(value), num_threads())
+    else:
+        dst.fill_(value)
+
+
+def has_nonfinite(src: torch.Tensor) -> bool:
+    _flat_check(src, "has_nonfinite src")
+    if uses_kernel(src):
+        return ext.has_nonfinite(src.data_ptr(), DTYPE_CODES[src.dtype], src.numel(), num_threads())
+    return bool(src.numel()) and not bool(torch.isfinite(src).all())
+
+
+def sum_sq(src: torch.Tensor) -> float:
+    """Sum of squares, accumulated in float64."""
+    _flat_check(src, "sum_sq src")
+    if uses_kernel(src):
+        return ext.sum_sq(src.data_ptr(), DTYPE_CODES[src.dtype], src.numel(), num_threads())
+    return float(src.double().pow(2).sum()) if src.numel() else 0.0
+
+
+def max_abs(src: torch.Tensor) -> float:
+    """max |x| (nan if any element is nan; 0 for an empty buffer)."""
+    _flat_check(src, "max_abs src")
+    if uses_kernel(src):
+        return ext.max_abs(src.data_ptr(), DTYPE_CODES[src.dtype], src.numel(), num_threads())
+    if not src.numel():
+        return 0.0
+    if torch.isnan(src).any():
+        return float("nan")
+    return float(src.abs().max())
