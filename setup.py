@@ -10,10 +10,13 @@ Environment knobs:
   APEX_TARGET_ARCH  x86_64 | aarch64 (default: this machine; set when cross-compiling, e.g. with zig)
   APEX_DEBUG=1      -O0 -g, not stripped
   APEX_NO_STRIP=1   keep symbols (the release flow strips separately)
+  APEX_BUILD_JOBS   parallel compiler processes (default: CPU count); the translation units are independent
 """
 
 import os
 import platform
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -65,25 +68,75 @@ def link_flags():
     return flags
 
 
+def _newer(sources, target):
+    """True when target is missing or older than any source (the up-to-date rule setuptools applies)."""
+    if not os.path.exists(target):
+        return True
+    built = os.path.getmtime(target)
+    return any(os.path.getmtime(src) > built for src in sources if os.path.exists(src))
+
+
+def _no_rpath(cmd):
+    """Drop -Wl,-rpath entries: some interpreters (pyenv) record them in LDSHARED, and a wheel must not carry one."""
+    return [a for a in cmd if not a.startswith(("-Wl,-rpath", "-Wl,-R", "-Wl,--enable-new-dtags"))]
+
+
 class BuildSimd(build_ext):
-    """Compiles each SIMD translation unit with its own flags, then links them in."""
+    """Compiles every translation unit (each SIMD level with its own flags) in parallel, then links once."""
+
+    def build_extensions(self):
+        for attr in ("linker_so", "linker_so_cxx"):
+            if getattr(self.compiler, attr, None):
+                setattr(self.compiler, attr, _no_rpath(getattr(self.compiler, attr)))
+        super().build_extensions()
+
+    def get_ext_filename(self, ext_name):
+        # Cross builds (APEX_TARGET_ARCH differs from this interpreter) get the target's multiarch triplet in the
+        # module suffix, e.g. .cpython-311-aarch64-linux-gnu.so, which is what the target interpreter imports.
+        name = super().get_ext_filename(ext_name)
+        host = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+        want = f"{target_arch()}-linux-gnu"
+        return name.replace(host, want) if host != want and host in name else name
 
     def build_extension(self, ext):
         arch = target_arch()
-        objects = []
-        for level, extra in SIMD_FLAGS[arch].items():
-            if level == "baseline":
-                continue
-            objects += self.compiler.compile(
-                [os.path.join(SRC, f"kernels_{level}.cpp")],
+        units = [(src, []) for src in sorted(ext.sources)]
+        units += [
+            (os.path.join(SRC, f"kernels_{level}.cpp"), extra)
+            for level, extra in SIMD_FLAGS[arch].items()
+            if level != "baseline"
+        ]
+        ext_path = self.get_ext_fullpath(ext.name)
+        if not (self.force or _newer([u for u, _ in units] + list(ext.depends), ext_path)):
+            return
+
+        def compile_unit(unit):
+            src, extra = unit
+            return self.compiler.compile(
+                [src],
                 output_dir=self.build_temp,
                 include_dirs=ext.include_dirs,
                 macros=ext.define_macros,
+                debug=self.debug,
                 extra_postargs=ext.extra_compile_args + extra,
                 depends=ext.depends,
             )
-        ext.extra_objects = list(ext.extra_objects or []) + objects
-        super().build_extension(ext)
+
+        jobs = int(os.environ.get("APEX_BUILD_JOBS") or os.cpu_count() or 1)
+        with ThreadPoolExecutor(max(1, min(jobs, len(units)))) as pool:
+            # The kernel units are the slow ones: start them first. Results are gathered in unit order, so the
+            # link line (and the .so) is the same whatever finishes first.
+            order = sorted(range(len(units)), key=lambda i: "kernels_" not in units[i][0])
+            started = {i: pool.submit(compile_unit, units[i]) for i in order}
+            objects = [obj for i in range(len(units)) for obj in started[i].result()]
+
+        # Link through setuptools (libraries, export symbols, target language) with nothing left to compile.
+        sources, extra_objects, force = ext.sources, ext.extra_objects, self.force
+        ext.sources, ext.extra_objects, self.force = [], objects + list(extra_objects or []), True
+        try:
+            super().build_extension(ext)
+        finally:
+            ext.sources, ext.extra_objects, self.force = sources, extra_objects, force
 
 
 def extension():

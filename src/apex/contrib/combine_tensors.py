@@ -1,0 +1,450 @@
+"""Combined (flat) tensors: many tensors rebound as views into one buffer.
+
+Elementwise work on one flat buffer costs one kernel launch (npu/cuda) or one
+memory pass (cpu) instead of one per tensor; with thousands of small
+parameters that is the difference between a per-tensor overhead dominated
+step and a bandwidth-bound one. :func:`combine_tensors` allocates a zero-filled
+buffer, copies the values in (when asked) and rebinds every input *in place*:
+the Python objects (``nn.Parameter`` included) stay the same, only their data
+now lives in the buffer, so modules, optimizers and autograd keep working.
+
+Layout rule (:func:`plan_layout`)
+---------------------------------
+Tensors are placed in order; each slot starts at a multiple of
+``ALIGN_ELEMENTS`` = 32 elements and holds exactly ``numel`` elements; there is
+no other padding. Buffers come from torch's allocators, which return at least
+64-byte aligned memory (CPU; CUDA/npu: 512), so every slot starts 64-byte
+(half types) or 128-byte (fp32) aligned: a whole number of cache lines and of
+AVX-512/NEON vectors, so the per-slot kernels (optimizer segments, norms)
+start on aligned loads and never share a cache line between two threads'
+slots. Alignment in elements (not bytes) keeps the offsets of one plan valid
+for the fp32 master copy and the fp16/bf16 model copy alike. The gaps stay
+zero, so whole-buffer reductions (norms, non-finite checks) are unaffected.
+
+The original NPU patch rounded each slot up to 16 elements and added 32 more:
+that padding serves torch_npu's private storage formats (FRACTAL_NZ, ...),
+whose memory is not a plain strided array. Here, an npu tensor with such a
+format sends the whole call to torch_npu's native combine op instead (see
+``apex._device.npu_combine_op``), which knows those formats.
+
+Validity (:func:`is_combined_tensor_valid`) is stricter than the original,
+which only tested that each tensor's data pointer fell inside the buffer: here
+every tensor must share the buffer's storage *and* sit at its planned slot, so
+a tensor that was rebound elsewhere, or a list given in another order, is
+reported as invalid.
+
+Checkpoints: ``torch.save`` writes the whole storage behind a view, so saving
+a state_dict of combined parameters would write the whole buffer. Use
+:func:`compact_state_dict` or :func:`register_compact_state_dict_hook` to clone
+such views so the file holds only the tensors' own elements.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
+
+import torch
+
+from apex import _device
+
+__all__ = [
+    "ALIGN_ELEMENTS",
+    "change_data_ptr",
+    "combine_npu",
+    "combine_tensors",
+    "compact_state_dict",
+    "get_part_combined_tensor",
+    "is_combined_tensor_valid",
+    "npu_combine_tensors",
+    "plan_layout",
+    "register_compact_state_dict_hook",
+]
+
+logger = logging.getLogger(__name__)
+
+ALIGN_ELEMENTS = 32
+
+
+# ---------------------------------------------------------------- layout
+
+
+def _align_up(n: int) -> int:
+    return (n + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
+
+
+def plan_layout(tensors: Sequence[Any]) -> Tuple[List[int], int]:
+    """Element offsets of each tensor's slot and the buffer length.
+
+    ``tensors`` may hold tensors or plain element counts. Slot ``i`` starts at
+    ``offsets[i]``, a multiple of 32, right after slot ``i-1`` rounded up;
+    ``total`` is the end of the last slot (no tail padding); an empty input
+    gives ``([], 0)``.
+    """
+    offsets: List[int] = []
+    end = 0
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            n = t.numel()
+        elif isinstance(t, int) and not isinstance(t, bool) and t >= 0:
+            n = t
+        else:
+            raise TypeError(f"plan_layout: entry {i}: expected a tensor or a non-negative int, got {t!r}")
+        start = _align_up(end)
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _dense_problem(t: torch.Tensor) -> str | None:
+    """None if ``t`` covers exactly ``numel`` consecutive elements, else what is wrong.
+
+    Sorting the dims by stride, a dense non-overlapping tensor has each stride
+    equal to the product of the sizes of the dims before it; a smaller stride
+    means elements are shared (expand, stride 0), a larger one means gaps.
+    Size-1 dims have no effect on the memory covered and are ignored.
+    """
+    if t.numel() == 0:
+        return None
+    dims = sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st < expected:
+            return f"overlapping memory (size {tuple(t.size())}, stride {tuple(t.stride())})"
+        if st > expected:
+            return f"gaps between elements (size {tuple(t.size())}, stride {tuple(t.stride())})"
+        expected *= sz
+    return None
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # Identity of the StorageImpl (shared by all views of one storage); data
+    # pointers cannot serve, since every empty storage has pointer 0.
+    return t.untyped_storage()._cdata
+
+
+def _as_list(tensors: Any, where: str) -> list:
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{where}: expected a list of tensors, got a single tensor of shape {tuple(tensors.shape)}")
+    if tensors is None:
+        raise TypeError(f"{where}: expected a list of tensors, got None")
+    try:
+        return list(tensors)
+    except TypeError:
+        raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}") from None
+
+
+def _check_entry(i: int, t: Any, where: str) -> None:
+    if t is None:
+        raise TypeError(f"{where}: entry {i}: expected a tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: entry {i}: expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{where}: entry {i}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.is_complex() or not t.is_floating_point():
+        raise TypeError(f"{where}: entry {i}: expected a floating-point tensor, got {t.dtype}")
+
+
+def _validate(tensors: list, where: str) -> None:
+    """Every check combine_tensors needs, done before anything is changed."""
+    for i, t in enumerate(tensors):
+        _check_entry(i, t, where)
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{where}: all tensors must share one dtype: entry 0 is {first.dtype}, entry {i} is {t.dtype}"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"{where}: all tensors must be on one device: entry 0 is on {first.device}, entry {i} on {t.device}"
+            )
+    for i, t in enumerate(tensors):
+        problem = _dense_problem(t)
+        if problem is not None:
+            raise ValueError(f"{where}: entry {i}: expected a non-overlapping and dense tensor, got {problem}")
+    _check_no_aliasing(tensors, where)
+
+
+def _check_no_aliasing(tensors: list, where: str) -> None:
+    """Reject entries that are the same tensor or share memory.
+
+    After combining they would become independent copies, silently breaking
+    whatever relied on the sharing (and one slot would be orphaned).
+    """
+    seen: Dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        j = seen.setdefault(id(t), i)
+        if j != i:
+            raise ValueError(f"{where}: entries {j} and {i} are the same tensor; expected each tensor once")
+    if tensors[0].device.type == "meta":  # meta tensors have no memory to share
+        return
+    ranges = []
+    for i, t in enumerate(tensors):
+        if t.numel():
+            start = t.storage_offset()
+            ranges.append((_storage_key(t), start, start + t.numel(), i))
+    ranges.sort()
+    for (k0, _s0, e0, i0), (k1, s1, _e1, i1) in zip(ranges, ranges[1:]):
+        if k0 == k1 and s1 < e0:
+            raise ValueError(
+                f"{where}: entries {min(i0, i1)} and {max(i0, i1)} share memory; expected tensors that do not overlap"
+            )
+
+
+# ---------------------------------------------------------------- combine
+
+
+def _slot_view(buffer: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
+    # as_strided over the slot keeps like's strides (channels_last stays channels_last).
+    return buffer.as_strided(like.size(), like.stride(), buffer.storage_offset() + offset)
+
+
+def combine_tensors(tensors: Iterable[torch.Tensor], require_copy_value: bool = True, *,
+                    allow_empty: bool = True) -> torch.Tensor | None:
+    """Rebind ``tensors`` in place as views into one new flat, zero-filled buffer.
+
+    Args:
+        tensors: floating-point tensors of one dtype and device, each
+            non-overlapping and dense (contiguous, channels_last, ...).
+        require_copy_value: copy each tensor's values into its slot; when
+            False the tensors read as zeros afterwards (state buffers).
+        allow_empty: an empty list returns None, like the original
+            ``combine_npu([])``; pass False to make it a ValueError.
+
+    Returns:
+        The 1-D buffer (same dtype/device, ``plan_layout(tensors)[1]``
+        elements), or None for an empty list. Every input keeps its identity,
+        shape and strides; ``requires_grad`` and autograd on parameters are
+        unaffected.
+
+    Raises:
+        TypeError / ValueError describing the first bad input; nothing is
+        rebound when raising.
+    """
+    tensors = _as_list(tensors, "combine_tensors")
+    if not tensors:
+        if allow_empty:
+            return None
+        raise ValueError("combine_tensors: expected at least one tensor, got an empty list")
+    _validate(tensors, "combine_tensors")
+
+    if any(_device.npu_has_private_format(t) for t in tensors):
+        native = _device.npu_combine_op()
+        if native is None:
+            raise RuntimeError(
+                "combine_tensors: npu tensors with a private storage format need torch_npu's "
+                "npu_combine_tensors, which this torch_npu does not provide"
+            )
+        logger.debug("combine_tensors: delegating %d npu tensors with private formats to torch_npu", len(tensors))
+        return native(tensors, require_copy_value=require_copy_value)
+
+    offsets, total = plan_layout(tensors)
+    first = tensors[0]
+    with torch.no_grad():
+        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        views = [_slot_view(buffer, t, off) for t, off in zip(tensors, offsets)]
+        if require_copy_value:
+            for view, t in zip(views, tensors):
+                view.copy_(t.detach())
+        # Only now, with every allocation and copy done, are the inputs rebound.
+        for view, t in zip(views, tensors):
+            t.data = view
+    return buffer
+
+
+combine_npu = combine_tensors
+npu_combine_tensors = combine_tensors
+
+
+# ---------------------------------------------------------------- parts, validity, rebinding
+
+
+def _check_index(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    return value
+
+
+def _check_flat(buffer: Any, name: str, where: str) -> torch.Tensor:
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a tensor, got {type(buffer).__name__}")
+    if buffer.layout != torch.strided or not buffer.is_contiguous():
+        raise ValueError(f"{where}: {name} must be a contiguous (flat) tensor, got stride {tuple(buffer.stride())}")
+    return buffer
+
+
+def get_part_combined_tensor(combined: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """View of ``size`` elements of ``combined`` starting at element ``index``.
+
+    The view shares memory with the buffer (writes go both ways). Raises
+    TypeError for non-int arguments, ValueError for negative ones and
+    IndexError when ``index + size`` runs past the buffer.
+    """
+    where = "get_part_combined_tensor"
+    _check_flat(combined, "combined", where)
+    index = _check_index(index, "index", where)
+    size = _check_index(size, "size", where)
+    if index + size > combined.numel():
+        raise IndexError(
+            f"{where}: elements [{index}, {index + size}) requested, but the buffer has {combined.numel()} elements"
+        )
+    return combined.reshape(-1).narrow(0, index, size)
+
+
+def is_combined_tensor_valid(combined: torch.Tensor | None, tensors: Iterable[torch.Tensor]) -> bool:
+    """True iff every tensor still lives in ``combined`` at its planned slot.
+
+    Checks, for each tensor: same storage as the buffer, same dtype and
+    device, dense, and storage offset equal to the buffer's offset plus
+    ``plan_layout(tensors)`` slot offset. An empty list is trivially valid;
+    ``combined=None`` with a non-empty list is not. For npu tensors with a
+    private format (combined by torch_npu) torch_npu's own check decides.
+    """
+    tensors = _as_list(tensors, "is_combined_tensor_valid")
+    if not tensors:
+        return True
+    if combined is None or any(not isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    if not isinstance(combined, torch.Tensor):
+        raise TypeError(f"is_combined_tensor_valid: combined must be a tensor or None, got {type(combined).__name__}")
+    if any(_device.npu_has_private_format(t) for t in tensors):
+        native = _device.npu_combined_valid_op()
+        return bool(native(combined, tensors)) if native is not None else False
+    offsets, total = plan_layout(tensors)
+    if combined.numel() < total or not combined.is_contiguous():
+        return False
+    key = _storage_key(combined)
+    base = combined.storage_offset()
+    for t, off in zip(tensors, offsets):
+        if t.dtype != combined.dtype or t.device != combined.device or t.layout != torch.strided:
+            return False
+        if _storage_key(t) != key or t.storage_offset() != base + off or _dense_problem(t) is not None:
+            return False
+    return True
+
+
+def change_data_ptr(dst: torch.Tensor, src: torch.Tensor, offset: int) -> torch.Tensor:
+    """Rebind ``dst`` in place as a view of ``src``'s memory starting ``offset`` elements into ``src``.
+
+    ``dst`` keeps its identity, shape and strides; its old values are not
+    copied (it reads what ``src`` holds there). Returns ``dst``.
+    Raises TypeError (non-tensors, dtype mismatch, non-int offset),
+    ValueError (device mismatch, negative offset, ``dst`` not dense, ``src``
+    not contiguous) or IndexError (the slot runs past ``src``); ``dst`` is
+    unchanged when raising.
+    """
+    where = "change_data_ptr"
+    if not isinstance(dst, torch.Tensor):
+        raise TypeError(f"{where}: dst must be a tensor, got {type(dst).__name__}")
+    _check_flat(src, "src", where)
+    offset = _check_index(offset, "offset", where)
+    if dst.dtype != src.dtype:
+        raise TypeError(f"{where}: dst and src must share a dtype, got dst {dst.dtype} and src {src.dtype}")
+    if dst.device != src.device:
+        raise ValueError(f"{where}: dst and src must be on one device, got dst {dst.device} and src {src.device}")
+    problem = _dense_problem(dst)
+    if dst.layout != torch.strided or problem is not None:
+        raise ValueError(f"{where}: dst must be a non-overlapping and dense tensor, got {problem or dst.layout}")
+    if offset + dst.numel() > src.numel():
+        raise IndexError(
+            f"{where}: dst needs elements [{offset}, {offset + dst.numel()}) of src, which has {src.numel()}"
+        )
+    with torch.no_grad():
+        dst.data = src.detach().as_strided(dst.size(), dst.stride(), src.storage_offset() + offset)
+    return dst
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage ``t`` can reach, counted from its first element."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((sz - 1) * st for sz, st in zip(t.size(), t.stride()))
+
+
+def _needs_compaction(t: torch.Tensor) -> bool:
+    if t.layout != torch.strided or t.device.type == "meta" or _device.npu_has_private_format(t):
+        return False
+    return t.untyped_storage().nbytes() > _extent(t) * t.element_size()
+
+
+def _compact_tensor(t: torch.Tensor, memo: Dict[tuple, torch.Tensor]) -> torch.Tensor:
+    if not _needs_compaction(t):
+        return t
+    # Identical views (tied weights) map to one clone, so the file still shares them.
+    key = (_storage_key(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
+    out = memo.get(key)
+    if out is None:
+        out = t.detach().clone()  # preserve_format: dense strides (channels_last) survive
+        if isinstance(t, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        memo[key] = out
+    return out
+
+
+def _compact(obj: Any, memo: Dict[tuple, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _compact_tensor(obj, memo)
+    if isinstance(obj, dict):
+        # A shallow copy keeps the dict type and its attributes (a module
+        # state_dict's ``_metadata``); never mutate the input, whose inner
+        # dicts may be an optimizer's live per-parameter state.
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _compact(v, memo)
+        return out
+    if isinstance(obj, list):
+        return [_compact(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_compact(v, memo) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def compact_state_dict(obj: Any) -> Any:
+    """Copy of ``obj`` (nested dicts/lists/tuples) with storage-sharing views cloned.
+
+    Every tensor whose storage is larger than the elements it can reach (a
+    view into a combined buffer, or any other slice) is replaced by a compact
+    clone, so ``torch.save`` writes only its own elements instead of the
+    whole buffer. Other tensors and non-tensor leaves are kept as they are;
+    containers are copied, the input is never modified.
+    """
+    return _compact(obj, {})
+
+
+def register_compact_state_dict_hook(target: Any) -> Any:
+    """Make ``target.state_dict()`` return compact tensors (see :func:`compact_state_dict`).
+
+    ``target`` is an ``nn.Module`` or a ``torch.optim.Optimizer``. Returns the
+    hook handle (``handle.remove()`` undoes it).
+    """
+    if isinstance(target, torch.nn.Module):
+
+        def module_hook(module, state_dict, prefix, local_metadata):
+            memo: Dict[tuple, torch.Tensor] = {}
+            for k in list(state_dict.keys()):
+                if k.startswith(prefix):
+                    state_dict[k] = _compact(state_dict[k], memo)
+
+        # Public post-hooks (torch >= 2.2) must edit in place and return None; older torch only has the private one.
+        register = getattr(target, "register_state_dict_post_hook", None) or target._register_state_dict_hook
+        return register(module_hook)
+    if isinstance(target, torch.optim.Optimizer):
+
+        def optimizer_hook(optimizer, state_dict):
+            return compact_state_dict(state_dict)
+
+        return target.register_state_dict_post_hook(optimizer_hook)
+    raise TypeError(
+        f"register_compact_state_dict_hook: expected an nn.Module or Optimizer, got {type(target).__name__}"
+    )

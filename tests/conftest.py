@@ -1,0 +1,102 @@
+"""Shared pytest setup: device selection, test tiers, seeding.
+
+Options:
+  --device {cpu,cuda,npu}  device the device-aware tests run on (default: what
+                           ``apex._device.detect_device()`` picks, which honours
+                           APEX_DEVICE). The same suite is the GPU/NPU matrix:
+                           ``nox -s tests -- --device npu``.
+  --full                   also run tests marked ``full`` (slow tier).
+
+Markers:
+  full                     slow; skipped without --full.
+  devices("cpu", "cuda")   applies only to the listed devices; skipped elsewhere.
+  kernels                  torch-free tests of the apex_C core.
+
+torch is imported only when a collected test needs the device, so the
+torch-free kernel tests still run in an interpreter without torch.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+DEVICES = ("cpu", "cuda", "npu")
+SEED = 0
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("apex")
+    group.addoption(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="device for device-aware tests (default: detected; npu > cuda > cpu, APEX_DEVICE overrides)",
+    )
+    group.addoption("--full", action="store_true", default=False, help="also run the slow tests marked 'full'")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: slow tests, run with --full")
+    config.addinivalue_line("markers", "devices(*names): run only when --device is one of names")
+    config.addinivalue_line("markers", "kernels: torch-free tests of the apex_C core")
+
+
+def _resolve_device(config) -> str:
+    """The requested device, checked to be usable here (a UsageError, never a silent fallback)."""
+    cached = getattr(config, "_apex_device", None)
+    if cached is not None:
+        return cached
+    from apex import _device  # imports torch: only when some test needs a device
+
+    requested = config.getoption("--device")
+    if requested is None:
+        try:
+            requested = _device.detect_device()
+        except (ValueError, RuntimeError) as exc:  # a bad APEX_DEVICE
+            raise pytest.UsageError(str(exc)) from exc
+    elif not _device.device_available(requested):
+        raise pytest.UsageError(f"--device {requested} was requested, but no {requested} device is available here")
+    config._apex_device = requested
+    return requested
+
+
+def _needs_device(item) -> bool:
+    return "device" in getattr(item, "fixturenames", ()) or item.get_closest_marker("devices") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    full = config.getoption("--full")
+    skip_full = pytest.mark.skip(reason="slow test: run with --full")
+    device = _resolve_device(config) if any(_needs_device(item) for item in items) else None
+    for item in items:
+        if not full and item.get_closest_marker("full") is not None:
+            item.add_marker(skip_full)
+        marker = item.get_closest_marker("devices")
+        if marker is not None:
+            unknown = [d for d in marker.args if d not in DEVICES]
+            if unknown:
+                raise pytest.UsageError(f"{item.nodeid}: devices marker names unknown devices {unknown}")
+            if device not in marker.args:
+                item.add_marker(pytest.mark.skip(reason=f"applies to {', '.join(marker.args)}, not {device}"))
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> str:
+    """Device type string ("cpu", "cuda" or "npu") the device-aware tests use."""
+    return _resolve_device(pytestconfig)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Reseed before every test, so a test sees the same numbers alone or in the full run.
+
+    torch / numpy are seeded only if a test module already imported them.
+    """
+    random.seed(SEED)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(SEED)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(SEED)
