@@ -300,8 +300,20 @@ def test_validity_is_stricter_than_pointer_range(device):
     assert not is_combined_tensor_valid(buf, tensors)
     change_data_ptr(tensors[2], buf, 96)
     assert is_combined_tensor_valid(buf, tensors)
+    assert not is_combined_tensor_valid(buf.half(), tensors)  # other dtype
+    assert not is_combined_tensor_valid(buf, [*tensors[:2], None])
+    assert not is_combined_tensor_valid(buf, [*tensors[:2], tensors[2].to_sparse()])
     tensors[0].data = tensors[0].clone()  # rebound elsewhere
     assert not is_combined_tensor_valid(buf, tensors)
+    with pytest.raises(TypeError, match="combined must be a tensor or None, got list"):
+        is_combined_tensor_valid([1.0], tensors)
+
+
+def test_validity_of_empty_tensors(device):
+    tensors = [torch.zeros(0, device=device), torch.zeros(2, 0, device=device)]
+    buf = combine_tensors(tensors)
+    assert buf.numel() == 0 and is_combined_tensor_valid(buf, tensors)
+    assert not is_combined_tensor_valid(buf, [torch.zeros(0, device=device)])  # data_ptr 0 alone proves nothing
 
 
 # ---------------------------------------------------------------- change_data_ptr
@@ -518,7 +530,7 @@ def test_private_npu_formats_go_to_torch_npu(monkeypatch):
     combine_tensors hands the list to torch_npu's native op and rebinds nothing itself."""
     calls = []
     monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
-    monkeypatch.setattr(_device, "npu_has_private_format", lambda t: True)
+    monkeypatch.setattr(_device, "any_npu_private_format", lambda tensors: True)
     tensors = [torch.randn(3), torch.randn(4)]
     ptrs = [t.data_ptr() for t in tensors]
     assert combine_tensors(tensors, require_copy_value=False) == "native-buffer"
@@ -531,7 +543,7 @@ def test_private_npu_formats_go_to_torch_npu(monkeypatch):
 def test_private_npu_format_without_native_op_is_an_error(monkeypatch):
     """torch_npu test double without any combine op: a clear RuntimeError, nothing rebound."""
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
-    monkeypatch.setattr(_device, "npu_has_private_format", lambda t: True)
+    monkeypatch.setattr(_device, "any_npu_private_format", lambda tensors: True)
     tensors = [torch.randn(3)]
     snap = _snapshot(tensors)
     with pytest.raises(RuntimeError, match="npu_combine_tensors"):

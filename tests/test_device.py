@@ -340,7 +340,16 @@ def test_private_format_detection(fake_npu, fmt, private):
 
 def test_private_format_without_torch_npu(clean_env):
     assert _device.npu_has_private_format(_npu_tensor_stand_in()) is False
+    # without torch_npu loaded the tensors are not even looked at (objects without .device would fail)
+    assert _device.any_npu_private_format([object(), object()]) is False
     assert "torch_npu" not in sys.modules
+
+
+def test_any_private_format(fake_npu):
+    """Test double: one FRACTAL_NZ-like tensor among cpu tensors is enough."""
+    fake_npu(fmt=29)
+    assert _device.any_npu_private_format([torch.zeros(1), _npu_tensor_stand_in()]) is True
+    assert _device.any_npu_private_format([torch.zeros(1)]) is False
 
 
 def test_native_combine_op_lookup(fake_npu, clean_env):

@@ -90,6 +90,8 @@ void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool
   const OptArgs& a = args.resolve();
   if (needs_steps && a.nseg > 0 && !a.steps)
     throw py::value_error(std::string(name) + ": per-segment steps are required");
+  if ((a.flags & kBiasCorrection) && a.nseg > 0 && !a.steps)
+    throw py::value_error(std::string(name) + ": FLAG_BIAS_CORRECTION needs per-segment steps");
   if (needs_out && a.nseg > 0 && !a.seg_out)
     throw py::value_error(std::string(name) + ": seg_out (per-segment output) is required");
   OptFn fn = OK().*which;
@@ -235,12 +237,16 @@ PYBIND11_MODULE(apex_C, m) {
   bind("row_dots", &OptimKernels::row_dots, false, true);
   bind("adamp_stage_a", &OptimKernels::adamp_stage_a, true, true);
   bind("adamp_stage_b", &OptimKernels::adamp_stage_b, true, false);
+  bind("adagrad_step", &OptimKernels::adagrad, true, false);
 
   m.attr("FLAG_NESTEROV") = static_cast<int>(kNesterov);
   m.attr("FLAG_AMSGRAD") = static_cast<int>(kAmsgrad);
   m.attr("FLAG_DECOUPLED") = static_cast<int>(kDecoupled);
   m.attr("FLAG_CENTERED") = static_cast<int>(kCentered);
   m.attr("FLAG_LR_IN_MOMENTUM") = static_cast<int>(kLrInMomentum);
+  m.attr("FLAG_NO_BIAS_CORRECTION") = static_cast<int>(kNoBiasCorrection);
+  m.attr("FLAG_BIAS_CORRECTION") = static_cast<int>(kBiasCorrection);
+  m.attr("FLAG_BETA3") = static_cast<int>(kBeta3);
   m.attr("DTYPE_F32") = static_cast<int>(F32);
   m.attr("DTYPE_F16") = static_cast<int>(F16);
   m.attr("DTYPE_BF16") = static_cast<int>(BF16);

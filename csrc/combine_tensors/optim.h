@@ -42,6 +42,9 @@ enum OptFlags : int {
   kCentered = 1 << 3,
   kLrInMomentum = 1 << 4,
   kFirstStepSeen = 1 << 5,
+  kNoBiasCorrection = 1 << 6,  // Adam: skip bias correction (NVIDIA FusedAdam bias_correction=False)
+  kBiasCorrection = 1 << 7,    // LAMB: apply Adam bias correction from `steps` (NVIDIA FusedLAMB)
+  kBeta3 = 1 << 8,             // LAMB: m's grad coefficient is hp[4] instead of 1-beta1 (grad_averaging)
 };
 
 struct OptimKernels {
@@ -58,9 +61,12 @@ struct OptimKernels {
   // BertAdam. hp: lr_scheduled, beta1, beta2, eps, weight_decay. s: exp_avg, exp_avg_sq. seg_gmul: clip coef.
   void (*bert_adam)(const OptArgs&);
   // LAMB stage 1: update m, v; seg_out[2k] = ||p_k||^2, seg_out[2k+1] = ||u_k||^2 with
-  // u = m/(sqrt(v)+eps) + wd*p. hp: beta1, beta2, eps, weight_decay. seg_gmul: grad divisor as multiplier.
+  // u = m'/(sqrt(v')+eps) + wd*p. hp: beta1, beta2, eps, weight_decay, beta3. seg_gmul: grad multiplier.
+  // m = beta1*m + c*g with c = hp[4] if kBeta3 else 1-beta1. m' = m/(1-beta1^t), v' = v/(1-beta2^t) with
+  // kBiasCorrection (steps required), else m' = m, v' = v.
   void (*lamb_stage1)(const OptArgs&);
-  // LAMB stage 2: p -= lr * seg_mul[k] * u (u recomputed from the updated m, v). hp: lr, eps, weight_decay.
+  // LAMB stage 2: p -= lr * seg_mul[k] * u (u recomputed from the updated m, v).
+  // hp: lr, eps, weight_decay, beta1, beta2 (betas only used with kBiasCorrection).
   void (*lamb_stage2)(const OptArgs&);
   // Per-segment dot products of the grad and param: seg_out[3k..3k+2] = (g.p, g.g, p.p); grads scaled by
   // grad_scale. Segments here are rows (AdamP's channel views).
@@ -71,6 +77,9 @@ struct OptimKernels {
   // Stage B: updates m, v, p with perturb -= p_n * seg_out[r]. flags: kNesterov.
   void (*adamp_stage_a)(const OptArgs&);
   void (*adamp_stage_b)(const OptArgs&);
+  // Adagrad (torch.optim.Adagrad). hp: lr, eps, weight_decay, lr_decay. s0: sum. steps required
+  // (clr = lr / (1 + (t-1)*lr_decay)). kDecoupled: NVIDIA adagrad_w_mode (update = g/(sqrt(h)+eps) + wd*p).
+  void (*adagrad)(const OptArgs&);
 };
 
 const OptimKernels& optim_kernels_baseline();

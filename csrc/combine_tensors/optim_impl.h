@@ -95,10 +95,11 @@ static void adam(const OptArgs& a) {
     const float eps = static_cast<float>(a.hp[3]), wd = static_cast<float>(a.hp[4]);
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
     const bool amsgrad = a.flags & kAmsgrad, decoupled = a.flags & kDecoupled;
+    const bool no_bc = a.flags & kNoBiasCorrection;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const double t = a.steps[k];
-      const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
-      const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, t)));
+      const float step_size = static_cast<float>(no_bc ? lr : lr / (1.0 - std::pow(b1, t)));
+      const float bc2_sqrt = static_cast<float>(no_bc ? 1.0 : std::sqrt(1.0 - std::pow(b2, t)));
       const float gs = gmul(a, k);
       const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
       const float l2 = decoupled ? 0.f : wd;
@@ -293,6 +294,17 @@ struct LaneAcc {
   }
 };
 
+// Multipliers turning LAMB's moments into bias-corrected estimates (1 without kBiasCorrection).
+struct LambBC {
+  float m, v;
+};
+
+inline LambBC lamb_bc(const OptArgs& a, idx_t k, double b1, double b2) {
+  if (!(a.flags & kBiasCorrection) || !a.steps) return {1.f, 1.f};
+  const double t = a.steps[k];
+  return {static_cast<float>(1.0 / (1.0 - std::pow(b1, t))), static_cast<float>(1.0 / (1.0 - std::pow(b2, t)))};
+}
+
 static void lamb_stage1(const OptArgs& a) {
   with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
     APEX_TYPES(pt, gt, ot);
@@ -300,16 +312,18 @@ static void lamb_stage1(const OptArgs& a) {
     P* __restrict v = static_cast<P*>(a.s[1]);
     const float b1 = static_cast<float>(a.hp[0]), b2 = static_cast<float>(a.hp[1]);
     const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    const float b3 = (a.flags & kBeta3) ? static_cast<float>(a.hp[4]) : 1.f - b1;
     segment_reduce<2>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float gs = gmul(a, k);
+      const LambBC bc = lamb_bc(a, k, a.hp[0], a.hp[1]);
       LaneAcc<2> acc;
       idx_t i = lo;
       auto body = [&](idx_t j, int l) {
         float pv = load(p, j);
         float gv = load(g, j) * gs;
-        store(m, j, b1 * load(m, j) + (1.f - b1) * gv);
+        store(m, j, b1 * load(m, j) + b3 * gv);
         store(v, j, b2 * load(v, j) + (1.f - b2) * gv * gv);
-        float u = load(m, j) / (std::sqrt(load(v, j)) + eps) + wd * pv;
+        float u = load(m, j) * bc.m / (std::sqrt(load(v, j) * bc.v) + eps) + wd * pv;
         acc.v[0][l] += static_cast<double>(pv) * pv;
         acc.v[1][l] += static_cast<double>(u) * u;
       };
@@ -330,9 +344,10 @@ static void lamb_stage2(const OptArgs& a) {
     const float wd = static_cast<float>(a.hp[2]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
+      const LambBC bc = lamb_bc(a, k, a.hp[3], a.hp[4]);
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
-        float u = load(m, i) / (std::sqrt(load(v, i)) + eps) + wd * pv;
+        float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps) + wd * pv;
         float np = pv - step * u;
         store(p, i, np);
         store(o, i, np);
@@ -441,9 +456,33 @@ static void adamp_stage_b(const OptArgs& a) {
   });
 }
 
+// ---------------------------------------------------------------------------
+static void adagrad(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    P* __restrict sum = static_cast<P*>(a.s[0]);
+    const double lr = a.hp[0], lr_decay = a.hp[3];
+    const float eps = static_cast<float>(a.hp[1]), wd = static_cast<float>(a.hp[2]);
+    const bool wmode = a.flags & kDecoupled;
+    for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
+      const float clr = static_cast<float>(lr / (1.0 + (a.steps[k] - 1.0) * lr_decay));
+      const float gs = gmul(a, k);
+      for (idx_t i = lo; i < hi; ++i) {
+        float pv = load(p, i);
+        float gv = load(g, i) * gs + (wmode ? 0.f : wd * pv);
+        store(sum, i, load(sum, i) + gv * gv);
+        float u = gv / (std::sqrt(load(sum, i)) + eps) + (wmode ? wd * pv : 0.f);
+        float np = pv - clr * u;
+        store(p, i, np);
+        store(o, i, np);
+      }
+    });
+  });
+}
+
 static const OptimKernels optim_table = {
     sgd, adam, adadelta, rmsprop, rmsprop_tf, bert_adam, lamb_stage1, lamb_stage2, row_dots, adamp_stage_a,
-    adamp_stage_b,
+    adamp_stage_b, adagrad,
 };
 
 #undef APEX_TYPES

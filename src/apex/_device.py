@@ -37,6 +37,8 @@ import torch
 
 __all__ = [
     "DEVICES",
+    "DeviceLike",
+    "any_npu_private_format",
     "autocast_device_type",
     "cuda_available",
     "default_amp_dtype",
@@ -313,6 +315,16 @@ def npu_has_private_format(tensor: torch.Tensor) -> bool:
     """True for npu tensors stored in a private (padded, non-strided) format such as FRACTAL_NZ."""
     fmt = npu_storage_format(tensor)
     return fmt is not None and fmt not in _NPU_BASE_FORMATS
+
+
+def any_npu_private_format(tensors) -> bool:
+    """Whether any of ``tensors`` needs torch_npu's native combine (see :func:`npu_has_private_format`).
+
+    Without torch_npu loaded no tensor can be on npu: answered without looking at the tensors.
+    """
+    if _loaded_torch_npu() is None:
+        return False
+    return any(npu_has_private_format(t) for t in tensors)
 
 
 def _torch_npu_attr(names) -> Callable[..., Any] | None:

@@ -397,7 +397,7 @@ def probe_positions(n: int) -> list:
 def test_nonfinite_detected_everywhere(level, rng, name, n):
     dt = DTYPES[name]
     x = random_values(rng, n, dt)
-    for offset in (0, 1):
+    for offset in (0, 1) if n <= 5000 else (1,):  # the alignment peel is covered by the small sizes
         src = Buf(x, dt, offset)
         dst = Buf(np.zeros(n, STORAGE[dt]), dt, offset)
         acc = Buf(np.zeros(n, STORAGE[dt]), dt, offset)
@@ -676,7 +676,8 @@ def test_optimizer_argument_errors(kernel):
 @pytest.mark.parametrize(
     ("kernel", "missing", "text"),
     [("adam_step", "steps", "steps"), ("adamp_stage_a", "steps", "steps"), ("adamp_stage_b", "steps", "steps"),
-     ("lamb_stage1", "seg_out", "seg_out"), ("row_dots", "seg_out", "seg_out"), ("adamp_stage_a", "seg_out", "seg_out")],
+     ("lamb_stage1", "seg_out", "seg_out"), ("row_dots", "seg_out", "seg_out"),
+     ("adamp_stage_a", "seg_out", "seg_out")],
 )
 def test_optimizer_required_per_segment_inputs(kernel, missing, text):
     p, g = np.zeros(4, np.float32), np.ones(4, np.float32)

@@ -13,13 +13,14 @@ Layout rule (:func:`plan_layout`)
 Tensors are placed in order; each slot starts at a multiple of
 ``ALIGN_ELEMENTS`` = 32 elements and holds exactly ``numel`` elements; there is
 no other padding. Buffers come from torch's allocators, which return at least
-64-byte aligned memory (CPU; CUDA/npu: 512), so every slot starts 64-byte
-(half types) or 128-byte (fp32) aligned: a whole number of cache lines and of
-AVX-512/NEON vectors, so the per-slot kernels (optimizer segments, norms)
-start on aligned loads and never share a cache line between two threads'
-slots. Alignment in elements (not bytes) keeps the offsets of one plan valid
-for the fp32 master copy and the fp16/bf16 model copy alike. The gaps stay
-zero, so whole-buffer reductions (norms, non-finite checks) are unaffected.
+64-byte aligned memory (CPU: 64, CUDA caching allocator: 512), so every slot
+starts 64-byte (half types) or 128-byte (fp32) aligned: on a cache-line and
+AVX-512 vector boundary. Per-slot kernels (optimizer segments, per-tensor
+norms) start on aligned loads, and two slots never share a cache line, so
+threads working on different slots do not false-share. Alignment in
+elements (not bytes) keeps the offsets of one plan valid for the fp32 master
+copy and the fp16/bf16 model copy alike. The gaps stay zero, so whole-buffer
+reductions (norms, non-finite checks) are unaffected.
 
 The original NPU patch rounded each slot up to 16 elements and added 32 more:
 that padding serves torch_npu's private storage formats (FRACTAL_NZ, ...),
@@ -29,9 +30,9 @@ format sends the whole call to torch_npu's native combine op instead (see
 
 Validity (:func:`is_combined_tensor_valid`) is stricter than the original,
 which only tested that each tensor's data pointer fell inside the buffer: here
-every tensor must share the buffer's storage *and* sit at its planned slot, so
-a tensor that was rebound elsewhere, or a list given in another order, is
-reported as invalid.
+every tensor must start exactly at its planned slot (and be dense, of the
+buffer's dtype), so a tensor that was rebound elsewhere, or a list given in
+another order, is reported as invalid.
 
 Checkpoints: ``torch.save`` writes the whole storage behind a view, so saving
 a state_dict of combined parameters would write the whole buffer. Use
@@ -70,10 +71,6 @@ ALIGN_ELEMENTS = 32
 # ---------------------------------------------------------------- layout
 
 
-def _align_up(n: int) -> int:
-    return (n + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
-
-
 def plan_layout(tensors: Sequence[Any]) -> Tuple[List[int], int]:
     """Element offsets of each tensor's slot and the buffer length.
 
@@ -91,7 +88,7 @@ def plan_layout(tensors: Sequence[Any]) -> Tuple[List[int], int]:
             n = t
         else:
             raise TypeError(f"plan_layout: entry {i}: expected a tensor or a non-negative int, got {t!r}")
-        start = _align_up(end)
+        start = (end + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
         offsets.append(start)
         end = start + n
     return offsets, end
@@ -108,7 +105,7 @@ def _dense_problem(t: torch.Tensor) -> str | None:
     means elements are shared (expand, stride 0), a larger one means gaps.
     Size-1 dims have no effect on the memory covered and are ignored.
     """
-    if t.numel() == 0:
+    if t.is_contiguous() or t.numel() == 0:  # the common case, answered in C++
         return None
     dims = sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1)
     expected = 1
@@ -220,11 +217,16 @@ def combine_tensors(tensors: Iterable[torch.Tensor], require_copy_value: bool = 
         The 1-D buffer (same dtype/device, ``plan_layout(tensors)[1]``
         elements), or None for an empty list. Every input keeps its identity,
         shape and strides; ``requires_grad`` and autograd on parameters are
-        unaffected.
+        unaffected. A list of only empty tensors gives a 0-element buffer
+        (the original returned None there too; a buffer lets
+        :func:`is_combined_tensor_valid` confirm the combine). On npu, when a
+        tensor has a private storage format, the result is whatever torch_npu's
+        native op returns.
 
     Raises:
-        TypeError / ValueError describing the first bad input; nothing is
-        rebound when raising.
+        TypeError / ValueError describing the first bad input (RuntimeError
+        when an npu private format needs a torch_npu op that is missing);
+        nothing is rebound when raising.
     """
     tensors = _as_list(tensors, "combine_tensors")
     if not tensors:
@@ -233,7 +235,7 @@ def combine_tensors(tensors: Iterable[torch.Tensor], require_copy_value: bool = 
         raise ValueError("combine_tensors: expected at least one tensor, got an empty list")
     _validate(tensors, "combine_tensors")
 
-    if any(_device.npu_has_private_format(t) for t in tensors):
+    if _device.any_npu_private_format(tensors):
         native = _device.npu_combine_op()
         if native is None:
             raise RuntimeError(
@@ -301,33 +303,48 @@ def get_part_combined_tensor(combined: torch.Tensor, index: int, size: int) -> t
 def is_combined_tensor_valid(combined: torch.Tensor | None, tensors: Iterable[torch.Tensor]) -> bool:
     """True iff every tensor still lives in ``combined`` at its planned slot.
 
-    Checks, for each tensor: same storage as the buffer, same dtype and
-    device, dense, and storage offset equal to the buffer's offset plus
-    ``plan_layout(tensors)`` slot offset. An empty list is trivially valid;
-    ``combined=None`` with a non-empty list is not. For npu tensors with a
-    private format (combined by torch_npu) torch_npu's own check decides.
+    For each tensor: same dtype as the buffer, dense, and its first element
+    at the buffer's address of its ``plan_layout(tensors)`` slot (the same
+    memory, hence the same storage and device; empty tensors, whose data
+    pointer reads 0, are matched by storage identity and offset instead); and
+    the buffer must be long enough. An empty list is trivially valid;
+    ``combined=None`` with a non-empty list is not; non-tensor or sparse
+    entries are simply invalid. For npu tensors with a private format
+    (combined by torch_npu) torch_npu's own check decides.
+
+    Optimizers may call this every step, so it is one pass of a few cheap
+    attribute reads per tensor with the layout rule inlined.
     """
     tensors = _as_list(tensors, "is_combined_tensor_valid")
     if not tensors:
         return True
-    if combined is None or any(not isinstance(t, torch.Tensor) for t in tensors):
+    if combined is None:
         return False
     if not isinstance(combined, torch.Tensor):
         raise TypeError(f"is_combined_tensor_valid: combined must be a tensor or None, got {type(combined).__name__}")
-    if any(_device.npu_has_private_format(t) for t in tensors):
+    if combined.layout != torch.strided or not combined.is_contiguous():
+        return False
+    if _device.any_npu_private_format(tensors):
         native = _device.npu_combined_valid_op()
         return bool(native(combined, tensors)) if native is not None else False
-    offsets, total = plan_layout(tensors)
-    if combined.numel() < total or not combined.is_contiguous():
+    dtype, itemsize = combined.dtype, combined.element_size()
+    ptr0, base = combined.data_ptr(), combined.storage_offset()
+    end = 0
+    try:
+        for t in tensors:
+            n = t.numel()
+            start = (end + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS  # plan_layout's rule
+            if n:
+                if t.data_ptr() != ptr0 + start * itemsize:
+                    return False
+            elif t.storage_offset() != base + start or _storage_key(t) != _storage_key(combined):
+                return False
+            if t.dtype != dtype or _dense_problem(t) is not None:
+                return False
+            end = start + n
+    except (AttributeError, RuntimeError, NotImplementedError):  # a non-tensor, or a sparse tensor (no data_ptr)
         return False
-    key = _storage_key(combined)
-    base = combined.storage_offset()
-    for t, off in zip(tensors, offsets):
-        if t.dtype != combined.dtype or t.device != combined.device or t.layout != torch.strided:
-            return False
-        if _storage_key(t) != key or t.storage_offset() != base + off or _dense_problem(t) is not None:
-            return False
-    return True
+    return combined.numel() >= end
 
 
 def change_data_ptr(dst: torch.Tensor, src: torch.Tensor, offset: int) -> torch.Tensor:

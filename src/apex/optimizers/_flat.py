@@ -7,15 +7,23 @@ tensor of the group in one pass while user code and ``state_dict`` keep seeing
 ordinary per-parameter tensors.
 
 Sharing can be broken from outside (``p.data = ...``, ``p.grad = new``,
-``model.to(...)``, ``zero_grad(set_to_none=True)`` followed by backward). Every
-step starts with `FlatSet.check()`, which finds that cheaply (object identity of
-grads, one data_ptr per param) and heals it before any update is made.
+``model.to(...)``, ``zero_grad(set_to_none=True)`` followed by backward). The
+optimizer checks, before every update, that each param still lives at its
+slot (one ``data_ptr`` per param) and that each ``p.grad`` is still the view
+it was given (object identity); both checks run as ``map()`` over the params,
+without a Python-level loop. Params that moved force a re-combine; grads that
+were replaced are copied into their slots and rebound (`sync_grads`).
+
+Not detected (documented limits, all outside ordinary torch usage):
+``p.grad.data = other`` (keeps the grad object, swaps its storage), and
+replacing an entry of ``group["params"]`` by another object that shares the
+same memory.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,6 +32,7 @@ from ..contrib.combine_tensors import combine_tensors, plan_layout
 
 _get_grad = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
+_is = operator.is_
 
 
 def view_like(flat: torch.Tensor, offset: int, ref: torch.Tensor) -> torch.Tensor:
@@ -31,8 +40,58 @@ def view_like(flat: torch.Tensor, offset: int, ref: torch.Tensor) -> torch.Tenso
     return torch.as_strided(flat, ref.shape, ref.stride(), flat.storage_offset() + offset)
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def check_grad(k: int, p: torch.Tensor, g: torch.Tensor) -> None:
+    """Raises if `g` cannot be the gradient of param `k` in a flat buffer of `p`'s dtype/device."""
+    if g.layout != torch.strided:
+        raise RuntimeError(
+            f"apex fused optimizers do not support sparse gradients: param {k} has a grad with layout "
+            f"{g.layout}; expected a dense (strided) grad"
+        )
+    if g.dtype != p.dtype or g.device != p.device:
+        raise RuntimeError(
+            f"grad of param {k} has dtype {g.dtype} on {g.device}; expected {p.dtype} on {p.device} (the param's)"
+        )
+    if g.shape != p.shape:
+        raise RuntimeError(f"grad of param {k} has shape {tuple(g.shape)}; expected the param's {tuple(p.shape)}")
+
+
+def check_states(params: Sequence[torch.Tensor], state: Dict[torch.Tensor, dict], names: Sequence[str]) -> None:
+    """Raises if an existing state entry cannot be copied into its param's slot (e.g. a bad checkpoint)."""
+    for k, p in enumerate(params):
+        st = state.get(p)
+        if not st:
+            continue
+        for name in names:
+            old = st.get(name)
+            if isinstance(old, torch.Tensor) and old.numel() != p.numel():
+                raise ValueError(
+                    f"state {name!r} of param {k} has {old.numel()} elements; expected {p.numel()} "
+                    f"(param shape {tuple(p.shape)})"
+                )
+
+
+def _copy_many(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i, in one torch call where torch has it."""
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:  # torch < 2.1
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 class FlatSet:
-    """Flat buffers and per-segment bookkeeping for the params of one group/dtype/device."""
+    """Flat buffers and per-segment bookkeeping for the params of one group/dtype/device.
+
+    Construction validates grads and existing states first and raises before
+    any param is rebound.
+    """
 
     def __init__(
         self,
@@ -45,10 +104,16 @@ class FlatSet:
         self.params: List[torch.Tensor] = list(params)
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
+        self.state_names = list(state_names)
+        grads0 = list(map(_get_grad, self.params))
+        for k, (p, g) in enumerate(zip(self.params, grads0)):
+            if g is not None:
+                check_grad(k, p, g)
+        check_states(self.params, state, self.state_names)
+
         self.offsets, self.total = plan_layout(self.params)
         self.nseg = len(self.params)
         self.has_step = has_step
-        self.state_names = list(state_names)
 
         # params: rebound in place, values kept
         self.flat_p = combine_tensors(self.params, require_copy_value=True)
@@ -56,44 +121,49 @@ class FlatSet:
         # grads: params without a grad keep `grad is None` (torch's skip rule)
         self.flat_g = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self.grad_views = [view_like(self.flat_g, off, p) for p, off in zip(self.params, self.offsets)]
-        for p, gv in zip(self.params, self.grad_views):
-            if p.grad is not None:
-                self._adopt_grad(p, gv)
+        self.expected_grads: List[Optional[torch.Tensor]] = [None] * self.nseg
+        self._adopt([(k, g) for k, g in enumerate(grads0) if g is not None])
 
         # states: values of existing entries (from earlier steps or a loaded state_dict) are kept
         self.flat_s: Dict[str, torch.Tensor] = {}
+        self.state_views: Dict[str, List[torch.Tensor]] = {}
         self.exposed = [bool(state.get(p)) for p in self.params]
+        first = [0] * self.nseg
         for name in self.state_names:
             fill = state_fill.get(name, 0.0)
             flat = torch.full((self.total,), fill, dtype=self.dtype, device=self.device)
             if fill != 0.0:
                 self._zero_padding(flat)
             self.flat_s[name] = flat
+            views = [view_like(flat, off, p) for p, off in zip(self.params, self.offsets)]
+            self.state_views[name] = views
             for k, p in enumerate(self.params):
-                st = state.get(p)
-                view = view_like(flat, self.offsets[k], p)
+                st = state.get(p) if self.exposed[k] else None
                 old = st.get(name) if st else None
                 if isinstance(old, torch.Tensor):
-                    view.copy_(old.reshape(p.shape))
-                if self.exposed[k]:
-                    st[name] = view
+                    views[k].copy_(old.reshape(p.shape))
+                else:
+                    first[k] = 1  # never written: the optimizer's first-update rule applies
+                if st is not None:
+                    st[name] = views[k]
 
         seg = [*self.offsets, self.total]
         self.seg = torch.tensor(seg, dtype=torch.int64)
         self.steps = torch.zeros(self.nseg, dtype=torch.float32)
         if has_step:
             for k, p in enumerate(self.params):
-                st = state.get(p)
+                st = state.get(p) if self.exposed[k] else None
                 if st and "step" in st:
                     self.steps[k] = float(st["step"])
-                if self.exposed[k]:
+                if st is not None:
                     st["step"] = self.steps[k]
         self.skip = torch.zeros(self.nseg, dtype=torch.uint8)
-        self.first = torch.tensor([0 if e else 1 for e in self.exposed], dtype=torch.uint8)
+        self.first = torch.tensor(first, dtype=torch.uint8)
+        self._n_first = sum(first)
+        self._n_unexposed = self.nseg - sum(self.exposed)
 
         self.param_ptrs = list(map(_data_ptr, self.params))
-        self.expected_grads: List[Optional[torch.Tensor]] = list(map(_get_grad, self.params))
-        self.n_skipped = sum(g is None for g in self.expected_grads)
+        self.n_skipped = 0
         self._refresh_skip()
         self.uses_kernel = _core.uses_kernel(self.flat_p)
         self.args = self._make_args() if self.uses_kernel else None
@@ -111,14 +181,18 @@ class FlatSet:
             if b > a:
                 flat[a:b].zero_()
 
-    def _adopt_grad(self, p: torch.Tensor, gv: torch.Tensor) -> None:
-        g = p.grad
-        if g.is_sparse:
-            raise RuntimeError("apex fused optimizers do not support sparse gradients")
-        if g.shape != p.shape:
-            raise RuntimeError(f"grad of shape {tuple(g.shape)} does not match param of shape {tuple(p.shape)}")
-        gv.copy_(g)
-        p.grad = gv
+    def _adopt(self, todo: List[Tuple[int, torch.Tensor]]) -> None:
+        """Copies validated foreign grads into their slots and rebinds ``p.grad`` to the slot views."""
+        if not todo:
+            return
+        key = _storage_key(self.flat_g)
+        # a grad that is itself (a view of) one of our slots may be overwritten by another copy: read it first
+        src = [g.clone() if _storage_key(g) == key else g for _, g in todo]
+        _copy_many([self.grad_views[k] for k, _ in todo], src)
+        for k, _ in todo:
+            gv = self.grad_views[k]
+            self.params[k].grad = gv
+            self.expected_grads[k] = gv
 
     def _make_args(self):
         a = _core.ext.OptArgs()
@@ -136,41 +210,46 @@ class FlatSet:
         return a
 
     def _refresh_skip(self) -> None:
+        skipped = [g is None for g in self.expected_grads]
+        self.n_skipped = sum(skipped)
         if self.n_skipped:
-            self.skip.copy_(torch.tensor([g is None for g in self.expected_grads], dtype=torch.uint8))
+            self.skip.copy_(torch.tensor(skipped, dtype=torch.uint8))
         else:
             self.skip.zero_()
 
     # -- per-step checks ------------------------------------------------------
     def params_intact(self) -> bool:
         """Every param still lives at its slot (catches p.data = ..., model.to(...))."""
-        return list(map(_data_ptr, self.params)) == self.param_ptrs and all(
-            p.dtype == self.dtype and p.device == self.device for p in (self.params[0], self.params[-1])
+        return list(map(_data_ptr, self.params)) == self.param_ptrs and (
+            self.params[0].dtype == self.dtype and self.params[0].device == self.device
         )
 
-    def sync_grads(self) -> int:
-        """Re-binds grads that are not our views; returns how many were adopted.
+    def grads_intact(self) -> bool:
+        """Every ``p.grad`` is still the object this set bound (or None where it was None)."""
+        return all(map(_is, map(_get_grad, self.params), self.expected_grads))
 
-        Fast path: every `p.grad` is the same object as after the previous step.
-        """
-        grads = list(map(_get_grad, self.params))
-        if all(map(operator.is_, grads, self.expected_grads)):
-            return 0
-        adopted = 0
-        for k, (p, g) in enumerate(zip(self.params, grads)):
-            gv = self.grad_views[k]
-            if g is None or g is gv:
+    def pending_grads(self) -> List[Tuple[int, torch.Tensor]]:
+        """(k, grad) for every grad that is not this set's view, validated; changes nothing."""
+        todo = []
+        for k, (p, g) in enumerate(zip(self.params, map(_get_grad, self.params))):
+            if g is None or g is self.grad_views[k]:
                 continue
-            if g.dtype != self.dtype or g.device != self.device:
-                raise RuntimeError(
-                    f"grad of param {k} has dtype {g.dtype} on {g.device}; expected {self.dtype} on {self.device}"
-                )
-            self._adopt_grad(p, gv)
-            adopted += 1
+            check_grad(k, p, g)
+            todo.append((k, g))
+        return todo
+
+    def sync_grads(self) -> int:
+        """Re-binds grads that are not our views (values copied in); returns how many were adopted.
+
+        Raises (sparse, dtype, device or shape mismatch) before anything is changed.
+        """
+        if self.grads_intact():
+            return 0
+        todo = self.pending_grads()
+        self._adopt(todo)
         self.expected_grads = list(map(_get_grad, self.params))
-        self.n_skipped = sum(g is None for g in self.expected_grads)
         self._refresh_skip()
-        return adopted
+        return len(todo)
 
     def out_intact(self) -> bool:
         return self.out_params is None or list(map(_data_ptr, self.out_params)) == self.out_ptrs
@@ -195,9 +274,9 @@ class FlatSet:
             self.args.out = self.flat_out.data_ptr()
             self.args.odt = code
 
-    def copy_out(self) -> None:
-        """Model copies for executors that could not fuse them."""
-        if self.flat_out is not None and (self.args is None or self.args.out == 0):
+    def copy_out(self, fused: bool = True) -> None:
+        """Model copies for executors that could not fuse them (`fused`: the kernel wrote them)."""
+        if self.flat_out is not None and (not fused or self.args is None or self.args.out == 0):
             self.flat_out.copy_(self.flat_p)
 
     # -- after a step -----------------------------------------------------------
@@ -208,8 +287,15 @@ class FlatSet:
             self.steps.add_(1.0)
 
     def expose_new_states(self, state: Dict[torch.Tensor, dict]) -> None:
-        """Creates state[p] entries for params updated for the first time (torch's lazy init)."""
-        if all(self.exposed):
+        """After an update: state[p] entries for params updated for the first time (torch's lazy init),
+        and the first-update flags of updated segments cleared."""
+        if self._n_first:
+            if self.n_skipped:
+                self.first.mul_(self.skip)  # skipped segments keep their flag
+            else:
+                self.first.zero_()
+            self._n_first = int(self.first.sum())
+        if not self._n_unexposed:
             return
         for k, p in enumerate(self.params):
             if self.exposed[k] or self.expected_grads[k] is None:
@@ -218,12 +304,12 @@ class FlatSet:
             if self.has_step:
                 st["step"] = self.steps[k]
             for name in self.state_names:
-                st[name] = view_like(self.flat_s[name], self.offsets[k], p)
+                st[name] = self.state_views[name][k]
             self.exposed[k] = True
-            self.first[k] = 0
+            self._n_unexposed -= 1
 
     def active_runs(self):
-        """(lo, hi, step) element ranges of consecutive updated segments sharing one step count."""
+        """(lo, hi, step, k, j) element ranges of consecutive updated segments k..j-1 sharing one step count."""
         runs = []
         steps = self.steps.tolist()
         skip = self.skip.tolist() if self.n_skipped else None

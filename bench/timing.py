@@ -1,0 +1,189 @@
+"""Timing: interleaved rounds of ours vs torch, the bandwidth roofline, and a progress display."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from bench import env
+from bench.registry import Context, Entry
+
+log = logging.getLogger("bench")
+
+
+class Progress:
+    """tqdm progress bar, or a log line per stage when tqdm is not installed."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, unit="call", dynamic_ncols=True)
+            except ImportError:
+                log.warning("tqdm is not installed: progress is logged per entry instead")
+
+    def stage(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(text[:60])
+        else:
+            log.info("%s", text)
+
+    def step(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def make_sync(device: str) -> Callable[[], None]:
+    """Waits for queued device work (timings of asynchronous devices need it); a no-op on CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.synchronize
+    if device.startswith("npu"):
+        return torch.npu.synchronize  # only reached when torch_npu is loaded
+    return lambda: None
+
+
+def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter_ns()
+    fn()
+    sync()
+    return (time.perf_counter_ns() - t0) / 1e9
+
+
+def stats(samples: List[float]) -> Dict[str, float]:
+    a = np.asarray(samples, dtype=np.float64)
+    return {
+        "median_s": float(np.median(a)),
+        "p10_s": float(np.percentile(a, 10)),
+        "p90_s": float(np.percentile(a, 90)),
+        "min_s": float(a.min()),
+        "n": int(a.size),
+    }
+
+
+def interleave(fns: Dict[str, Callable[[], object]], rounds: int, warmup: int, sync, progress: Progress,
+               ) -> Dict[str, Dict[str, float]]:
+    """Warmups, then `rounds` rounds in which every function runs once; the order alternates every round so
+    that slow drift (frequency, other load) falls on all sides alike. GC is paused while timing."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+            progress.step()
+    samples: Dict[str, List[float]] = {name: [] for name in names}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                samples[name].append(_timed(fns[name], sync))
+                progress.step()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: stats(s) for name, s in samples.items()}
+
+
+def roofline_steps(rounds: int, warmup: int) -> int:
+    return 2 * (rounds + warmup)
+
+
+def measure_roofline(numel: int, device: str, rounds: int, warmup: int, progress: Progress) -> Dict[str, float]:
+    """Best achievable streaming bandwidth here, with torch: copy (8 B/elem) and in-place axpy (12 B/elem).
+
+    Both run on `numel` fp32 elements (far larger than any cache) with the threads the entries use.
+    """
+    sync = make_sync(device)
+    x = torch.empty(numel, dtype=torch.float32, device=device).uniform_(-1.0, 1.0)
+    y = torch.empty_like(x).uniform_(-1.0, 1.0)
+    alpha = [1e-3]
+
+    def axpy():
+        y.add_(x, alpha=alpha[0])
+        alpha[0] = -alpha[0]  # keeps y bounded over any number of rounds
+
+    res = interleave({"copy": lambda: y.copy_(x), "axpy": axpy}, rounds, warmup, sync, progress)
+    copy_gbs = 8 * numel / res["copy"]["median_s"] / 1e9
+    axpy_gbs = 12 * numel / res["axpy"]["median_s"] / 1e9
+    return {"numel": numel, "copy_gbs": copy_gbs, "axpy_gbs": axpy_gbs, "best_gbs": max(copy_gbs, axpy_gbs),
+            "copy_ms": res["copy"]["median_s"] * 1e3, "axpy_ms": res["axpy"]["median_s"] * 1e3}
+
+
+def entry_steps(rounds: int, warmup: int) -> int:
+    return 2 + 2 * (rounds + warmup)
+
+
+def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Progress) -> Dict[str, object]:
+    """Times one entry; returns its result record (times in seconds, GB/s, memory in MiB)."""
+    sync = make_sync(ctx.device)
+    progress.stage(f"{entry.name} [{entry.regime}]")
+    gc.collect()
+    rss_before = env.rss_mib()
+    peak_reset = env.reset_peak_rss()
+    t0 = time.perf_counter()
+    state = entry.setup(ctx)
+    setup_s = time.perf_counter() - t0
+    if "numel" not in state:
+        raise KeyError(f"{entry.key}: setup() must return a dict with 'numel'")
+    numel = int(state["numel"])
+    tensors = state.get("tensors")
+    try:
+        verified: Optional[bool] = None
+        if entry.verify is not None:
+            entry.verify(state)
+            verified = True
+        executor = entry.executor(state) if callable(entry.executor) else entry.executor
+        first_ours = _timed(lambda: entry.ours(state), sync)
+        progress.step()
+        first_ref = _timed(lambda: entry.torch_ref(state), sync)
+        progress.step()
+        timings = interleave({"ours": lambda: entry.ours(state), "ref": lambda: entry.torch_ref(state)},
+                             rounds, warmup, sync, progress)
+        peak = env.peak_rss_mib()
+    finally:
+        if entry.teardown is not None:
+            entry.teardown(state)
+        state.clear()  # drops the entry's buffers before the next entry allocates its own
+        gc.collect()
+    ours, ref = timings["ours"], timings["ref"]
+    ratio = ours["median_s"] / ref["median_s"]
+    gbytes = entry.bytes_per_param * numel / 1e9
+    return {
+        "name": entry.name,
+        "regime": entry.regime,
+        "group": entry.group,
+        "dtype": entry.dtype,
+        "executor": executor,
+        "ref_label": entry.ref_label,
+        "numel": numel,
+        "tensors": tensors,
+        "bytes_per_param": entry.bytes_per_param,
+        "ours": ours,
+        "ref": ref,
+        "ratio": ratio,
+        "speedup": 1.0 / ratio,
+        "ours_gbs": gbytes / ours["median_s"],
+        "ref_gbs": gbytes / ref["median_s"],
+        "first_ours_s": first_ours,
+        "first_ref_s": first_ref,
+        "setup_s": setup_s,
+        "target_ratio": entry.target_ratio,
+        "target_met": None if entry.target_ratio is None else ratio <= entry.target_ratio,
+        "verified": verified,
+        "rss_before_mib": rss_before,
+        "peak_rss_mib": peak,
+        "peak_rss_exact": peak_reset,
+        "notes": entry.notes,
+    }

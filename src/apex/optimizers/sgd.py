@@ -1,0 +1,115 @@
+"""NpuFusedSGD: torch.optim.SGD's math (momentum, dampening, Nesterov, L2 decay) on combined buffers."""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+from torch.optim.optimizer import required
+
+from .. import _core
+from ._base import CombinedOptimizer, _check_range
+from ._flat import FlatSet
+
+
+def sgd_math(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first, grad_scale, settle):
+    """One SGD update on fp32 tensors (in place); torch.optim.SGD's formulas.
+
+    ``buf`` is the momentum buffer (None when momentum is 0); ``first`` means it
+    has never been written, and torch then starts it as the gradient itself,
+    without dampening. ``settle(t)`` rounds a state tensor through its storage
+    dtype in place, so the update reads the buffer as stored (as the kernel does).
+    """
+    d = g * grad_scale if grad_scale != 1.0 else g
+    if weight_decay != 0:
+        d = d.add(p, alpha=weight_decay)
+    if buf is not None:
+        if first:
+            buf.copy_(d)
+        else:
+            buf.mul_(momentum).add_(d, alpha=1 - dampening)
+        settle(buf)
+        d = d.add(buf, alpha=momentum) if nesterov else buf
+    p.add_(d, alpha=-lr)
+
+
+def settler(dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
+    """In-place rounding of an fp32 working copy through a storage dtype (no-op for fp32)."""
+    if dtype == torch.float32:
+        return lambda t: None
+    return lambda t: t.copy_(t.to(dtype))
+
+
+def split_by_first(s: FlatSet, k: int, j: int):
+    """(lo, hi, first) element ranges of segments k..j-1 grouped by their first-update flag."""
+    first = s.first[k:j].tolist()
+    out, a = [], 0
+    while a < len(first):
+        b = a + 1
+        while b < len(first) and first[b] == first[a]:
+            b += 1
+        out.append((s.offsets[k + a], s.offsets[k + b] if k + b < s.nseg else s.total, bool(first[a])))
+        a = b
+    return out
+
+
+class NpuFusedSGD(CombinedOptimizer):
+    """SGD with torch.optim.SGD's semantics, fused over combined buffers.
+
+    Args: params, lr (required), momentum=0, dampening=0, weight_decay=0, nesterov=False
+    (the NPU patch's signature). ``state[p]`` holds ``momentum_buffer`` only when momentum
+    is non-zero; its first value is the (decayed) gradient itself, as in torch.
+    """
+
+    _has_step = False  # torch's SGD keeps no step count
+
+    def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False):
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+            maximize=False, foreach=None, differentiable=False, fused=None,
+        )
+        self._validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict) -> None:
+        if group["lr"] is not required:  # a missing lr is reported by torch.optim.Optimizer
+            _check_range("learning rate", group["lr"], 0.0)
+        _check_range("momentum value", group["momentum"], 0.0)
+        _check_range("dampening value", group["dampening"], float("-inf"))
+        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(
+                "Nesterov momentum requires a momentum and zero dampening: expected momentum > 0 and "
+                f"dampening == 0, got momentum={group['momentum']}, dampening={group['dampening']}"
+            )
+
+    def _state_names(self, group: dict) -> List[str]:
+        return ["momentum_buffer"] if group["momentum"] != 0 else []
+
+    def _kernel_step(self, s: FlatSet, group: dict) -> None:
+        flags = _core.ext.FLAG_NESTEROV if group["nesterov"] else 0
+        hp = [group["lr"], group["momentum"], group["dampening"], group["weight_decay"]]
+        _core.ext.sgd_step(self._prepare_args(s, hp, flags))
+
+    def _torch_step(self, s: FlatSet, group: dict) -> None:
+        settle = settler(s.dtype)
+        flat_buf: Optional[torch.Tensor] = s.flat_s.get("momentum_buffer")
+        for _, _, _, k, j in s.active_runs():
+            for lo, hi, first in split_by_first(s, k, j):
+                p = self._f32(s.flat_p[lo:hi])
+                buf = None if flat_buf is None else self._f32(flat_buf[lo:hi])
+                sgd_math(
+                    p, self._f32(s.flat_g[lo:hi]), buf, lr=group["lr"], momentum=group["momentum"],
+                    dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                    first=first, grad_scale=self._grad_scale(), settle=settle,
+                )
+                self._write_back(s.flat_p[lo:hi], p)
+                if buf is not None:
+                    self._write_back(flat_buf[lo:hi], buf)
+        self.last_executor = "torch"
+
+    def state_dict(self) -> dict:
+        """torch's layout: without momentum SGD keeps no per-param state, so no empty entries are saved."""
+        sd = super().state_dict()
+        sd["state"] = {k: v for k, v in sd["state"].items() if v}
+        return sd
