@@ -56,6 +56,9 @@ def common_flags():
         "-Wall",
         "-Wextra",
         "-Wno-unused-parameter",
+        # Source paths recorded in the objects (assert messages, debug info) relative to the tree, so a build in
+        # another directory (pip and `python -m build` use temporary ones) yields the same bytes.
+        f"-ffile-prefix-map={os.path.dirname(os.path.abspath(__file__))}=.",
     ]
     flags += ["-O0", "-g"] if debug else ["-O3", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=2"]
     return flags

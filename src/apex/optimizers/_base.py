@@ -11,22 +11,33 @@ Subclasses describe one optimizer's math once and provide two executors:
 Params are combined lazily at the first ``step()``, per param group and dtype.
 Each step first checks that params and grads still share the flat buffers and
 heals what user code broke (see `_flat.FlatSet`), so no update is ever silently
-applied to a stale buffer.
+applied to a stale buffer. A step is all-or-nothing: every group is checked
+(and bad input rejected) before the first group is healed or updated.
+
+Subclass API (stable): ``_state_names(group)``, ``_state_fill``, ``_has_step``,
+``_validate_group(group)``, ``_kernel_step(s, group)``, ``_torch_step(s, group)``,
+``_prepare_args(s, hp, flags)``, ``_grad_scale()``, ``_f32`` / ``_write_back``;
+for code that needs every set before a step (global norms): ``_all_sets()``,
+``FlatSet.sync_grads()`` and ``_count_event(healed)``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import _core
 from ..contrib.combine_tensors import compact_state_dict
-from ._flat import FlatSet
+from ._flat import FlatSet, check_grad, check_states
 
 logger = logging.getLogger("apex.optimizers")
+
+_data_ptr = torch.Tensor.data_ptr
+_get_grad = operator.attrgetter("grad")
 
 # torch.optim group options we accept only at their default (torch adds them to
 # state_dicts; a loaded value that asks for behaviour we do not have must fail).
@@ -36,6 +47,9 @@ _TORCH_ONLY_OPTIONS = {
     "differentiable": False,
 }
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
+
+#: values of `CombinedOptimizer.executor`
+EXECUTORS = ("auto", "torch", "torch_ops")
 
 
 def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False,
@@ -54,8 +68,33 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
 
 
+class _GroupCache:
+    """What a param group was combined from, to tell at the next step whether it still holds."""
+
+    __slots__ = ("n", "names", "params", "ptrs", "sets")
+
+    def __init__(self, params: list, sets: List[FlatSet], names: List[str]):
+        self.params = params  # the group's list object itself (a strong ref: its id cannot be reused)
+        self.n = len(params)
+        self.sets = sets
+        self.names = names
+        self.ptrs = list(map(_data_ptr, params))  # in group order, after combining
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
-    """torch.optim.Optimizer whose params, grads and states live in flat buffers."""
+    """torch.optim.Optimizer whose params, grads and states live in flat buffers.
+
+    Attributes:
+        recombine_count: how many steps (or ``combined_grad_buffers`` calls) had to
+            (re)build flat buffers or re-bind grads: 1 after the first step, then +1 per
+            step that found sharing broken by user code.
+        last_executor: what ran the last update: ``"apex_C"`` (C++ kernel, CPU) or ``"torch"``
+            (torch on the flat buffers: torch's fused op where it has one for the optimizer and
+            device, else plain torch ops).
+        executor: ``"auto"`` (default: apex_C where it applies, else torch), ``"torch"``
+            (never apex_C) or ``"torch_ops"`` (plain torch ops only, no torch fused op).
+        apex_grad_scale: see docs/DESIGN-NOTES.md (amp protocol).
+    """
 
     #: names of per-param state buffers for a group (order = kernel slots s0, s1, s2)
     def _state_names(self, group: dict) -> List[str]:
@@ -67,14 +106,34 @@ class CombinedOptimizer(torch.optim.Optimizer):
     _has_step = True
 
     def __init__(self, params: Iterable, defaults: dict):
-        self._sets: Dict[int, Tuple[Any, List[FlatSet]]] = {}
+        self._init_combined()
+        super().__init__(params, defaults)
+
+    def _init_combined(self) -> None:
+        self._groups: Dict[int, _GroupCache] = {}
         self._force_rebuild = False
         self._rebuilt = False
         self.recombine_count = 0
         self.last_executor: Optional[str] = None
+        self._executor = "auto"
         self.apex_grad_scale: Optional[float] = None
         self._model_pairs: Optional[Dict[int, torch.Tensor]] = None
-        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickling / deepcopy restore torch's fields only: flat buffers are rebuilt at the next step
+        if "_groups" not in self.__dict__:
+            self._init_combined()
+        super().__setstate__(state)
+
+    @property
+    def executor(self) -> str:
+        return self._executor
+
+    @executor.setter
+    def executor(self, value: str) -> None:
+        if value not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {value!r}")
+        self._executor = value
 
     # ------------------------------------------------------------------ groups
     def _validate_group(self, group: dict) -> None:
@@ -86,21 +145,21 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"optimizer params must be tensors; param {i} is {type(p).__name__}")
-            if not (p.is_floating_point() or p.is_complex()):
-                raise TypeError(
-                    f"{type(self).__name__} can only optimize floating point params; param {i} has dtype {p.dtype}"
-                )
             if p.is_complex():
                 raise TypeError(
                     f"{type(self).__name__} does not support complex params (param {i} has dtype {p.dtype}); "
-                    "view them as real with torch.view_as_real"
+                    "optimize torch.view_as_real(param) instead"
+                )
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{type(self).__name__} can only optimize floating point params; param {i} has dtype {p.dtype}"
                 )
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(
                     f"{type(self).__name__} supports float32, float16 and bfloat16 params; param {i} has {p.dtype}"
                 )
-            if p.is_sparse:
-                raise TypeError(f"{type(self).__name__} does not support sparse params (param {i})")
+            if p.layout != torch.strided:
+                raise TypeError(f"{type(self).__name__} does not support sparse params (param {i}, {p.layout})")
             devices.add(p.device)
         if len(devices) > 1:
             raise ValueError(
@@ -111,8 +170,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._check_params(params)
+        if not isinstance(params, (set, frozenset)):  # torch itself rejects sets, with its own message
+            self._check_params([params] if isinstance(params, torch.Tensor) else list(params))
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_torch_options(probe)
@@ -127,39 +186,93 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 )
 
     # ------------------------------------------------------------ combining
-    def _group_sets(self, gi: int, group: dict) -> List[FlatSet]:
-        params = group["params"]
-        key = (id(params), len(params))
-        cached = self._sets.get(gi)
-        if cached is not None and cached[0] == key and not self._force_rebuild:
-            sets = cached[1]
-            broken = [s for s in sets if not s.params_intact() or not s.out_intact()]
-            if not broken and sets and sets[0].state_names == self._state_names(group):
-                return sets
-            logger.info("apex: combined params of group %d were rebound by user code; re-combining", gi)
-        return self._build_group(gi, group, key)
+    def _intact_sets(self, gi: int, group: dict) -> Optional[List[FlatSet]]:
+        """The group's flat sets if its params still live in them, else None (re-combine needed).
 
-    def _build_group(self, gi: int, group: dict, key) -> List[FlatSet]:
+        The per-step cost: one data_ptr per param, as one map() over the group.
+        """
+        c = self._groups.get(gi)
+        if c is None or self._force_rebuild:
+            return None
+        ps = group["params"]
+        if ps is not c.params or len(ps) != c.n or list(map(_data_ptr, ps)) != c.ptrs:
+            return None
+        s0 = c.sets[0] if c.sets else None
+        if s0 is not None and (s0.dtype != ps[0].dtype or s0.device != ps[0].device):
+            return None  # e.g. meta tensors, whose data pointers are not unique
+        if c.names != self._state_names(group):
+            return None  # an option that changes the state layout (e.g. amsgrad) was switched
+        for s in c.sets:
+            if s.out_params is not None and not s.out_intact():
+                return None
+        return c.sets
+
+    def _check_rebuild(self, group: dict) -> None:
+        """Everything a re-combine of `group` would reject, checked before anything is rebound."""
+        ps = group["params"]
+        self._check_params(ps)
+        for k, p in enumerate(ps):
+            g = p.grad
+            if g is not None:
+                check_grad(k, p, g)
+        check_states(ps, self.state, self._state_names(group))
+
+    def _build_group(self, gi: int, group: dict) -> List[FlatSet]:
         by_kind: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
         self._check_params(group["params"])
         for p in group["params"]:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
         names = self._state_names(group)
-        sets = [
-            FlatSet(ps, self.state, names, self._state_fill, self._has_step) for ps in by_kind.values() if ps
-        ]
+        sets = [FlatSet(ps, self.state, names, self._state_fill, self._has_step) for ps in by_kind.values()]
         if self._model_pairs is not None:
             for s in sets:
                 models = [self._model_pairs.get(id(p)) for p in s.params]
                 s.attach_out(models if all(m is not None for m in models) else None)
-        self._sets[gi] = (key, sets)
+        self._groups[gi] = _GroupCache(group["params"], sets, list(names))
         self._rebuilt = True
+        if self.recombine_count:
+            logger.info("apex: re-combined param group %d (%d params) after its sharing was broken",
+                        gi, len(group["params"]))
         return sets
 
-    def _all_sets(self) -> List[FlatSet]:
-        out = []
+    def _prepare_groups(self) -> List[Tuple[dict, List[FlatSet]]]:
+        """Checks every group, then heals: re-combines moved params, adopts replaced grads.
+
+        Raises (bad params, sparse or mismatched grads, bad states) before anything is changed.
+        """
+        plans = []
         for gi, group in enumerate(self.param_groups):
-            out += self._group_sets(gi, group)
+            sets = self._intact_sets(gi, group)
+            if sets is None:
+                self._check_rebuild(group)
+                plans.append((gi, group, None, ()))
+            else:
+                stale = [s for s in sets if not s.grads_intact()]
+                for s in stale:
+                    s.pending_grads()  # validation only
+                plans.append((gi, group, sets, stale))
+        out = []
+        healed = False
+        for gi, group, sets, stale in plans:
+            if sets is None:
+                sets = self._build_group(gi, group)
+            for s in stale:
+                healed |= s.sync_grads() > 0
+        self._force_rebuild = False
+        self._count_event(healed)
+        for gi, group, _, _ in plans:
+            out.append((group, self._groups[gi].sets))
+        return out
+
+    def _all_sets(self) -> List[FlatSet]:
+        """Every flat set, (re-)combined where params moved; grads are not synced (see FlatSet.sync_grads)."""
+        out: List[FlatSet] = []
+        for gi, group in enumerate(self.param_groups):
+            sets = self._intact_sets(gi, group)
+            if sets is None:
+                self._check_rebuild(group)
+                sets = self._build_group(gi, group)
+            out += sets
         self._force_rebuild = False
         return out
 
@@ -172,9 +285,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------- amp protocol
     def combined_grad_buffers(self) -> List[torch.Tensor]:
         """Flat grad buffers (one per param group x dtype), combining and healing first."""
-        sets = self._all_sets()
-        adopted = sum(s.sync_grads() for s in sets)
-        self._count_event(adopted > 0)
+        sets = [s for _, group_sets in self._prepare_groups() for s in group_sets]
         return [s.flat_g for s in sets]
 
     def attach_model_params(self, pairs: Optional[Sequence[Tuple[torch.Tensor, torch.Tensor]]]) -> None:
@@ -185,27 +296,26 @@ class CombinedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
+        """One update of every param with a grad (torch.optim semantics); returns closure()'s loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        healed = False
-        for gi, group in enumerate(self.param_groups):
-            for s in self._group_sets(gi, group):
-                if s.sync_grads():
-                    healed = True
+        use_kernel = self._executor == "auto"
+        for group, sets in self._prepare_groups():
+            for s in sets:
                 if s.n_skipped == s.nseg:
                     continue
                 s.advance_steps()
-                if s.args is not None:
+                if use_kernel and s.args is not None:
                     self._kernel_step(s, group)
                     self.last_executor = "apex_C"
+                    s.copy_out()
                 else:
+                    self.last_executor = "torch"
                     self._torch_step(s, group)
-                s.copy_out()
+                    s.copy_out(fused=False)
                 s.expose_new_states(self.state)
-        self._force_rebuild = False
-        self._count_event(healed)
         return loss
 
     def _grad_scale(self) -> float:
@@ -226,6 +336,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         raise NotImplementedError  # pragma: no cover - abstract
 
+    def _torch_fused_allowed(self) -> bool:
+        """Whether a torch executor may use torch's own fused op on the flat buffers."""
+        return self._executor != "torch_ops"
+
     # Helpers for torch executors: fp32 working copies of low-precision slices.
     @staticmethod
     def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -242,35 +356,47 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return compact_state_dict(super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
-        groups = state_dict.get("param_groups", [])
-        for g in groups:
+        """torch's load (states cast to each param's dtype/device); buffers are re-combined at the next step.
+
+        Options we do not implement (maximize, capturable, differentiable set) and out-of-range
+        hyperparameters are rejected before anything is changed.
+        """
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+            raise TypeError("load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
+        for g in state_dict["param_groups"]:
             self._check_torch_options(g)
             probe = dict(self.defaults)
             probe.update({k: v for k, v in g.items() if k != "params"})
             self._validate_group(probe)
         super().load_state_dict(state_dict)
         for g in self.param_groups:
-            for key in _IGNORED_OPTIONS:
-                g.setdefault(key, None)
-        self._sets.clear()
+            for key, value in self.defaults.items():  # checkpoints of older versions lack newer options
+                g.setdefault(key, value)
+        self._groups.clear()
         self._force_rebuild = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch: set_to_none=True drops grads (re-bound at the next step), False zeroes buffers."""
+        """As torch: set_to_none=True drops grads (re-bound at the next step), False zeroes them in place.
+
+        With set_to_none=False, a combined group whose grads are all still its views is zeroed
+        with one fill per flat grad buffer; other grads are zeroed one by one, as torch does.
+        """
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
-        zeroed = set()
-        for _, sets in self._sets.values():
-            for s in sets:
-                self._count_event(s.sync_grads() > 0)
-                _core.fill_(s.flat_g, 0.0)
-                zeroed.update(id(g) for g in s.grad_views)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and id(p.grad) not in zeroed:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
+        for gi, group in enumerate(self.param_groups):
+            c = self._groups.get(gi)
+            ps = group["params"]
+            if c is not None and ps is c.params and len(ps) == c.n and all(s.grads_intact() for s in c.sets):
+                for s in c.sets:
+                    if s.n_skipped < s.nseg:
+                        _core.fill_(s.flat_g, 0.0)
+                continue
+            for p in ps:
+                g = p.grad
+                if g is not None:
+                    if g.grad_fn is not None:
+                        g.detach_()
                     else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+                        g.requires_grad_(False)
+                    g.zero_()

@@ -7,17 +7,16 @@ tensor of the group in one pass while user code and ``state_dict`` keep seeing
 ordinary per-parameter tensors.
 
 Sharing can be broken from outside (``p.data = ...``, ``p.grad = new``,
-``model.to(...)``, ``zero_grad(set_to_none=True)`` followed by backward). The
-optimizer checks, before every update, that each param still lives at its
-slot (one ``data_ptr`` per param) and that each ``p.grad`` is still the view
-it was given (object identity); both checks run as ``map()`` over the params,
-without a Python-level loop. Params that moved force a re-combine; grads that
-were replaced are copied into their slots and rebound (`sync_grads`).
+``model.to(...)``, ``zero_grad(set_to_none=True)`` followed by backward,
+``p.grad.data = ...`` or ``p.grad.set_(...)``). The optimizer checks, before
+every update, that each param and each grad still lives at its slot (one
+``data_ptr`` per param and per grad, run as ``map()`` over the params, without
+a Python-level loop). Params that moved force a re-combine; grads that moved
+are copied into their slots and rebound (`sync_grads`).
 
-Not detected (documented limits, all outside ordinary torch usage):
-``p.grad.data = other`` (keeps the grad object, swaps its storage), and
-replacing an entry of ``group["params"]`` by another object that shares the
-same memory.
+Not detected (a documented limit, outside ordinary torch usage): replacing an
+entry of ``group["params"]`` in place by another object that shares the same
+memory (a new list, or an appended param, is detected).
 """
 
 from __future__ import annotations
@@ -121,6 +120,7 @@ class FlatSet:
         # grads: params without a grad keep `grad is None` (torch's skip rule)
         self.flat_g = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self.grad_views = [view_like(self.flat_g, off, p) for p, off in zip(self.params, self.offsets)]
+        self.grad_ptrs = list(map(_data_ptr, self.grad_views))
         self.expected_grads: List[Optional[torch.Tensor]] = [None] * self.nseg
         self._adopt([(k, g) for k, g in enumerate(grads0) if g is not None])
 
@@ -188,6 +188,9 @@ class FlatSet:
         key = _storage_key(self.flat_g)
         # a grad that is itself (a view of) one of our slots may be overwritten by another copy: read it first
         src = [g.clone() if _storage_key(g) == key else g for _, g in todo]
+        for k, g in todo:
+            if g is self.grad_views[k]:  # our view object, whose storage was swapped (p.grad.data = ...)
+                self.grad_views[k] = view_like(self.flat_g, self.offsets[k], self.params[k])
         _copy_many([self.grad_views[k] for k, _ in todo], src)
         for k, _ in todo:
             gv = self.grad_views[k]
@@ -210,6 +213,9 @@ class FlatSet:
         return a
 
     def _refresh_skip(self) -> None:
+        """After `expected_grads` changed: skip flags, and the bound grads with their slot addresses."""
+        self._bound = [g for g in self.expected_grads if g is not None]
+        self._bound_ptrs = [ptr for ptr, g in zip(self.grad_ptrs, self.expected_grads) if g is not None]
         skipped = [g is None for g in self.expected_grads]
         self.n_skipped = sum(skipped)
         if self.n_skipped:
@@ -225,14 +231,21 @@ class FlatSet:
         )
 
     def grads_intact(self) -> bool:
-        """Every ``p.grad`` is still the object this set bound (or None where it was None)."""
-        return all(map(_is, map(_get_grad, self.params), self.expected_grads))
+        """Every ``p.grad`` still lives at its slot (None where it was None at the last sync)."""
+        if not self.n_skipped:
+            try:
+                return list(map(_data_ptr, map(_get_grad, self.params))) == self.grad_ptrs
+            except (TypeError, RuntimeError):  # a grad became None (or sparse): data_ptr does not apply
+                return False
+        if not all(map(_is, map(_get_grad, self.params), self.expected_grads)):
+            return False
+        return list(map(_data_ptr, self._bound)) == self._bound_ptrs
 
     def pending_grads(self) -> List[Tuple[int, torch.Tensor]]:
-        """(k, grad) for every grad that is not this set's view, validated; changes nothing."""
+        """(k, grad) for every grad that does not live at its slot, validated; changes nothing."""
         todo = []
         for k, (p, g) in enumerate(zip(self.params, map(_get_grad, self.params))):
-            if g is None or g is self.grad_views[k]:
+            if g is None or (g is self.grad_views[k] and g.data_ptr() == self.grad_ptrs[k]):
                 continue
             check_grad(k, p, g)
             todo.append((k, g))

@@ -1,4 +1,13 @@
-"""NpuFusedAdam / NpuFusedAdamW: torch.optim.Adam(W) math on combined buffers."""
+"""NpuFusedAdam / NpuFusedAdamW: torch.optim.Adam(W) math on combined buffers.
+
+Executors: the apex_C kernel on CPU (one pass); elsewhere torch's own fused
+Adam(W) op on the flat buffer for fp32 sets where the device has one (one call
+per run of segments sharing a step count), else the torch ops of `adam_math`.
+Low-precision sets never use torch's fused op: it updates the param from its
+fp32 moments before rounding them, while torch.optim's for-loop and foreach
+paths (and our kernel) read the moments back as stored; results would differ
+by more than an ulp for small params.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +19,18 @@ from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
 
+# devices whose torch has _fused_adam_/_fused_adamw_ kernels (CPU since torch 2.4)
+_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+_FUSED_DEVICES = {"cuda", "xpu", "mps"} | ({"cpu"} if _TORCH_VERSION >= (2, 4) else set())
 
-def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, amsgrad, decoupled, grad_scale):
-    """One Adam(W) update on fp32 tensors (in place); torch.optim.Adam's formulas."""
+
+def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, amsgrad, decoupled, grad_scale,
+              state_dtype=torch.float32):
+    """One Adam(W) update on fp32 tensors (in place); torch.optim.Adam's formulas.
+
+    With a low-precision `state_dtype` the moments are rounded through it before
+    the param update reads them, as torch (and the kernel) read stored states.
+    """
     if grad_scale != 1.0:
         g = g * grad_scale
     if weight_decay != 0:
@@ -22,6 +40,9 @@ def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, am
             g = g.add(p, alpha=weight_decay)
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if state_dtype != torch.float32:
+        m.copy_(m.to(state_dtype))
+        v.copy_(v.to(state_dtype))
     bc1 = 1 - beta1**step
     bc2_sqrt = (1 - beta2**step) ** 0.5
     if amsgrad:
@@ -36,6 +57,10 @@ class NpuFusedAdam(CombinedOptimizer):
     """Adam (Kingma & Ba) with torch.optim.Adam's semantics, fused over combined buffers.
 
     Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False.
+    Params: float32, float16 or bfloat16 (states in the param dtype, math in float32).
+    Complex params raise TypeError (torch.optim.Adam views them as real pairs: pass
+    ``torch.view_as_real(p)`` to get the same math). maximize/capturable/differentiable
+    are not implemented and rejected when a loaded state_dict sets them.
     """
 
     _decoupled = False
@@ -59,9 +84,10 @@ class NpuFusedAdam(CombinedOptimizer):
         _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
         _check_range("weight_decay value", group["weight_decay"], 0.0)
         if bool(group.get("decoupled_weight_decay", self._decoupled)) != self._decoupled:
+            other = "NpuFusedAdamW" if not self._decoupled else "NpuFusedAdam"
             raise ValueError(
                 f"{type(self).__name__} has decoupled_weight_decay={self._decoupled}; got "
-                f"{group.get('decoupled_weight_decay')!r} (use {'NpuFusedAdamW' if not self._decoupled else 'NpuFusedAdam'})"
+                f"{group.get('decoupled_weight_decay')!r} (use {other})"
             )
 
     def _state_names(self, group: dict) -> List[str]:
@@ -75,12 +101,21 @@ class NpuFusedAdam(CombinedOptimizer):
         flags = (_core.ext.FLAG_AMSGRAD if group["amsgrad"] else 0) | (
             _core.ext.FLAG_DECOUPLED if self._decoupled else 0
         )
-        a = self._prepare_args(s, [group["lr"], b1, b2, group["eps"], group["weight_decay"]], flags)
+        a = self._prepare_args(s, [float(group["lr"]), b1, b2, group["eps"], group["weight_decay"]], flags)
         _core.ext.adam_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
+        if (
+            s.dtype == torch.float32
+            and self._grad_scale() == 1.0  # torch's op would unscale the stored grads in place
+            and self._torch_fused_allowed()
+            and s.device.type in _FUSED_DEVICES
+        ):
+            self._torch_fused_step(s, group)
+            return
         b1, b2 = group["betas"]
         amsgrad = group["amsgrad"]
+        lr = float(group["lr"])
         for lo, hi, step, _, _ in s.active_runs():
             p = self._f32(s.flat_p[lo:hi])
             g = self._f32(s.flat_g[lo:hi])
@@ -88,16 +123,30 @@ class NpuFusedAdam(CombinedOptimizer):
             v = self._f32(s.flat_s["exp_avg_sq"][lo:hi])
             vm = self._f32(s.flat_s["max_exp_avg_sq"][lo:hi]) if amsgrad else None
             adam_math(
-                p, g, m, v, vm, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                p, g, m, v, vm, lr=lr, beta1=b1, beta2=b2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=step, amsgrad=amsgrad, decoupled=self._decoupled,
-                grad_scale=self._grad_scale(),
+                grad_scale=self._grad_scale(), state_dtype=s.dtype,
             )
             self._write_back(s.flat_p[lo:hi], p)
             self._write_back(s.flat_s["exp_avg"][lo:hi], m)
             self._write_back(s.flat_s["exp_avg_sq"][lo:hi], v)
             if amsgrad:
                 self._write_back(s.flat_s["max_exp_avg_sq"][lo:hi], vm)
-        self.last_executor = "torch"
+
+    def _torch_fused_step(self, s: FlatSet, group: dict) -> None:
+        """torch's fused Adam(W) over each run of segments that share a step count."""
+        b1, b2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        op = getattr(torch, "_fused_adamw_" if self._decoupled else "_fused_adam_")
+        runs = s.active_runs()
+        sl = [slice(lo, hi) for lo, hi, _, _, _ in runs]
+        vmax = [s.flat_s["max_exp_avg_sq"][x] for x in sl] if amsgrad else []
+        steps = [torch.full((), step, dtype=torch.float32, device=s.device) for _, _, step, _, _ in runs]
+        op(
+            [s.flat_p[x] for x in sl], [s.flat_g[x] for x in sl], [s.flat_s["exp_avg"][x] for x in sl],
+            [s.flat_s["exp_avg_sq"][x] for x in sl], vmax, steps, lr=float(group["lr"]), beta1=b1, beta2=b2,
+            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=amsgrad, maximize=False,
+        )
 
 
 class NpuFusedAdamW(NpuFusedAdam):

@@ -1,0 +1,233 @@
+"""O1 casting: value casts, user-registered function casts, decorators, ``disable_casts``.
+
+O1 runs each amp-initialized model's forward under ``torch.autocast``; autocast's
+op lists are fixed inside torch, so functions a user wants cast differently are
+named with ``register_{half,float,promote}_function(module, name)``. While an O1
+session is active, ``module.name`` is replaced by a wrapper that casts the
+floating-point tensor arguments (also inside lists, tuples and dicts) and calls
+the original; teardown puts the original back. Nothing in torch is patched
+globally, and only the attribute named is wrapped: references taken before
+(``from torch import matmul``) and tensor methods are not intercepted.
+
+"half" means the session's low-precision dtype (fp16 or bf16). "promote" casts
+every floating tensor argument to the widest floating dtype among them.
+
+Registered functions and the ``*_function`` decorators cast whenever an O1
+session is active (inside or outside the model's forward), as upstream's
+patching did, except inside ``disable_casts()``. Inside the forward, autocast
+still applies to the ops the function runs: for ops on autocast's own lists its
+policy wins, unless the session was started with ``user_cast_preferred=True``,
+which runs registered functions with autocast disabled so the user's cast holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ._amp_state import _amp_state, logger
+
+_local = threading.local()
+
+HALF, FLOAT, PROMOTE = "half", "float", "promote"
+
+# (module, name) -> kind, in registration order; read when an O1 session starts.
+_USER_CAST_REGISTRY: Dict[Tuple[int, str], Tuple[Any, str, str]] = {}
+
+
+# ---------------------------------------------------------------- value casts
+
+
+def cast_tensors(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor cast to ``dtype``; containers are rebuilt, never mutated."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (str, bytes)) or value is None:
+        return value
+    if isinstance(value, dict):
+        # copy.copy keeps the mapping's type (OrderedDict, HF ModelOutput, ...) and its attributes.
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = cast_tensors(v, dtype)
+        return out
+    if isinstance(value, tuple):
+        items = [cast_tensors(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return type(value)(cast_tensors(v, dtype) for v in value)
+    return value
+
+
+def _floating_dtypes(value: Any, out: List[torch.dtype]) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out.append(value.dtype)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _floating_dtypes(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _floating_dtypes(v, out)
+
+
+def widest_dtype(args: Any, kwargs: Any) -> Optional[torch.dtype]:
+    found: List[torch.dtype] = []
+    _floating_dtypes(args, found)
+    _floating_dtypes(kwargs, found)
+    if not found:
+        return None
+    return functools.reduce(torch.promote_types, found)
+
+
+# ---------------------------------------------------------------- cast context
+
+
+def casts_disabled() -> bool:
+    return getattr(_local, "disabled", 0) > 0
+
+
+def cast_session():
+    """The active O1 session if casts apply right now, else None."""
+    session = _amp_state.session
+    if session is None or not session.patch_functions or casts_disabled():
+        return None
+    return session
+
+
+@contextlib.contextmanager
+def disable_casts():
+    """Run the block without amp's casts: no autocast, no registered-function or decorator casts."""
+    _local.disabled = getattr(_local, "disabled", 0) + 1
+    session = _amp_state.session
+    try:
+        if session is not None and session.patch_functions:
+            with torch.autocast(session.device_type, enabled=False):
+                yield
+        else:
+            yield
+    finally:
+        _local.disabled -= 1
+
+
+def _call_cast(orig: Callable, kind: str, args: tuple, kwargs: dict):
+    session = cast_session()
+    if session is None:
+        return orig(*args, **kwargs)
+    if kind == HALF:
+        dtype = session.low_dtype
+    elif kind == FLOAT:
+        dtype = torch.float32
+    else:
+        dtype = widest_dtype(args, kwargs)
+    if dtype is not None:
+        args = cast_tensors(args, dtype)
+        kwargs = cast_tensors(kwargs, dtype)
+    if session.user_cast_preferred:
+        with torch.autocast(session.device_type, enabled=False):
+            return orig(*args, **kwargs)
+    return orig(*args, **kwargs)
+
+
+def make_cast_wrapper(orig: Callable, kind: str) -> Callable:
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        return _call_cast(orig, kind, args, kwargs)
+
+    wrapper._apex_amp_original = orig
+    wrapper._apex_amp_kind = kind
+    return wrapper
+
+
+# ---------------------------------------------------------------- decorators
+
+
+def half_function(fn: Callable) -> Callable:
+    """Decorator: under an active O1 session, call ``fn`` with floating tensor args cast to the low dtype."""
+    return make_cast_wrapper(fn, HALF)
+
+
+def float_function(fn: Callable) -> Callable:
+    """Decorator: under an active O1 session, call ``fn`` with floating tensor args cast to float32."""
+    return make_cast_wrapper(fn, FLOAT)
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Decorator: under an active O1 session, cast floating tensor args to the widest dtype among them."""
+    return make_cast_wrapper(fn, PROMOTE)
+
+
+# ---------------------------------------------------------------- registry
+
+
+def _register(module: Any, name: str, kind: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"register_{kind}_function: name must be a str, got {type(name).__name__}")
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    if not callable(getattr(module, name)):
+        raise ValueError(f"{module}.{name} is not callable (got {type(getattr(module, name)).__name__})")
+    _USER_CAST_REGISTRY[(id(module), name)] = (module, name, kind)
+    session = _amp_state.session
+    if session is not None and session.patch_functions:
+        session.function_patches.install(module, name, kind)
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Cast the args of ``module.name`` to the low-precision dtype while an O1 session is active."""
+    _register(module, name, HALF)
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Cast the args of ``module.name`` to float32 while an O1 session is active."""
+    _register(module, name, FLOAT)
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Cast the args of ``module.name`` to their widest floating dtype while an O1 session is active."""
+    _register(module, name, PROMOTE)
+
+
+class FunctionPatches:
+    """The module attributes one session has wrapped, and how to put them back."""
+
+    def __init__(self) -> None:
+        self._installed: Dict[Tuple[int, str], Tuple[Any, str, Callable, Callable]] = {}
+
+    def install_registry(self) -> None:
+        for module, name, kind in list(_USER_CAST_REGISTRY.values()):
+            self.install(module, name, kind)
+
+    def install(self, module: Any, name: str, kind: str) -> None:
+        key = (id(module), name)
+        current = getattr(module, name)
+        previous = self._installed.get(key)
+        if previous is not None and current is previous[3]:
+            orig = previous[2]  # re-registration with another kind: wrap the original again
+        else:
+            # A wrapper left by another session (not torn down) is unwrapped, never stacked.
+            orig = getattr(current, "_apex_amp_patch_of", current)
+        wrapper = make_cast_wrapper(orig, kind)
+        wrapper._apex_amp_patch_of = orig  # marks registry wrappers (decorated functions are left alone)
+        setattr(module, name, wrapper)
+        self._installed[key] = (module, name, orig, wrapper)
+
+    def restore(self) -> None:
+        for module, name, orig, wrapper in self._installed.values():
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, orig)
+            else:
+                logger.warning(
+                    "apex.amp: %s.%s was replaced by other code while amp was active; leaving it as it is",
+                    getattr(module, "__name__", module), name,
+                )
+        self._installed.clear()
+
+    def __len__(self) -> int:
+        return len(self._installed)

@@ -1,0 +1,441 @@
+"""combine_grad: an optimizer's gradients live in flat buffers; unscale + check is one pass per buffer.
+
+Who owns the buffers: an apex optimizer (``combined_grad_buffers()`` of the
+optimizer <-> amp protocol, docs/DESIGN-NOTES.md) owns its grad buffers and amp
+only reads their layout; for torch.optim optimizers amp combines the grads
+itself (one buffer per param group x dtype x device, layout of
+``apex.contrib.combine_tensors.plan_layout``). Buffers are built at the first
+``scale_loss`` exit that has gradients, and rebuilt when the optimizer
+re-combines (``recombine_count``), gains a param group or loads a state_dict.
+
+Gradient accumulation without a stash: upstream amp moves existing grads aside
+before each backward and adds them back, unscaled, at exit. Here the grads stay
+in place and carry a known scale (``pending``): before a backward that adds to
+non-zero grads, the buffer is multiplied by ``new_scale / pending`` (scales are
+powers of two, so this is exact), and the exit divides the whole buffer by the
+new scale. When the grads are known to be zero (zero_grad went through amp's
+patched methods, or every grad is None), nothing is done before the backward.
+fp16 buffers, whose range could overflow when scaled up, keep an fp32 copy of
+the old grads instead and add it back after the unscale.
+
+O2: the optimizer steps on fp32 masters; their grad buffer ``M`` has one
+low-precision twin ``L`` (same layout) per model dtype holding the model's
+grads. The exit writes ``M = L / scale`` (or ``M += L / scale`` while
+accumulating) in one pass over each run of master slots; fp32 model params
+(batchnorm under keep_batchnorm_fp32) are their own masters and are handled
+like O1 grads. A model param that once had a gradient keeps its (zeroed) slot in
+``L``, so under O2 + combine_grad a param unused in one iteration gets a zero
+master gradient rather than None.
+
+Sharing checks: grads that are not the expected view objects (``p.grad = None``
+then backward, ``p.grad = t``) are adopted at exit; with
+``check_combined_tensors`` every view's data pointer is verified as well (this
+also catches ``p.grad.data = t``), before the backward and at exit.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import _core
+from ..contrib.combine_tensors import plan_layout
+
+_get_grad = operator.attrgetter("grad")
+
+
+def _slot(flat: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
+    """A view of ``flat`` at element ``offset`` shaped like ``like`` (its dense strides, e.g. channels_last)."""
+    stride = torch.empty_like(like, device="meta").stride()
+    return flat.as_strided(like.shape, stride, flat.storage_offset() + offset)
+
+
+def _points_at(t: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
+    if t.numel() == 0:
+        return True
+    return t.data_ptr() == flat.data_ptr() + offset * flat.element_size()
+
+
+class _Low:
+    """Model-side (low-precision) twin of a master grad buffer (O2)."""
+
+    def __init__(self, flat: torch.Tensor, slots: List[int], views: Dict[int, torch.Tensor]):
+        self.flat = flat
+        self.slots = slots
+        self.views = views
+
+
+class _Buffer:
+    def __init__(self, flat: torch.Tensor, params: List[torch.Tensor], offsets: List[int],
+                 views: List[Optional[torch.Tensor]], owner: str):
+        self.flat = flat
+        self.params = params
+        self.offsets = offsets
+        self.views = views  # the tensor each p.grad should be (None: not known yet)
+        self.owner = owner  # "amp" or "optimizer"
+        self.models: List[Optional[torch.Tensor]] = [None] * len(params)
+        self.lows: Dict[torch.dtype, _Low] = {}
+        self.main_idx = list(range(len(params)))
+        self.main_ids = frozenset(map(id, params))
+        self.runs = [(None, 0, flat.numel())]
+        self.known_zero = False
+        self.stash: Optional[torch.Tensor] = None
+        self._stash_buf: Optional[torch.Tensor] = None
+
+    def zero_slot(self, i: int) -> None:
+        self.flat.narrow(0, self.offsets[i], self.params[i].numel()).zero_()
+
+    def finish_layout(self) -> None:
+        self.main_idx = [i for i, m in enumerate(self.models) if m is None]
+        self.main_ids = frozenset(id(self.params[i]) for i in self.main_idx)
+        runs = []
+        for i, p in enumerate(self.params):
+            kind = None if self.models[i] is None else self.models[i].dtype
+            lo, hi = self.offsets[i], self.offsets[i] + p.numel()
+            if runs and runs[-1][0] == kind:
+                runs[-1][2] = hi
+            else:
+                runs.append([kind, lo, hi])
+        self.runs = [tuple(r) for r in runs]
+
+    def stash_buffer(self) -> torch.Tensor:
+        if self._stash_buf is None:
+            self._stash_buf = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
+        return self._stash_buf
+
+
+def _expected_sets(optimizer) -> List[List[torch.Tensor]]:
+    """The params behind each of an apex optimizer's flat buffers: per group, per (dtype, device), in order."""
+    sets = []
+    for group in optimizer.param_groups:
+        kinds: Dict[tuple, List[torch.Tensor]] = {}
+        for p in group["params"]:
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        sets.extend(kinds.values())
+    return sets
+
+
+class CombinedGrads:
+    """Flat grad buffers of one optimizer and the per-step logic around them."""
+
+    def __init__(self, stash) -> None:
+        self.stash = stash
+        self.optimizer = stash.optimizer
+        self.check_full = stash.check_combined_tensors
+        self.buffers: Optional[List[_Buffer]] = None
+        self.recombine_seen: Optional[int] = None
+        self.pending = 1.0  # scale the models-are-masters grads carry
+        self.masters_have_grads = False  # O2: master grads hold values to accumulate onto
+        self.discard = False  # grads are garbage (skipped step): zero them before the next backward
+        self.folded = False  # last exit left the grads scaled for the optimizer to unscale
+        self.low_dirty = False  # O2: model grads were consumed by an exit; zero them before the next backward
+        self.low_pending: Optional[float] = None  # O2: scale the model grads carry
+
+    # ------------------------------------------------------------ structure
+    @property
+    def built(self) -> bool:
+        return self.buffers is not None
+
+    def invalidate(self) -> None:
+        self.buffers = None
+
+    def flat_buffers(self) -> List[torch.Tensor]:
+        return [] if self.buffers is None else [b.flat for b in self.buffers]
+
+    def _build(self, scale: float) -> None:
+        stash, opt = self.stash, self.optimizer
+        model_of = {id(m): model for m, model in stash.pairs}
+        with torch.no_grad():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is not None and (g.is_sparse or g.layout != torch.strided):
+                        raise RuntimeError("combine_grad does not support sparse gradients")
+            if stash.ours:
+                buffers = self._adopt_optimizer_buffers(model_of)
+            else:
+                buffers = self._make_buffers(model_of)
+            for b in buffers:
+                self._attach_lows(b, model_of)
+        if self.low_pending is None:
+            self.low_pending = scale  # first build: the model grads are this backward's
+        self.buffers = buffers
+
+    def _adopt_optimizer_buffers(self, model_of) -> List[_Buffer]:
+        opt = self.optimizer
+        for master, model in self.stash.pairs:
+            # The optimizer combines grads that exist; the exit pass fills these in.
+            if master.grad is None and model.grad is not None:
+                master.grad = torch.zeros_like(master)
+        flats = opt.combined_grad_buffers()
+        sets = _expected_sets(opt)
+        name = type(opt).__name__
+        if len(flats) != len(sets):
+            raise RuntimeError(
+                f"apex.amp: {name}.combined_grad_buffers() returned {len(flats)} buffers; the layout contract "
+                f"(one per param group x dtype x device) expects {len(sets)}"
+            )
+        buffers = []
+        for k, (flat, ps) in enumerate(zip(flats, sets)):
+            offsets, total = plan_layout(ps)
+            if flat.numel() != total or flat.dtype != ps[0].dtype:
+                raise RuntimeError(
+                    f"apex.amp: buffer {k} of {name}.combined_grad_buffers() has {flat.numel()} {flat.dtype} "
+                    f"elements; plan_layout of its params gives {total} {ps[0].dtype}"
+                )
+            views = []
+            for i, (p, off) in enumerate(zip(ps, offsets)):
+                g = p.grad
+                if g is not None and not _points_at(g, flat, off):
+                    raise RuntimeError(
+                        f"apex.amp: grad of param {i} in buffer {k} of {name} is not at its planned slot"
+                    )
+                views.append(g)
+            buffers.append(_Buffer(flat, ps, offsets, views, "optimizer"))
+        self.recombine_seen = opt.recombine_count
+        return buffers
+
+    def _make_buffers(self, model_of) -> List[_Buffer]:
+        buffers = []
+        for group in self.optimizer.param_groups:
+            kinds: Dict[tuple, List[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.requires_grad:
+                    kinds.setdefault((p.dtype, p.device), []).append(p)
+            for ps in kinds.values():
+                offsets, total = plan_layout(ps)
+                flat = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
+                views = [_slot(flat, p, off) for p, off in zip(ps, offsets)]
+                for p, v in zip(ps, views):
+                    g = p.grad
+                    if g is not None:
+                        v.copy_(g)
+                        p.grad = v
+                    elif id(p) in model_of and model_of[id(p)].grad is not None:
+                        p.grad = v  # a master whose grad the exit pass is about to write
+                buffers.append(_Buffer(flat, ps, offsets, views, "amp"))
+        return buffers
+
+    def _attach_lows(self, b: _Buffer, model_of) -> None:
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, p in enumerate(b.params):
+            model = model_of.get(id(p))
+            if model is not None:
+                b.models[i] = model
+                by_dtype.setdefault(model.dtype, []).append(i)
+        for dtype, slots in by_dtype.items():
+            flat = torch.zeros(b.flat.numel(), dtype=dtype, device=b.flat.device)
+            views = {}
+            for i in slots:
+                model = b.models[i]
+                v = _slot(flat, model, b.offsets[i])
+                if model.grad is not None:
+                    v.copy_(model.grad)
+                    model.grad = v
+                views[i] = v
+            b.lows[dtype] = _Low(flat, slots, views)
+        b.finish_layout()
+
+    # ------------------------------------------------------------ checks
+    def _views_valid(self, b: _Buffer) -> bool:
+        for i, v in enumerate(b.views):
+            if v is not None and not _points_at(v, b.flat, b.offsets[i]):
+                return False
+        return True
+
+    def _heal_pointers(self, b: _Buffer) -> None:
+        """check_combined_tensors: grads whose data was rebound elsewhere are copied back into their slot."""
+        for i, v in enumerate(b.views):
+            if v is not None and not _points_at(v, b.flat, b.offsets[i]):
+                slot = _slot(b.flat, b.params[i], b.offsets[i])
+                slot.copy_(v)
+                v.data = slot
+        for low in b.lows.values():
+            for i, v in low.views.items():
+                if not _points_at(v, low.flat, b.offsets[i]):
+                    slot = _slot(low.flat, b.models[i], b.offsets[i])
+                    slot.copy_(v)
+                    v.data = slot
+
+    def _sync_main_at_exit(self, b: _Buffer) -> None:
+        grads = list(map(_get_grad, b.params))
+        if all(map(operator.is_, grads, b.views)):
+            return
+        for i, g in enumerate(grads):
+            v = b.views[i]
+            if g is v:
+                continue
+            if g is None:
+                b.zero_slot(i)  # no grad this time: keep the whole-buffer check clean of stale values
+            elif b.owner == "optimizer":
+                b.views[i] = g  # the optimizer adopted it into its slot
+            else:
+                v.copy_(g)
+                b.params[i].grad = v
+
+    def _sync_lows(self, b: _Buffer, before_backward: bool) -> None:
+        for low in b.lows.values():
+            for i in low.slots:
+                model, v = b.models[i], low.views[i]
+                g = model.grad
+                if g is v:
+                    continue
+                if g is None:
+                    v.zero_()
+                    if before_backward:
+                        model.grad = v
+                else:
+                    v.copy_(g)
+                    model.grad = v
+
+    # ------------------------------------------------------------ per step
+    def prepare(self, scale: float) -> None:
+        """Before a backward whose loss is multiplied by ``scale``."""
+        if self.buffers is None:
+            return
+        with torch.no_grad():
+            if self.stash.ours and self.optimizer.recombine_count != self.recombine_seen:
+                self._build(scale)  # the optimizer re-combined (load_state_dict, user rebinding): map it again
+            discard = self.discard or self.stash.skip_pending is not None
+            low_dirty = self.low_dirty or discard
+            for b in self.buffers:
+                if self.check_full and not self._views_valid(b):
+                    self._heal_pointers(b)
+                if discard:
+                    _core.fill_(b.flat, 0.0)
+                    b.known_zero = True
+                    b.stash = None
+                for low in b.lows.values():
+                    if low_dirty:
+                        _core.fill_(low.flat, 0.0)
+                    elif self.low_pending != scale:
+                        _core.scale_(low.flat, scale / self.low_pending, check=False)
+                self._sync_lows(b, before_backward=True)
+                if not b.known_zero and self.pending != scale:
+                    if any(b.params[i].grad is not None for i in b.main_idx):
+                        self._rescale_main(b, scale)
+                b.known_zero = False
+        if discard:
+            self.masters_have_grads = False
+            self.discard = False
+        self.low_dirty = False
+        self.low_pending = scale
+        self.pending = scale
+
+    def _rescale_main(self, b: _Buffer, scale: float) -> None:
+        factor = scale / self.pending
+        if not b.lows:
+            if b.flat.dtype == torch.float16 and factor > 1.0:
+                # fp16 could overflow when scaled up: keep the old grads aside in fp32 instead.
+                b.stash = b.stash_buffer()
+                _core.scale_(b.flat, 1.0 / self.pending, out=b.stash, check=False)
+                _core.fill_(b.flat, 0.0)
+            else:
+                _core.scale_(b.flat, factor, check=False)
+            return
+        for kind, lo, hi in b.runs:
+            if kind is None:
+                _core.scale_(b.flat[lo:hi], factor, check=False)
+
+    def unscale(self, scale: float, check: bool, fold: bool) -> bool:
+        """At scale_loss exit: unscale (unless folded) and report whether any grad is inf/nan."""
+        with torch.no_grad():
+            if self.buffers is None:
+                self._build(scale)
+            else:
+                if self.stash.ours:
+                    flats = self.optimizer.combined_grad_buffers()
+                    self.recombine_seen = self.optimizer.recombine_count
+                    if len(flats) != len(self.buffers) or any(f is not b.flat for f, b in zip(flats, self.buffers)):
+                        self._build(scale)
+                for b in self.buffers:
+                    if self.check_full and not self._views_valid(b):
+                        self._heal_pointers(b)
+                    self._sync_main_at_exit(b)
+                    self._sync_lows(b, before_backward=False)
+            hook = self.stash.session.ddp
+            if hook is not None:
+                hook.before_unscale(self)
+            return self._unscale_pass(scale, check, fold)
+
+    def _unscale_pass(self, scale: float, check: bool, fold: bool) -> bool:
+        inv = 1.0 / scale
+        fold_now = fold and all(b.stash is None and not b.lows for b in self.buffers)
+        found = False
+        for b in self.buffers:
+            if b.lows:
+                for kind, lo, hi in b.runs:
+                    dst = b.flat[lo:hi]
+                    if kind is None:
+                        found |= _core.scale_(dst, inv, check=check)
+                    elif self.masters_have_grads:
+                        found |= _core.axpy_(b.lows[kind].flat[lo:hi], dst, inv, check=check)
+                    else:
+                        found |= _core.scale_(b.lows[kind].flat[lo:hi], inv, out=dst, check=check)
+                self.low_dirty = True
+            elif fold_now:
+                if check:
+                    found |= _core.has_nonfinite(b.flat)
+            else:
+                if check or inv != 1.0:
+                    found |= _core.scale_(b.flat, inv, check=check)
+                if b.stash is not None:
+                    _core.axpy_(b.stash, b.flat, 1.0, check=False)
+                    b.stash = None
+        if any(b.lows for b in self.buffers):
+            self.masters_have_grads = True
+        self.pending = scale if fold_now else 1.0
+        self.folded = fold_now
+        return bool(found)
+
+    def delayed_exit(self) -> None:
+        """delay_unscale: the grads keep the scale of this backward."""
+        self.folded = False
+
+    # ------------------------------------------------------------ zeroing, steps
+    def mark_zeroed(self, param_ids=None) -> None:
+        """All models-are-masters grads (or those of the given params) were zeroed in place."""
+        if self.buffers is None:
+            return
+        for b in self.buffers:
+            if param_ids is None or b.main_ids <= param_ids:
+                b.known_zero = True
+                b.stash = None
+
+    def zero_o2(self, set_to_none: bool) -> None:
+        """O2 optimizer.zero_grad: model grads zeroed, masters marked empty, fp32 params as torch does."""
+        with torch.no_grad():
+            for b in self.buffers:
+                for low in b.lows.values():
+                    _core.fill_(low.flat, 0.0)
+                for i in b.main_idx:
+                    p = b.params[i]
+                    if p.grad is None:
+                        continue
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+                if not set_to_none:
+                    b.known_zero = True
+        self.low_dirty = False
+        self.masters_have_grads = False
+
+    def folded_scale(self) -> Optional[float]:
+        """The scale the grads still carry for the optimizer to divide out, or None."""
+        if self.buffers is None or not self.folded or self.pending == 1.0:
+            return None
+        return self.pending
+
+    def after_step(self, unscaled_in_place: bool) -> None:
+        self.masters_have_grads = False
+        if unscaled_in_place:  # torch's fused kernels write the unscaled grads back
+            self.pending = 1.0
+            self.folded = False
+
+    def after_skip(self) -> None:
+        self.discard = True
+        self.masters_have_grads = False
+        self.folded = False

@@ -1,0 +1,494 @@
+"""Optimizer side of amp: master weights, per-instance method patches, unscaling at scale_loss exit.
+
+Each optimizer passed to ``amp.initialize`` gets an ``_amp_stash`` (upstream's
+name; its presence is how "passed twice" is detected) and instance attributes
+shadowing ``step``, ``zero_grad`` and ``add_param_group`` (plus ``state_dict`` /
+``load_state_dict`` under master weights), removed again on teardown.
+
+Without combine_grad the gradient bookkeeping is upstream's: before a scaled
+backward the existing grads are moved aside (stashed) and ``p.grad`` set to
+None, so the backward produces only the new, scaled grads; at exit those are
+unscaled and checked, and the stashed grads are added back. Under master
+weights (O2) the fp32 master grads are the accumulators: the model's
+low-precision grads are dropped before each backward and, at exit, unscaled
+into the master grads (created, or added to).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ._amp_state import logger, maybe_log
+from ._combined import CombinedGrads
+from ._model import InstancePatch
+
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+MASTER_KEY = "apex_amp_master_params"
+
+
+# ---------------------------------------------------------------- unscale helpers
+
+
+def _unscale_fallback(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
+    found = False
+    for t in tensors:
+        if check:
+            values = t.coalesce().values() if t.is_sparse else t
+            found = found or (bool(values.numel()) and not bool(torch.isfinite(values).all()))
+        t.mul_(inv)
+    return found
+
+
+def unscale_(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
+    """Multiply in place by ``inv``; True if any input value was inf/nan (only looked at when ``check``)."""
+    if not tensors:
+        return False
+    if not check:
+        if inv != 1.0:
+            torch._foreach_mul_(tensors, inv)
+        return False
+    found = False
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, ts in by_device.items():
+        if any(t.is_sparse for t in ts):
+            found |= _unscale_fallback(ts, inv, check)
+            continue
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        inv_t = torch.full((1,), inv, dtype=torch.float32, device=device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, inv_t)
+        except (NotImplementedError, RuntimeError):  # a backend without the fused op
+            found |= _unscale_fallback(ts, inv, check)
+            continue
+        found |= bool(found_inf.item())
+    return found
+
+
+def _zero(p: torch.Tensor, set_to_none: bool) -> None:
+    g = p.grad
+    if g is None:
+        return
+    if set_to_none:
+        p.grad = None
+        return
+    if g.grad_fn is not None:
+        g.detach_()
+    else:
+        g.requires_grad_(False)
+    g.zero_()
+
+
+# ---------------------------------------------------------------- the stash
+
+
+class AmpStash:
+    """amp's per-optimizer state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, session: Any) -> None:
+        props = session.properties
+        self.optimizer = optimizer
+        self.session = session
+        self.master_weights = bool(props.master_weights)
+        self.check_combined_tensors = bool(props.check_combined_tensors)
+        self.params_have_scaled_gradients = False
+        self.skip_pending: Optional[Tuple[int, Any]] = None  # (loss_id, scaler) of the overflow to report
+        self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp32 master, low-precision model param)
+        self.master_ids: set = set()
+        self.model_versions: List[int] = []
+        self.masters_synced = False
+        # apex optimizers (the DESIGN-NOTES protocol) vs anything else
+        self.ours = callable(getattr(optimizer, "combined_grad_buffers", None)) and hasattr(
+            optimizer, "apex_grad_scale"
+        )
+        self.attached = False  # master -> model copy done inside the optimizer's step
+        self.combined: Optional[CombinedGrads] = None
+        self.fold = False
+        self.patches: List[InstancePatch] = []
+        self._stash_params: Optional[List[torch.Tensor]] = None
+        self._grad_stash: Optional[List[Optional[torch.Tensor]]] = None
+        self.torn_down = False
+
+    # ------------------------------------------------------------ capability
+    @property
+    def torch_fused(self) -> bool:
+        """A torch.optim optimizer whose fused kernel unscales and skips in-kernel (grad_scale/found_inf)."""
+        opt = self.optimizer
+        return (not self.ours and bool(getattr(opt, "_step_supports_amp_scaling", False))
+                and all(g.get("fused") for g in opt.param_groups))
+
+    def plain_params(self) -> List[torch.Tensor]:
+        """Params that are their own masters (all of them without master weights)."""
+        ids = self.master_ids
+        return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in ids]
+
+    # ------------------------------------------------------------ masters
+    def make_masters(self) -> None:
+        opt = self.optimizer
+        for gi, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.dtype not in _LOW_DTYPES and p.dtype != torch.float32:
+                    raise TypeError(
+                        f"Optimizer's parameters must be float32, float16 or bfloat16 for master weights; "
+                        f"param {i} of group {gi} is {p.dtype}"
+                    )
+        for group in opt.param_groups:
+            group["params"] = self._masters_for(group["params"])
+        # Recast per-param state (e.g. from a loaded checkpoint) to the masters' dtype.
+        opt.load_state_dict(opt.state_dict())
+        self._attach()
+
+    def _masters_for(self, params) -> List[torch.Tensor]:
+        out = []
+        opt = self.optimizer
+        for p in params:
+            if p.dtype in _LOW_DTYPES:
+                master = p.detach().clone().float()
+                master.requires_grad_(p.requires_grad)
+                if p in opt.state:
+                    opt.state[master] = opt.state.pop(p)
+                self.pairs.append((master, p))
+                self.master_ids.add(id(master))
+                self.model_versions.append(p._version)
+                out.append(master)
+            else:
+                out.append(p)
+        return out
+
+    def _attach(self) -> None:
+        if self.ours and self.pairs:
+            self.optimizer.attach_model_params(list(self.pairs))
+            self.attached = True
+
+    def sync_masters_once(self) -> None:
+        """Before the first backward: masters follow model weights loaded after amp.initialize.
+
+        (Upstream created masters lazily at this point for the same reason.)
+        """
+        if self.masters_synced:
+            return
+        self.masters_synced = True
+        with torch.no_grad():
+            for (master, model), version in zip(self.pairs, self.model_versions):
+                if model._version != version:
+                    master.copy_(model)
+
+    def copy_masters_to_model(self) -> None:
+        if not self.pairs or self.attached:
+            return
+        with torch.no_grad():
+            models = [m for _, m in self.pairs]
+            masters = [m for m, _ in self.pairs]
+            torch._foreach_copy_(models, masters)
+
+    # ------------------------------------------------------------ backward bookkeeping
+    def prepare_backward(self, scale: float) -> None:
+        """Before a scaled backward (not called while grads are already scaled from delay_unscale)."""
+        if self.master_weights:
+            self.sync_masters_once()
+        if self.combined is not None and self.combined.built:
+            self.combined.prepare(scale)
+            return
+        if self.combined is not None:
+            return  # combine mode before the first build: the fresh grads are combined at exit
+        params = self.plain_params()
+        self._stash_params = params
+        self._grad_stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        for _, model in self.pairs:
+            model.grad = None
+
+    def restore_after_error(self) -> None:
+        """The backward raised: put stashed grads back where nothing new arrived."""
+        if self._stash_params is None:
+            return
+        for p, g in zip(self._stash_params, self._grad_stash):
+            if p.grad is None and g is not None:
+                p.grad = g
+        self._stash_params = self._grad_stash = None
+
+    def post_backward(self, scale: float, check: bool, fold: bool) -> bool:
+        """At scale_loss exit: unscale this backward's grads; True if any was inf/nan."""
+        if self.combined is not None:
+            return self.combined.unscale(scale, check, fold and self.fold)
+        inv = 1.0 / scale
+        found = False
+        with torch.no_grad():
+            if self._stash_params is None:  # prepare was skipped (grads were already scaled): unscale all
+                self._stash_params = self.plain_params()
+                self._grad_stash = [None] * len(self._stash_params)
+            new, acc, stashed = [], [], []
+            for p, old in zip(self._stash_params, self._grad_stash):
+                g = p.grad
+                if g is None:
+                    if old is not None:
+                        p.grad = old
+                elif old is None:
+                    new.append(g)
+                else:
+                    acc.append(g)
+                    stashed.append(old)
+            found |= unscale_(new + acc, inv, check)
+            if acc:
+                torch._foreach_add_(acc, stashed)
+            self._stash_params = self._grad_stash = None
+            if self.pairs:
+                found |= self._post_backward_masters(inv, check)
+        return found
+
+    def _post_backward_masters(self, inv: float, check: bool) -> bool:
+        fresh_masters, fresh, acc_dst, acc = [], [], [], []
+        for master, model in self.pairs:
+            g = model.grad
+            if g is None:
+                continue
+            if master.grad is None:
+                fresh_masters.append(master)
+                fresh.append(g.float() if g.dtype != torch.float32 else g.clone())
+            else:
+                acc_dst.append(master.grad)
+                acc.append(g.float())
+        found = unscale_(fresh + acc, inv, check)
+        for master, g in zip(fresh_masters, fresh):
+            master.grad = g
+        if acc:
+            torch._foreach_add_(acc_dst, acc)
+        return found
+
+    def after_delayed_exit(self) -> None:
+        self.params_have_scaled_gradients = True
+        if self.combined is not None:
+            self.combined.delayed_exit()
+        # Stashed grads (upstream: only when prepare ran) go back under the new scaled ones at the real exit.
+
+    # ------------------------------------------------------------ step, zero_grad
+    def step(self, orig_step, closure=None):
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        if self.skip_pending is not None:
+            return self._skip(orig_step)
+        opt = self.optimizer
+        scale = self.combined.folded_scale() if self.combined is not None else None
+        fused_torch = scale is not None and not self.ours
+        if scale is not None:
+            if self.ours:
+                opt.apex_grad_scale = 1.0 / scale
+            else:
+                self._set_torch_scale(scale, found_inf=0.0)
+        try:
+            result = orig_step()
+        finally:
+            if scale is not None:
+                if self.ours:
+                    opt.apex_grad_scale = None
+                else:
+                    self._clear_torch_scale()
+        self.copy_masters_to_model()
+        if self.combined is not None:
+            self.combined.after_step(unscaled_in_place=fused_torch)
+        else:
+            for master, _ in self.pairs:
+                master.grad = None  # not zeroed by model.zero_grad(): upstream clears them here
+        return result
+
+    def _set_torch_scale(self, scale: float, found_inf: float) -> None:
+        opt = self.optimizer
+        device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
+        opt.grad_scale = torch.full((1,), scale, dtype=torch.float32, device=device)
+        opt.found_inf = torch.full((1,), found_inf, dtype=torch.float32, device=device)
+
+    def _clear_torch_scale(self) -> None:
+        for name in ("grad_scale", "found_inf"):
+            if name in self.optimizer.__dict__:
+                delattr(self.optimizer, name)
+
+    def _skip(self, orig_step):
+        loss_id, scaler = self.skip_pending
+        self.skip_pending = None
+        maybe_log("Gradient overflow. Skipping step, loss scaler %d reducing loss scale to %s",
+                  loss_id, scaler.loss_scale())
+        combined = self.combined
+        if combined is not None and combined.folded_scale() is not None and not self.ours:
+            # torch fused kernels skip in-kernel on found_inf (their step counters are restored too)
+            self._set_torch_scale(combined.folded_scale(), found_inf=1.0)
+            try:
+                orig_step()
+            finally:
+                self._clear_torch_scale()
+        if combined is not None:
+            combined.after_skip()
+        else:
+            for master, _ in self.pairs:
+                master.grad = None  # the masters' inf grads must not leak into the next step
+        return None
+
+    def zero_grad(self, orig_zero_grad, set_to_none: bool = True) -> None:
+        combined = self.combined
+        if not self.master_weights:
+            orig_zero_grad(set_to_none=set_to_none)
+            if combined is not None and not set_to_none:
+                combined.mark_zeroed()
+            return
+        if combined is not None and combined.built:
+            combined.zero_o2(set_to_none)
+            return
+        # Upstream O2: model grads and fp32 params' grads zeroed, master grads dropped.
+        for _, model in self.pairs:
+            _zero(model, set_to_none)
+        for p in self.plain_params():
+            _zero(p, set_to_none)
+        for master, _ in self.pairs:
+            master.grad = None
+
+    def add_param_group(self, orig_add, param_group: dict) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if self.master_weights:
+            group = dict(param_group)
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for i, p in enumerate(params):
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"optimizer can only optimize Tensors, but param {i} is {type(p).__name__}")
+                if p.dtype not in _LOW_DTYPES and p.dtype != torch.float32:
+                    raise TypeError(f"Optimizer's parameters must be float32, float16 or bfloat16 for master "
+                                    f"weights; param {i} of the new group is {p.dtype}")
+            n_pairs = len(self.pairs)
+            group["params"] = self._masters_for(params)
+            try:
+                orig_add(group)
+            except Exception:
+                for master, _ in self.pairs[n_pairs:]:
+                    self.master_ids.discard(id(master))
+                del self.pairs[n_pairs:], self.model_versions[n_pairs:]
+                raise
+            self._attach()
+        else:
+            orig_add(param_group)
+        if self.combined is not None:
+            self.combined.invalidate()
+
+    # ------------------------------------------------------------ checkpoints (master weights)
+    def state_dict(self, orig_state_dict) -> dict:
+        sd = orig_state_dict()
+        masters = {id(m) for m, _ in self.pairs}
+        sd[MASTER_KEY] = [
+            p.detach().clone() if id(p) in masters else None
+            for g in self.optimizer.param_groups for p in g["params"]
+        ]
+        return sd
+
+    def load_state_dict(self, orig_load, state_dict: dict) -> None:
+        saved = state_dict.get(MASTER_KEY) if isinstance(state_dict, dict) else None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if saved is not None:
+            if not isinstance(saved, (list, tuple)) or len(saved) != len(params):
+                raise ValueError(
+                    f"loaded state_dict has {len(saved) if isinstance(saved, (list, tuple)) else saved!r} "
+                    f"'{MASTER_KEY}' entries, the optimizer has {len(params)} params"
+                )
+            for i, (p, m) in enumerate(zip(params, saved)):
+                if m is not None and (not isinstance(m, torch.Tensor) or m.shape != p.shape):
+                    raise ValueError(f"'{MASTER_KEY}' entry {i} does not match param {i} of shape {tuple(p.shape)}")
+            state_dict = {k: v for k, v in state_dict.items() if k != MASTER_KEY}
+        orig_load(state_dict)
+        model_of = {id(m): model for m, model in self.pairs}
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                model = model_of.get(id(p))
+                if model is None:
+                    continue
+                if saved is not None and saved[i] is not None:
+                    p.copy_(saved[i])
+                else:  # a checkpoint without masters: take them from the (loaded) model
+                    p.copy_(model)
+        self.masters_synced = True
+        if self.combined is not None:
+            self.combined.invalidate()
+
+    # ------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        for patch in reversed(self.patches):
+            patch.restore()
+        self.patches.clear()
+        if self.attached:
+            self.optimizer.attach_model_params(None)
+            self.attached = False
+        self.torn_down = True
+
+
+def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStash:
+    if hasattr(optimizer, "_amp_stash"):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+    stash = AmpStash(optimizer, session)
+    props = session.properties
+    if stash.master_weights:
+        stash.make_masters()
+    else:
+        stash.masters_synced = True
+    if props.combine_grad:
+        stash.combined = CombinedGrads(stash)
+        if props.fold_unscale:
+            stash.fold = not stash.master_weights and (stash.ours or stash.torch_fused)
+            if not stash.fold:
+                logger.info(
+                    "apex.amp: fold_unscale does not apply to %s (needs an apex optimizer or a fused torch one, "
+                    "without master weights); its grads are unscaled at scale_loss exit", type(optimizer).__name__
+                )
+
+    def patch(name: str, make):
+        # Bound methods, as upstream installs them: LR schedulers wrap ``optimizer.step.__func__``.
+        orig = getattr(optimizer, name)
+        stash.patches.append(InstancePatch(optimizer, name, types.MethodType(make(orig), optimizer)))
+
+    def make_step(orig):
+        def step(self, closure=None):
+            if stash.torn_down:
+                return orig() if closure is None else orig(closure)
+            return stash.step(orig, closure)
+        return step
+
+    def make_zero_grad(orig):
+        def zero_grad(self, set_to_none=True):
+            if stash.torn_down:
+                return orig(set_to_none=set_to_none)
+            return stash.zero_grad(orig, set_to_none)
+        return zero_grad
+
+    def make_add_param_group(orig):
+        def add_param_group(self, param_group):
+            if stash.torn_down:
+                return orig(param_group)
+            return stash.add_param_group(orig, param_group)
+        return add_param_group
+
+    def make_state_dict(orig):
+        def state_dict(self):
+            return orig() if stash.torn_down else stash.state_dict(orig)
+        return state_dict
+
+    def make_load_state_dict(orig):
+        def load_state_dict(self, state_dict):
+            if stash.torn_down:
+                return orig(state_dict)
+            if stash.master_weights:
+                return stash.load_state_dict(orig, state_dict)
+            orig(state_dict)
+            stash.combined.invalidate()
+            return None
+        return load_state_dict
+
+    patch("step", make_step)
+    patch("zero_grad", make_zero_grad)
+    patch("add_param_group", make_add_param_group)
+    if stash.master_weights:
+        patch("state_dict", make_state_dict)
+    if stash.master_weights or stash.combined is not None:
+        patch("load_state_dict", make_load_state_dict)
+    optimizer._amp_stash = stash
+    return stash

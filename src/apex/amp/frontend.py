@@ -1,0 +1,340 @@
+"""``amp.initialize``, amp checkpoints (``state_dict`` / ``load_state_dict``) and ``deinitialize``."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .. import _device
+from . import _ddp
+from ._amp_state import _amp_state, logger, maybe_log
+from ._casts import FunctionPatches
+from ._model import (
+    InstancePatch,
+    check_models,
+    check_params_fp32,
+    convert_network,
+    model_device,
+    patch_forward,
+    patch_zero_grad,
+)
+from ._optimizer import process_optimizer
+from ._properties import Properties, check_opt_level
+from .scaler import LossScaler, check_scale_value
+
+_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class _Session:
+    """Everything one ``amp.initialize`` call set up, and how to undo it."""
+
+    def __init__(self, properties: Properties, device_type: str, low_dtype: torch.dtype) -> None:
+        self.properties = properties
+        self.device_type = device_type
+        self.low_dtype = low_dtype
+        self.patch_functions = bool(properties.patch_torch_functions)
+        self.user_cast_preferred = bool(properties.user_cast_preferred)
+        self.function_patches = FunctionPatches()
+        self.model_patches: List[InstancePatch] = []
+        self.models: List[torch.nn.Module] = []
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.loss_scalers: List[LossScaler] = []
+        self.overflow_flag = False  # npu without inf/nan mode: read the float-status register
+        self.ddp: Any = None
+        self.ddp_replica_count = 4
+
+    def on_model_zero_grad(self, model: torch.nn.Module, set_to_none: bool) -> None:
+        if set_to_none:
+            return  # grads are None now: nothing to accumulate onto
+        ids = frozenset(id(p) for p in model.parameters())
+        for opt in self.optimizers:
+            combined = opt._amp_stash.combined
+            if combined is not None:
+                combined.mark_zeroed(ids)
+
+    def teardown(self) -> None:
+        self.function_patches.restore()
+        for patch in reversed(self.model_patches):
+            patch.restore()
+        self.model_patches.clear()
+        for opt in self.optimizers:
+            opt._amp_stash.teardown()
+
+
+def _as_list(value: Any, kind: type, what: str) -> Tuple[List[Any], bool]:
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        for i, item in enumerate(items):
+            if not isinstance(item, kind):
+                raise TypeError(f"{what} must be either a single {kind.__name__} or a list of them; entry {i} is "
+                                f"{type(item).__name__}")
+        return items, True
+    raise TypeError(f"{what} must be either a single {kind.__name__} or a list of them, got {type(value).__name__}")
+
+
+def _same_shape(items: List[Any], original: Any, was_list: bool) -> Any:
+    if not was_list:
+        return items[0]
+    return type(original)(items) if isinstance(original, tuple) else items
+
+
+def _low_dtype(amp_dtype: Any, device_type: str) -> torch.dtype:
+    if amp_dtype is None:
+        return _device.default_amp_dtype(device_type)
+    if isinstance(amp_dtype, str):
+        dtype = _DTYPE_NAMES.get(amp_dtype.lower())
+    else:
+        dtype = amp_dtype if amp_dtype in (torch.float16, torch.bfloat16) else None
+    if dtype is None:
+        raise ValueError(f"amp.initialize: amp_dtype must be torch.float16, torch.bfloat16 (or their names), "
+                         f"got {amp_dtype!r}")
+    return dtype
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"amp.initialize: {name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"amp.initialize: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def initialize(
+    models,
+    optimizers=None,
+    enabled=True,
+    opt_level="O1",
+    cast_model_type=None,
+    patch_torch_functions=None,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+    loss_scale=None,
+    cast_model_outputs=None,
+    num_losses=1,
+    verbosity=1,
+    dynamic_init_scale=2.0**16,
+    scale_growth_factor=2.0,
+    scale_backoff_factor=0.5,
+    scale_window=2000,
+    min_loss_scale=None,
+    max_loss_scale=2.0**24,
+    combine_grad=None,
+    combine_ddp=None,
+    ddp_replica_count=4,
+    user_cast_preferred=None,
+    check_combined_tensors=None,
+    *,
+    amp_dtype=None,
+    fold_unscale=None,
+):
+    """Prepare models and optimizers for mixed-precision training (see docs/amp.md).
+
+    Returns the models and optimizers in the shape they were given (a single
+    object or a list); without optimizers, only the models. Options left as
+    None take the opt level's value. Beyond upstream: ``amp_dtype`` picks the
+    low-precision dtype (default fp16 on cuda/npu, bf16 on cpu;
+    ``APEX_AMP_DTYPE`` overrides the default), ``fold_unscale=True`` (with
+    combine_grad) leaves the unscale to the optimizer's update when it can do
+    it in the same pass.
+    """
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+        raise TypeError(f"amp.initialize: verbosity must be an int, got {type(verbosity).__name__}")
+    model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
+    if optimizers is None:
+        opt_list, opts_was_list = [], False
+    else:
+        opt_list, opts_was_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+
+    def result():
+        m = _same_shape(model_list, models, models_was_list)
+        if optimizers is None:
+            return m
+        return m, _same_shape(opt_list, optimizers, opts_was_list)
+
+    if not enabled:
+        _amp_state.verbosity = verbosity
+        _amp_state.opt_properties = _disabled_properties()
+        _amp_state.loss_scalers = []
+        _amp_state.session = None
+        return result()
+
+    # ---- every check first: nothing is changed unless all of them pass
+    check_opt_level(opt_level)
+    check_models(model_list)
+    for i, opt in enumerate(opt_list):
+        if hasattr(opt, "_amp_stash"):
+            raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+        if opt_list.index(opt) != i:
+            raise RuntimeError(f"optimizer {i} appears twice in the list passed to amp.initialize")
+    num_losses = _check_int("num_losses", num_losses, 1)
+    scale_window = _check_int("scale_window", scale_window, 1)
+    ddp_replica_count = _check_int("ddp_replica_count", ddp_replica_count, 1)
+    dynamic_init_scale = check_scale_value("dynamic_init_scale", dynamic_init_scale)
+    max_loss_scale = check_scale_value("max_loss_scale", max_loss_scale)
+    min_loss_scale = check_scale_value("min_loss_scale", min_loss_scale, allow_none=True)
+    growth = check_scale_value("scale_growth_factor", scale_growth_factor)
+    backoff = check_scale_value("scale_backoff_factor", scale_backoff_factor)
+    if growth < 1.0:
+        raise ValueError(f"amp.initialize: scale_growth_factor must be >= 1, got {growth}")
+    if backoff > 1.0:
+        raise ValueError(f"amp.initialize: scale_backoff_factor must be in (0, 1], got {backoff}")
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(f"amp.initialize: min_loss_scale ({min_loss_scale}) is larger than max_loss_scale "
+                         f"({max_loss_scale})")
+    if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"amp.initialize: cast_model_outputs must be a floating torch.dtype or None, "
+                        f"got {cast_model_outputs!r}")
+    check_params_fp32(model_list)
+
+    device = model_device(model_list)
+    device_type = _device.autocast_device_type(device)
+    low = _low_dtype(amp_dtype, device_type)
+    props = Properties(opt_level, low)
+    overrides = dict(cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights, loss_scale=loss_scale,
+                     combine_grad=combine_grad, combine_ddp=combine_ddp,
+                     check_combined_tensors=check_combined_tensors, user_cast_preferred=user_cast_preferred,
+                     fold_unscale=fold_unscale)
+    for name, value in overrides.items():
+        if value is not None:
+            props.override(name, value)
+    props.check_combination()
+    if props.master_weights:
+        for i, opt in enumerate(opt_list):
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise TypeError(f"Optimizer's parameters must be float32, float16 or bfloat16 for master "
+                                    f"weights; optimizer {i} has a {p.dtype} param")
+
+    session = _Session(props, device_type, low)
+    session.ddp_replica_count = ddp_replica_count
+    session.overflow_flag = _device.npu_needs_overflow_flag(device_type)
+    session.loss_scalers = [
+        LossScaler(props.loss_scale, init_scale=dynamic_init_scale, scale_factor=growth, scale_window=scale_window,
+                   min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, backoff_factor=backoff)
+        for _ in range(num_losses)
+    ]
+    session.models = model_list
+    session.optimizers = opt_list
+    if props.combine_ddp:
+        session.ddp = _ddp.create(session)  # raises before anything changed when no backend is registered
+
+    # ---- from here on, models and optimizers are changed
+    previous = _amp_state.session
+    if previous is not None:
+        logger.warning("apex.amp: amp.initialize was called again; the previous session's function casts are "
+                       "removed (its models and optimizers stay prepared until amp.deinitialize())")
+        previous.function_patches.restore()
+    _amp_state.verbosity = verbosity
+    maybe_log("Selected optimization level %s: %s (low-precision dtype %s on %s)", opt_level, props.brief, low,
+              device_type)
+    maybe_log("Processed optimization options:\n%s", props.describe())
+
+    if props.cast_model_type:
+        for model in model_list:
+            convert_network(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
+        output_dtype = cast_model_outputs if cast_model_outputs is not None else torch.float32
+        for model in model_list:
+            session.model_patches.append(patch_forward(model, session, props.cast_model_type, output_dtype,
+                                                       autocast=False))
+    elif props.patch_torch_functions or cast_model_outputs is not None:
+        for model in model_list:
+            session.model_patches.append(patch_forward(model, session, None, cast_model_outputs,
+                                                       autocast=bool(props.patch_torch_functions)))
+    for opt in opt_list:
+        process_optimizer(opt, session)
+    if props.combine_grad:
+        for model in model_list:
+            session.model_patches.append(patch_zero_grad(model, session.on_model_zero_grad))
+
+    _amp_state.session = session
+    _amp_state.sessions.append(session)
+    _amp_state.opt_properties = props
+    _amp_state.loss_scalers = session.loss_scalers
+    if session.patch_functions:
+        session.function_patches.install_registry()
+    return result()
+
+
+def _disabled_properties() -> Properties:
+    props = Properties("O0", torch.float16)
+    props.options["enabled"] = False
+    return props
+
+
+def deinitialize() -> None:
+    """Undo every amp.initialize: forward/zero_grad/optimizer patches and function casts are removed.
+
+    Models keep the dtype amp gave them and O2 optimizers keep stepping on their
+    fp32 masters (no longer copied into the model). An optimizer that went
+    through amp.initialize cannot be passed to it again.
+    """
+    for session in reversed(_amp_state.sessions):
+        session.teardown()
+    _amp_state.sessions.clear()
+    _amp_state.session = None
+    _amp_state.opt_properties = None
+    _amp_state.loss_scalers = []
+
+
+_KEY = re.compile(r"loss_scaler(\d+)$")
+
+
+def state_dict(destination=None):
+    """``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` (upstream's format)."""
+    if destination is None:
+        destination = OrderedDict()
+    for idx, scaler in enumerate(_amp_state.loss_scalers):
+        destination[f"loss_scaler{idx}"] = scaler.state()
+    return destination
+
+
+def load_state_dict(state_dict):
+    """Restore the loss scalers from :func:`state_dict` output; everything is checked before anything is set."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"amp.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+    unexpected = [k for k in state_dict if not isinstance(k, str) or _KEY.match(k) is None]
+    if unexpected:
+        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+                           + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    scalers = _amp_state.loss_scalers
+    updates = []
+    for key, entry in state_dict.items():
+        idx = int(_KEY.match(key).group(1))
+        if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
+            raise RuntimeError(f"Error(s) in loading state_dict: {key} must be a dict with 'loss_scale' and "
+                               f"'unskipped', got {entry!r}")
+        scale, unskipped = entry["loss_scale"], entry["unskipped"]
+        if isinstance(scale, torch.Tensor):
+            scale = scale.item()
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise RuntimeError(f"Error(s) in loading state_dict: {key}['loss_scale'] must be a positive number, "
+                               f"got {scale!r}")
+        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
+            raise RuntimeError(f"Error(s) in loading state_dict: {key}['unskipped'] must be a non-negative int, "
+                               f"got {unskipped!r}")
+        if idx >= len(scalers):
+            logger.warning("apex.amp: skipping %s, since num_losses was set to %d", key, len(scalers))
+            continue
+        updates.append((idx, scale, unskipped))
+    if len(state_dict) != len(scalers):
+        logger.warning("apex.amp: state_dict contains %d entries, while %d loss_scalers are used",
+                       len(state_dict), len(scalers))
+    for idx, scale, unskipped in updates:
+        scalers[idx].load(scale, unskipped)
+
+
+def active_session() -> Optional[_Session]:
+    return _amp_state.session
+
+
+__all__ = ["deinitialize", "initialize", "load_state_dict", "state_dict"]
+
+logging.getLogger("apex.amp").addHandler(logging.NullHandler())

@@ -1,0 +1,147 @@
+"""FusedAdam with NVIDIA Apex's signature, defaults and semantics, on combined buffers.
+
+Per param group, with the group's step count ``t`` (NVIDIA keeps one per group)::
+
+    g = grad (+ weight_decay * p                  when adam_w_mode=False: L2, as torch.optim.Adam)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g^2
+    u = (m / bc1) / (sqrt(v / bc2) + eps)        bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (1 with bias_correction=False)
+    p = p - lr * (u + weight_decay * p)         (the decay term only when adam_w_mode=True: AdamW)
+
+so ``adam_w_mode=True`` (the default) is torch.optim.AdamW and ``adam_w_mode=False``
+torch.optim.Adam. Executors: the apex_C ``adam_step`` kernel on CPU (one pass per
+group x dtype), the same math as torch ops on flat slices elsewhere.
+
+Differences from NVIDIA (documented in docs/upstream-compat.md): bf16 params work
+on every device; states are kept in the param dtype (NVIDIA keeps fp32 moments for
+fp16/bf16 params); ``capturable`` / ``master_weights`` (CUDA-graph variants) are
+not available.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .. import _core
+from ._base import CombinedOptimizer, _check_range
+from ._flat import FlatSet
+from ._nvidia import NvidiaCompatMixin, check_betas
+
+__all__ = ["FusedAdam", "nvidia_adam_math"]
+
+_LEGACY_STEP_ARGS_MSG = (
+    "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and call step() "
+    "with no arguments."
+)
+
+
+def nvidia_adam_math(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
+                     grad_scale, settle=None):
+    """One FusedAdam update on fp32 tensors (in place). ``settle(t)`` rounds a state through its storage dtype."""
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay != 0 and not adam_w_mode:
+        g = g.add(p, alpha=weight_decay)
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if settle is not None:
+        settle(m)
+        settle(v)
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    if weight_decay != 0 and adam_w_mode:
+        u.add_(p, alpha=weight_decay)
+    p.add_(u, alpha=-lr)
+
+
+def _settler(dtype: torch.dtype):
+    if dtype == torch.float32:
+        return None
+    return lambda t: t.copy_(t.to(dtype))
+
+
+class FusedAdam(NvidiaCompatMixin, CombinedOptimizer):
+    """Adam / AdamW as ``apex.optimizers.FusedAdam``; drop-in for NVIDIA's class (see the module docstring).
+
+    Args: params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+    weight_decay=0., amsgrad=False, set_grad_none=True, capturable=False, master_weights=False.
+
+    ``amsgrad=True`` raises RuntimeError, as NVIDIA does. ``step()`` takes a closure;
+    NVIDIA's removed step arguments (``grads``, ``output_params``, ``scale``, ``grad_norms``)
+    raise NVIDIA's RuntimeError; ``grad_scaler`` is accepted and ignored (NVIDIA reads it
+    only in its capturable mode). ``zero_grad()`` without arguments follows ``set_grad_none``.
+    """
+
+    _has_step = False  # NVIDIA: group["step"], no per-param step
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        if capturable:
+            raise ValueError(
+                "FusedAdam(capturable=True): CUDA-graph capture is not supported by apex's combined-buffer "
+                "executors; expected capturable=False"
+            )
+        if master_weights:
+            # NVIDIA allows master weights only with capturable=True, which is unavailable here
+            raise RuntimeError("Master weights is currently only supported with the capturable version.")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._validate_group(defaults)
+        self.adam_w_mode = bool(adam_w_mode)
+        self.set_grad_none = bool(set_grad_none)
+        self.capturable = False
+        self.master_weights = False
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict) -> None:
+        _check_range("learning rate", group["lr"], 0.0)
+        _check_range("epsilon value", group["eps"], 0.0)
+        check_betas(group["betas"])
+        _check_range("weight_decay value", group["weight_decay"], 0.0)
+
+    def _state_names(self, group: dict) -> List[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
+    @torch.no_grad()
+    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
+        """One update of every param with a grad. Returns the closure's loss (None without a closure)."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError(_LEGACY_STEP_ARGS_MSG)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._advance_group_steps()
+        super().step()
+        return loss
+
+    def _kernel_step(self, s: FlatSet, group: dict) -> None:
+        self._use_group_step(s, group)
+        b1, b2 = group["betas"]
+        flags = _core.ext.FLAG_DECOUPLED if self.adam_w_mode else 0
+        if not group["bias_correction"]:
+            flags |= _core.ext.FLAG_NO_BIAS_CORRECTION
+        a = self._prepare_args(s, [group["lr"], b1, b2, group["eps"], group["weight_decay"]], flags)
+        _core.ext.adam_step(a)
+
+    def _torch_step(self, s: FlatSet, group: dict) -> None:
+        step = self._use_group_step(s, group)
+        b1, b2 = group["betas"]
+        settle = _settler(s.dtype)
+        for lo, hi, _, _, _ in s.active_runs():
+            p = self._f32(s.flat_p[lo:hi])
+            m = self._f32(s.flat_s["exp_avg"][lo:hi])
+            v = self._f32(s.flat_s["exp_avg_sq"][lo:hi])
+            nvidia_adam_math(
+                p, self._f32(s.flat_g[lo:hi]), m, v, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=step, adam_w_mode=self.adam_w_mode,
+                bias_correction=group["bias_correction"], grad_scale=self._grad_scale(), settle=settle,
+            )
+            self._write_back(s.flat_p[lo:hi], p)
+            self._write_back(s.flat_s["exp_avg"][lo:hi], m)
+            self._write_back(s.flat_s["exp_avg_sq"][lo:hi], v)
+        self.last_executor = "torch"

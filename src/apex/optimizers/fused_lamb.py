@@ -1,0 +1,218 @@
+"""FusedLAMB with NVIDIA Apex's signature, defaults and semantics, on combined buffers.
+
+LAMB (You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76
+minutes") as NVIDIA's FusedLAMB computes it. Once per ``step()``, over the grads of
+all param groups::
+
+    n = ||all grads||_2 ;   c = n / max_grad_norm if n > max_grad_norm else 1   (max_grad_norm: the constructor's)
+
+then per param group, with the group's step count ``t``::
+
+    g  = grad / c  (+ weight_decay * p           when adam_w_mode=False: L2 inside the moments)
+    m  = beta1 * m + beta3 * g                    beta3 = 1 - beta1 with grad_averaging, else 1
+    v  = beta2 * v + (1 - beta2) * g^2
+    u  = (m / bc1) / (sqrt(v / bc2) + eps)       bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (1 without bias_correction)
+         (+ weight_decay * p                      when adam_w_mode=True: decoupled decay in the update)
+    r  = ||p|| / ||u||  per tensor               only when weight_decay != 0 or use_nvlamb; r = 1 if either norm is 0
+    p  = p - lr * r * u
+
+Executors: on CPU the apex_C ``sum_sq`` pass for the global norm, then two kernel passes
+per group x dtype (``lamb_stage1``: m, v and the per-tensor norms of p and u;
+``lamb_stage2``: the update with the trust ratios). With ``adam_w_mode=False`` and a
+non-zero weight decay the L2 term is formed first in a scratch buffer (two more cheap
+passes). Elsewhere the same math runs as torch ops on flat slices.
+
+Unlike NVIDIA, the grads are left as they are (NVIDIA overwrites ``p.grad`` with ``u``),
+bf16 params work, and ``max_grad_norm=None`` disables the clipping.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Union
+
+import torch
+
+from .. import _core
+from ._base import CombinedOptimizer, _check_range
+from ._flat import FlatSet
+from ._nvidia import NvidiaCompatMixin, check_betas
+from .clip import grad_runs, healed_sets, total_grad_norm
+
+__all__ = ["FusedLAMB", "lamb_clip_divisor"]
+
+
+def lamb_clip_divisor(norm: Union[float, torch.Tensor], max_grad_norm: Optional[float]):
+    """NVIDIA's global clipping: the grads are divided by norm/max_grad_norm when the norm exceeds it."""
+    if max_grad_norm is None:
+        return 1.0
+    if isinstance(norm, torch.Tensor):
+        return torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
+    return norm / max_grad_norm if norm > max_grad_norm else 1.0
+
+
+class _Scratch:
+    """Per-FlatSet kernel inputs: per-segment norms (float64 pairs) and trust ratios (float32)."""
+
+    def __init__(self, s: FlatSet):
+        self.norms = torch.zeros(2 * s.nseg, dtype=torch.float64)
+        self.ratio = torch.ones(s.nseg, dtype=torch.float32)
+
+
+class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
+    """LAMB as ``apex.optimizers.FusedLAMB`` (see the module docstring for the exact math).
+
+    Args: params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+    amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
+    use_nvlamb=False.
+
+    As NVIDIA: ``amsgrad=True`` raises RuntimeError; ``max_grad_norm`` is read from the
+    constructor's defaults (not per group); ``adam_w_mode``, ``use_nvlamb`` and
+    ``set_grad_none`` are optimizer attributes; the step count is per group.
+    """
+
+    _has_step = False
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                 amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
+                 use_nvlamb=False):
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        self._validate_group(defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0  # NVIDIA's int flag
+        self.set_grad_none = bool(set_grad_none)
+        self.use_nvlamb = bool(use_nvlamb)
+        self._scratch: weakref.WeakKeyDictionary[FlatSet, _Scratch] = weakref.WeakKeyDictionary()
+        self._clip: Union[float, torch.Tensor] = 1.0
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict) -> None:
+        _check_range("learning rate", group["lr"], 0.0)
+        _check_range("epsilon value", group["eps"], 0.0)
+        check_betas(group["betas"])
+        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        if group.get("max_grad_norm") is not None:
+            _check_range("max_grad_norm", group["max_grad_norm"], 0.0)
+
+    def _state_names(self, group: dict) -> List[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
+    # ------------------------------------------------------------------ step
+    def _max_grad_norm(self) -> Optional[float]:
+        value = self.defaults.get("max_grad_norm")
+        return None if value is None else float(value)
+
+    def _global_clip(self) -> Union[float, torch.Tensor]:
+        """Divisor of every grad this step, from the (unscaled) norm of all grads of all groups."""
+        max_norm = self._max_grad_norm()
+        if max_norm is None:
+            return 1.0
+        total = total_grad_norm(healed_sets(self), 2.0)
+        return lamb_clip_divisor(total * self._grad_scale(), max_norm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One LAMB update of every param with a grad. Returns the closure's loss (None without a closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._advance_group_steps()
+        self._clip = self._global_clip()
+        super().step()
+        return loss
+
+    def _grad_mul(self) -> Union[float, torch.Tensor]:
+        """What each stored grad is multiplied by: amp's folded unscale over the clipping divisor."""
+        return self._grad_scale() / self._clip
+
+    def _uses_ratio(self, group: dict) -> bool:
+        return self.use_nvlamb or group["weight_decay"] != 0
+
+    def _lamb_flags(self, group: dict) -> int:
+        flags = _core.ext.FLAG_BETA3
+        if group["bias_correction"]:
+            flags |= _core.ext.FLAG_BIAS_CORRECTION
+        return flags
+
+    @staticmethod
+    def _beta3(group: dict) -> float:
+        return 1.0 - group["betas"][0] if group["grad_averaging"] else 1.0
+
+    def _kernel_step(self, s: FlatSet, group: dict) -> None:
+        self._use_group_step(s, group)
+        b1, b2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        scratch = self._scratch.get(s)
+        if scratch is None:
+            scratch = self._scratch[s] = _Scratch(s)
+        flags = self._lamb_flags(group)
+        a = self._prepare_args(s, [], flags)
+        a.grad_scale = float(self._grad_mul())
+        a.seg_gmul = 0
+        a.seg_mul = 0
+        kernel_wd = wd
+        l2_grad = None
+        if wd != 0 and not self.adam_w_mode:
+            # L2 mode: the moments see g/c + wd*p, and the update has no decay term
+            l2_grad = torch.empty_like(s.flat_g)
+            _core.scale_(s.flat_g, a.grad_scale, out=l2_grad, check=False)
+            _core.axpy_(s.flat_p, l2_grad, wd, check=False)
+            a.g = l2_grad.data_ptr()
+            a.grad_scale = 1.0
+            kernel_wd = 0.0
+        try:
+            a.hp = [b1, b2, eps, kernel_wd, self._beta3(group)]
+            a.seg_out = scratch.norms.data_ptr()
+            _core.ext.lamb_stage1(a)
+            if self._uses_ratio(group):
+                sq = scratch.norms.view(-1, 2).sqrt()
+                p_norm, u_norm = sq[:, 0], sq[:, 1]
+                ok = (p_norm != 0) & (u_norm != 0)
+                scratch.ratio.copy_(torch.where(ok, p_norm / torch.where(ok, u_norm, 1.0), 1.0))
+                a.seg_mul = scratch.ratio.data_ptr()
+            a.hp = [group["lr"], eps, kernel_wd, b1, b2]
+            _core.ext.lamb_stage2(a)
+        finally:
+            a.seg_out = 0
+            a.seg_mul = 0
+            a.g = s.flat_g.data_ptr()
+
+    def _torch_step(self, s: FlatSet, group: dict) -> None:
+        step = self._use_group_step(s, group)
+        b1, b2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        b3 = self._beta3(group)
+        bc1 = 1 - b1**step if group["bias_correction"] else 1.0
+        bc2 = 1 - b2**step if group["bias_correction"] else 1.0
+        mul = self._grad_mul()
+        bounds = [*s.offsets, s.total]
+        for lo, hi, k0, k1 in grad_runs(s):
+            p = self._f32(s.flat_p[lo:hi])
+            g = self._f32(s.flat_g[lo:hi]) * mul  # a new tensor: the user's grads stay as they are
+            if wd != 0 and not self.adam_w_mode:
+                g.add_(p, alpha=wd)
+            m_st, v_st = s.flat_s["exp_avg"][lo:hi], s.flat_s["exp_avg_sq"][lo:hi]
+            m, v = self._f32(m_st), self._f32(v_st)
+            m.mul_(b1).add_(g, alpha=b3)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._write_back(m_st, m)
+            self._write_back(v_st, v)
+            # u from the stored (possibly rounded) moments, as the kernel computes it
+            u = (self._f32(m_st) / bc1).div_((self._f32(v_st) / bc2).sqrt_().add_(eps))
+            if wd != 0 and self.adam_w_mode:
+                u.add_(p, alpha=wd)
+            if self._uses_ratio(group):
+                lengths = [bounds[k + 1] - bounds[k] for k in range(k0, k1)]
+                p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, lengths))))
+                u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, lengths))))
+                ok = (p_norm != 0) & (u_norm != 0)
+                ratio = torch.where(ok, p_norm / torch.where(ok, u_norm, 1.0), 1.0)
+                scale = torch.repeat_interleave(ratio, torch.tensor(lengths, device=p.device), output_size=hi - lo)
+                p.addcmul_(scale, u, value=-lr)
+            else:
+                p.add_(u, alpha=-lr)
+            self._write_back(s.flat_p[lo:hi], p)
+        self.last_executor = "torch"

@@ -1,0 +1,613 @@
+"""The fused-optimizer framework (CombinedOptimizer / FlatSet), exercised through NpuFusedAdam(W).
+
+Covers what every fused optimizer inherits: param groups, add_param_group,
+frozen params, torch's missing-grad rule and per-param step counts, zero_grad,
+hyperparameter changes, state_dict interchange and compact checkpoints,
+detection and healing of sharing broken by user code (one test per way, with
+storage identity of params, grads and states and the re-combine counter),
+clear errors that change nothing, closures, copies.
+"""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from _optim_harness import (
+    assert_close_rel,
+    lr_schedule_hook,
+    make_params,
+    run_side_by_side,
+)
+from apex.contrib import is_combined_tensor_valid
+from apex.optimizers import NpuFusedAdam, NpuFusedAdamW
+from test_optim_adam import ADAM, ADAMW, HP
+
+HP_NO_AMS = dict(HP, amsgrad=False)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def assert_shared(opt) -> int:
+    """Every param, grad and state entry of `opt` is a view of its flat buffer at its slot; returns #params."""
+    n = 0
+    for gi, group in enumerate(opt.param_groups):
+        cache = opt._groups[gi]
+        assert cache.params is group["params"]
+        assert sum(len(s.params) for s in cache.sets) == len(group["params"])
+        for s in cache.sets:
+            assert is_combined_tensor_valid(s.flat_p, s.params), f"group {gi}: params left their flat buffer"
+            for k, p in enumerate(s.params):
+                where = f"group {gi} param {k}"
+                if p.grad is not None:
+                    assert p.grad is s.grad_views[k], f"{where}: grad is not the bound view"
+                    assert _key(p.grad) == _key(s.flat_g), f"{where}: grad outside the flat grad buffer"
+                    assert p.grad.storage_offset() == s.flat_g.storage_offset() + s.offsets[k]
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                for name in s.state_names:
+                    v, flat = st[name], s.flat_s[name]
+                    assert _key(v) == _key(flat), f"{where}: state {name!r} outside its flat buffer"
+                    assert v.storage_offset() == flat.storage_offset() + s.offsets[k], f"{where}: {name!r} slot"
+                    assert v.shape == p.shape and v.dtype == p.dtype and v.device == p.device
+                if s.has_step:
+                    assert _key(st["step"]) == _key(s.steps) and st["step"].storage_offset() == k
+                n += 1
+    return n
+
+
+class Net(torch.nn.Module):
+    def __init__(self, conv: bool = False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3) if conv else None
+        self.l1 = torch.nn.Linear(6 if not conv else 4 * 3 * 3, 8)
+        self.l2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        if self.conv is not None:
+            x = self.conv(x).flatten(1)
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def twins(conv: bool = False, ours_cls=NpuFusedAdam, hp=HP_NO_AMS, device="cpu"):
+    """(our model, our optimizer, torch model, torch optimizer, input) with identical initial values."""
+    torch.manual_seed(0)
+    model = Net(conv).to(device)
+    ref_model = copy.deepcopy(model)
+    torch_cls = torch.optim.AdamW if ours_cls is NpuFusedAdamW else torch.optim.Adam
+    x = torch.randn(5, 3, 5, 5, device=device) if conv else torch.randn(5, 6, device=device)
+    return model, ours_cls(model.parameters(), **hp), ref_model, torch_cls(ref_model.parameters(), **hp), x
+
+
+def train(model, opt, x, steps=1, set_to_none=False, scale=1.0):
+    for i in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        model(x * (scale + 0.1 * i)).pow(2).mean().backward()
+        opt.step()
+
+
+def assert_models_close(a, b, what="param"):
+    pa, pb = list(a.parameters()), list(b.parameters())
+    p0max = max(float(p.detach().abs().max()) for p in pb)
+    for k, (p, q) in enumerate(zip(pa, pb)):
+        assert_close_rel(p, q, p0max, f"{what} {k}")
+
+
+# ------------------------------------------------------------------ undisturbed training
+def test_thirty_undisturbed_steps_combine_once():
+    model, ours, ref_model, ref, x = twins()
+    for step in range(30):
+        train(model, ours, x, scale=1.0 + 0.05 * step)
+        train(ref_model, ref, x, scale=1.0 + 0.05 * step)
+        assert ours.recombine_count == 1, f"step {step}"
+        assert ours.last_executor == "apex_C"
+    assert assert_shared(ours) == 4
+    assert_models_close(model, ref_model)
+
+
+def test_set_to_none_rebinds_grads_each_step():
+    """zero_grad() (set_to_none=True, torch's default): backward makes new grad tensors, each step adopts
+    them (one event per step), and the result is torch's."""
+    model, ours, ref_model, ref, x = twins()
+    for step in range(5):
+        train(model, ours, x, set_to_none=True)
+        train(ref_model, ref, x, set_to_none=True)
+        assert ours.recombine_count == step + 1
+        assert_shared(ours)
+    ours.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert_models_close(model, ref_model)
+
+
+def test_zero_grad_keeps_views_and_zeroes_them():
+    model, ours, ref_model, ref, x = twins()
+    # before the first step nothing is combined: torch's per-tensor zeroing
+    model(x).sum().backward()
+    ours.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    train(model, ours, x)
+    views = [p.grad for p in model.parameters()]
+    ours.zero_grad(set_to_none=False)
+    assert all(p.grad is v and not v.any() for p, v in zip(model.parameters(), views))
+    assert all(not s.flat_g[: s.total].any() for c in ours._groups.values() for s in c.sets)
+    # a grad replaced by the user is zeroed too (and adopted at the next step)
+    p0 = next(model.parameters())
+    p0.grad = torch.ones_like(p0)
+    ours.zero_grad(set_to_none=False)
+    assert not p0.grad.any()
+
+
+# ------------------------------------------------------------------ groups and params
+def test_param_groups_with_different_hyperparameters(device):
+    layout = [
+        (2, dict(lr=0.02, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+        (3, dict(lr=0.001, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, amsgrad=False)),
+        (1, dict(lr=0.05, betas=(0.5, 0.999), eps=1e-3, weight_decay=0.01, amsgrad=False)),
+    ]
+    ours, *_ = run_side_by_side(ADAM, layout, device=device, seed=12, ref_kind="torch", steps=15)
+    assert len(ours._groups) == 3 and ours.recombine_count == 1
+
+
+def test_add_param_group_after_steps(device):
+    gen = torch.Generator().manual_seed(1)
+    base = make_params([(4, 3), (5,), (2, 2)], torch.float32, device, gen)
+    ours_p = [torch.nn.Parameter(t.detach().clone()) for t in base]
+    ref_p = [torch.nn.Parameter(t.detach().clone()) for t in base]
+    ours = NpuFusedAdam(ours_p[:2], **HP)
+    ref = torch.optim.Adam(ref_p[:2], **HP)
+    for step in range(8):
+        if step == 4:
+            ours.add_param_group(dict(params=ours_p[2:], lr=0.03, amsgrad=False))
+            ref.add_param_group(dict(params=ref_p[2:], lr=0.03, amsgrad=False))
+        for p, q in zip(ours_p, ref_p):
+            q.grad = torch.randn(q.shape, generator=gen).to(device)
+            if p.grad is None:
+                p.grad = q.grad.clone()
+            else:
+                p.grad.copy_(q.grad)  # in place: a new grad object would be an adoption event
+        ours.step()
+        ref.step()
+        assert ours.recombine_count == (1 if step < 4 else 2)
+    for k, (p, q) in enumerate(zip(ours_p, ref_p)):
+        assert_close_rel(p, q, 3.0, f"param {k}")
+        assert float(ours.state[p]["step"]) == float(ref.state[q]["step"]) == (8 if k < 2 else 4)
+    assert assert_shared(ours) == 3
+
+
+def test_frozen_params_are_never_touched(device):
+    ours, params, _, _ = run_side_by_side(ADAMW, [(4, HP)], device=device, seed=3, ref_kind="torch", steps=8,
+                                          frozen=(1, 2))
+    for k in (1, 2):
+        assert params[k].grad is None and params[k] not in ours.state
+    assert "state" in ours.state_dict() and sorted(ours.state_dict()["state"]) == [0, 3]
+
+
+def test_missing_grads_skip_and_keep_per_param_step_counts(device):
+    """torch's rule: grad None at step() = skipped, step count not advanced; bias correction per param."""
+    ours, params, ref, ref_params = run_side_by_side(
+        ADAM, [(4, HP)], device=device, seed=8, ref_kind="torch", steps=12,
+        skip=lambda step, k: (k == 0 and step < 5) or (k == 2 and step % 3 == 1),
+    )
+    steps = [float(ours.state[p]["step"]) for p in params]
+    assert steps == [float(ref.state[q]["step"]) for q in ref_params] == [7.0, 12.0, 8.0, 12.0]
+
+
+def test_zero_grad_without_set_to_none_is_a_normal_update(device):
+    """A zero grad (not None) is an update: the moments decay and the step count advances."""
+    p = torch.nn.Parameter(torch.randn(4, 3, device=device))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours, ref = NpuFusedAdam([p], **HP), torch.optim.Adam([q], **HP)
+    for step in range(4):
+        g = torch.randn(p.shape, device=device) if step < 2 else torch.zeros(p.shape, device=device)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert float(ours.state[p]["step"]) == 4.0
+    assert_close_rel(p, q, 2.0, "param")
+    assert_close_rel(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"], 1.0, "exp_avg")
+
+
+def test_mixed_dtypes_in_one_group():
+    """One group with fp32 and bf16 params: one flat set per dtype, each as if optimized alone."""
+    gen = torch.Generator().manual_seed(6)
+    f32 = make_params([(3, 4), (7,)], torch.float32, "cpu", gen)
+    b16 = make_params([(5,), (2, 3)], torch.bfloat16, "cpu", gen)
+    mixed = [f32[0], b16[0], f32[1], b16[1]]
+    alone = [torch.nn.Parameter(t.detach().clone()) for t in mixed]
+    ours = NpuFusedAdam(mixed, **HP)
+    refs = [NpuFusedAdam([alone[0], alone[2]], **HP), NpuFusedAdam([alone[1], alone[3]], **HP)]
+    for _ in range(5):
+        for p, q in zip(mixed, alone):
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            q.grad = p.grad.clone()
+        ours.step()
+        for r in refs:
+            r.step()
+    assert sorted(str(s.dtype) for s in ours._groups[0].sets) == ["torch.bfloat16", "torch.float32"]
+    for p, q in zip(mixed, alone):
+        assert torch.equal(p, q)
+    assert assert_shared(ours) == 4
+
+
+def test_no_grads_at_all_changes_nothing():
+    p = torch.nn.Parameter(torch.randn(3))
+    before = p.detach().clone()
+    opt = NpuFusedAdam([p])
+    opt.step()
+    assert torch.equal(p, before) and not opt.state and opt.state_dict()["state"] == {}
+
+
+# ------------------------------------------------------------------ hyperparameter changes
+@pytest.mark.parametrize("kind", ["step", "lambda"])
+def test_lr_scheduler_takes_effect_next_step(kind, device):
+    run_side_by_side(ADAM, [(3, HP)], device=device, seed=4, ref_kind="torch", steps=12,
+                     between=lr_schedule_hook(kind))
+
+
+def test_group_hyperparameter_changes_take_effect_next_step(device):
+    def between(step, ours, ref):
+        for opt in (ours, ref):
+            g = opt.param_groups[0]
+            if step == 4:
+                g["betas"], g["eps"] = (0.7, 0.95), 1e-4
+            if step == 8:
+                g["weight_decay"], g["lr"] = 0.2, 0.005
+
+    run_side_by_side(ADAMW, [(3, HP_NO_AMS)], device=device, seed=5, ref_kind="torch", steps=12, between=between)
+
+
+def test_tensor_lr_equals_float_lr():
+    gen = torch.Generator().manual_seed(2)
+    a = make_params([(4, 4)], torch.float32, "cpu", gen)
+    b = [torch.nn.Parameter(t.detach().clone()) for t in a]
+    oa, ob = NpuFusedAdam(a, lr=torch.tensor(0.01)), NpuFusedAdam(b, lr=0.01)
+    for _ in range(3):
+        a[0].grad = torch.randn(4, 4, generator=gen)
+        b[0].grad = a[0].grad.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(a[0], b[0])
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_checkpoint_is_compact():
+    """torch.save of our state_dict is as small as torch's: views are saved, not whole flat buffers."""
+    model, ours, ref_model, ref, x = twins(hp=HP)
+    train(model, ours, x, steps=2)
+    train(ref_model, ref, x, steps=2)
+    sizes = []
+    for opt in (ours, ref):
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        sizes.append(buf.tell())
+    state_bytes = sum(v.numel() * v.element_size() for st in ref.state.values() for v in st.values())
+    assert sizes[0] <= sizes[1] * 1.05 + 1024, sizes
+    assert sizes[0] < 2 * state_bytes + 16384, (sizes, state_bytes)
+
+
+def test_full_checkpoint_roundtrip_resumes_bitwise(tmp_path):
+    """model + optimizer through torch.save/torch.load files: the resumed run equals the uninterrupted one."""
+    model, ours, _, _, x = twins(hp=HP)
+    train(model, ours, x, steps=3)
+    torch.save({"model": model.state_dict(), "opt": ours.state_dict()}, tmp_path / "ckpt.pt")
+    train(model, ours, x, steps=4, scale=2.0)
+    ck = torch.load(tmp_path / "ckpt.pt")
+    torch.manual_seed(1)
+    model2 = Net()
+    model2.load_state_dict(ck["model"])
+    ours2 = NpuFusedAdam(model2.parameters(), **HP)
+    ours2.load_state_dict(ck["opt"])
+    train(model2, ours2, x, steps=4, scale=2.0)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        for n, v in ours.state[p].items():
+            assert torch.equal(v, ours2.state[q][n]), n
+    assert_shared(ours2)
+
+
+def test_load_state_dict_into_running_optimizer_recombines_once():
+    model, ours, _, _, x = twins()
+    train(model, ours, x, steps=2)
+    sd = ours.state_dict()
+    ours.load_state_dict(sd)
+    train(model, ours, x, steps=3)
+    assert ours.recombine_count == 2
+    assert_shared(ours)
+
+
+def test_deepcopy_and_pickle_give_working_optimizers():
+    model, ours, _, _, x = twins()
+    train(model, ours, x, steps=2)
+    for clone in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        ps = [p for g in clone.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        clone.step()
+        assert clone.recombine_count == 1 and clone.last_executor == "apex_C"
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the copy shares nothing"
+        assert_shared(clone)
+
+
+# ------------------------------------------------------------------ sharing broken by user code
+def _break_and_check(mutate, conv=False, compare_torch=True):
+    """3 clean steps, `mutate(model)` on both twins, 3 more steps: healed once, torch's result."""
+    model, ours, ref_model, ref, x = twins(conv=conv)
+    train(model, ours, x, steps=3)
+    train(ref_model, ref, x, steps=3)
+    assert ours.recombine_count == 1
+    mutate(model, ours, x)
+    mutate(ref_model, ref, x)
+    ours.step()
+    ref.step()
+    assert ours.recombine_count == 2, "the break must be healed by exactly one re-combine"
+    assert_shared(ours)
+    train(model, ours, x, steps=3)
+    train(ref_model, ref, x, steps=3)
+    assert ours.recombine_count == 2
+    assert_shared(ours)
+    if compare_torch:
+        assert_models_close(model, ref_model)
+    return model, ours
+
+
+def test_break_by_assigning_param_data():
+    def mutate(model, opt, x):
+        with torch.no_grad():
+            model.l1.weight.data = model.l1.weight.detach() * 0.5 + 0.1  # a new tensor with new values
+
+    _break_and_check(mutate)
+
+
+def test_break_by_assigning_a_new_grad():
+    def mutate(model, opt, x):
+        opt.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        model.l2.bias.grad = model.l2.bias.grad.clone() * 3.0
+
+    _break_and_check(mutate)
+
+
+def test_break_by_grad_none_then_backward():
+    def mutate(model, opt, x):
+        opt.zero_grad(set_to_none=False)
+        model.l1.weight.grad = None  # backward creates a fresh grad tensor for this param only
+        model(x).pow(2).mean().backward()
+
+    _break_and_check(mutate)
+
+
+def test_break_by_model_to_memory_format():
+    """model.to(memory_format=channels_last) rebinds the conv weight to a new (channels_last) tensor."""
+
+    def mutate(model, opt, x):
+        opt.zero_grad(set_to_none=False)
+        model.to(memory_format=torch.channels_last)
+        model(x).pow(2).mean().backward()
+
+    model, _ = _break_and_check(mutate, conv=True)
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_break_by_model_to_dtype():
+    """model.to(bf16) after steps: the next step runs on bf16 buffers with the states cast to bf16,
+    exactly as a fresh optimizer loading the state_dict (torch casts states to the param dtype)."""
+    model, ours, _, _, x = twins(hp=HP)
+    train(model, ours, x, steps=3)
+    saved = copy.deepcopy(ours.state_dict())
+    model.to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    twin_opt = NpuFusedAdam(twin.parameters(), **HP)
+    twin_opt.load_state_dict(saved)
+    xb = x.to(torch.bfloat16)
+    for m, o in ((model, ours), (twin, twin_opt)):
+        o.zero_grad(set_to_none=False)
+        m(xb).pow(2).mean().backward()
+        o.step()
+    assert ours.recombine_count == 2 and ours.last_executor == "apex_C"
+    assert all(s.dtype == torch.bfloat16 for s in ours._groups[0].sets)
+    assert assert_shared(ours) == 4
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+        for n, v in ours.state[p].items():
+            assert torch.equal(v, twin_opt.state[q][n]), n
+    train(model, ours, xb, steps=2)
+    assert ours.recombine_count == 2
+
+
+def test_break_by_model_to_device(device):
+    """model.to(another device) after steps: the next step runs there, states moved along.
+
+    With a GPU/NPU the model goes to the host CPU and back; on a CPU-only machine the other device
+    is ``meta`` (no values, so only the healing is checked: buffers, views and states on meta).
+    """
+    model, ours, _, _, x = twins(hp=HP, device=device)
+    train(model, ours, x, steps=3)
+    other = "meta" if device == "cpu" else "cpu"
+    saved = copy.deepcopy(ours.state_dict())
+    model.to(other)
+    twin = copy.deepcopy(model)
+    twin_opt = NpuFusedAdam(twin.parameters(), **HP)
+    twin_opt.load_state_dict(saved)
+    for m, o in ((model, ours), (twin, twin_opt)):
+        o.zero_grad(set_to_none=False)
+        m(x.to(other)).pow(2).mean().backward()
+        o.step()
+    assert ours.recombine_count == 2
+    assert all(s.device.type == other for s in ours._groups[0].sets)
+    assert assert_shared(ours) == 4
+    assert all(v.device.type == other for st in ours.state.values() for v in st.values() if v.dim())
+    if other != "meta":
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+    else:
+        assert ours.last_executor == "torch"
+
+
+def test_break_two_ways_before_one_step_counts_once():
+    def mutate(model, opt, x):
+        opt.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        model.l1.bias.data = model.l1.bias.detach().clone()
+        model.l2.weight.grad = model.l2.weight.grad.clone()
+
+    _break_and_check(mutate)
+
+
+def test_replacing_the_group_param_list_recombines():
+    model, ours, _, _, x = twins()
+    train(model, ours, x, steps=2)
+    ours.param_groups[0]["params"] = list(ours.param_groups[0]["params"])
+    train(model, ours, x, steps=2)
+    assert ours.recombine_count == 2
+    assert_shared(ours)
+
+
+# ------------------------------------------------------------------ errors change nothing
+def _snapshot(opt, params):
+    sd = copy.deepcopy(opt.state_dict())
+    return sd, [p.detach().clone() for p in params], [p.data_ptr() for p in params], opt.recombine_count
+
+
+def _assert_unchanged(opt, params, snap):
+    sd, values, ptrs, count = snap
+    assert [p.data_ptr() for p in params] == ptrs, "params were rebound"
+    assert all(torch.equal(p, v) for p, v in zip(params, values)), "params changed"
+    now = opt.state_dict()
+    assert now["param_groups"] == sd["param_groups"]
+    assert list(now["state"]) == list(sd["state"])
+    for k, st in sd["state"].items():
+        for n, v in st.items():
+            assert torch.equal(now["state"][k][n], v), (k, n)
+    assert opt.recombine_count == count
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["before-combine", "after-combine"])
+def test_sparse_grad_is_rejected_and_changes_nothing(combined):
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 2)
+    params = [*lin.parameters(), emb.weight]
+    opt = NpuFusedAdam(params)
+    if combined:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    lin(emb(torch.tensor([1, 2, 3]))).sum().backward()
+    assert emb.weight.grad.is_sparse
+    snap = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="sparse gradients.*expected a dense"):
+        opt.step()
+    _assert_unchanged(opt, params, snap)
+
+
+@pytest.mark.parametrize(
+    "make, error, pattern",
+    [
+        (lambda: torch.zeros(3, dtype=torch.int64), TypeError, "floating point params; param 0 has dtype torch.int64"),
+        (lambda: torch.zeros(3, dtype=torch.float64), TypeError, "float32, float16 and bfloat16"),
+        (lambda: torch.zeros(3, dtype=torch.complex64), TypeError, "complex params.*view_as_real"),
+        (lambda: torch.zeros(3).to_sparse(), TypeError, "sparse params"),
+    ],
+    ids=["int64", "float64", "complex64", "sparse"],
+)
+def test_unsupported_params_are_rejected(make, error, pattern):
+    with pytest.raises(error, match=pattern):
+        NpuFusedAdam([make()])
+    opt = NpuFusedAdam([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(error, match=pattern):
+        opt.add_param_group({"params": [make()]})
+    assert len(opt.param_groups) == 1
+
+
+def test_params_on_different_devices_are_rejected():
+    with pytest.raises(ValueError, match=r"one device, got \['cpu', 'meta'\]"):
+        NpuFusedAdam([torch.zeros(2, requires_grad=True), torch.zeros(2, device="meta", requires_grad=True)])
+
+
+def test_param_cast_to_unsupported_dtype_is_rejected_at_step():
+    model, ours, _, _, x = twins()
+    train(model, ours, x, steps=2)
+    params = list(model.parameters())
+    model.l2.bias.data = model.l2.bias.detach().double()
+    model.l2.bias.grad = None
+    snap = _snapshot(ours, params)
+    with pytest.raises(TypeError, match="param 3 has torch.float64"):
+        ours.step()
+    _assert_unchanged(ours, params, snap)
+
+
+@pytest.mark.parametrize("option", ["maximize", "capturable", "differentiable"])
+def test_torch_state_dict_with_unsupported_option_is_rejected(option):
+    model, ours, _, ref, x = twins()
+    train(model, ours, x, steps=2)
+    params = list(model.parameters())
+    sd = ref.state_dict()
+    sd["param_groups"][0][option] = True
+    snap = _snapshot(ours, params)
+    with pytest.raises(ValueError, match=f"does not implement {option}=True; expected {option}=False"):
+        ours.load_state_dict(sd)
+    _assert_unchanged(ours, params, snap)
+    train(model, ours, x)
+    assert ours.recombine_count == 1
+
+
+def test_state_dict_with_wrong_state_shape_is_rejected_at_step():
+    model, ours, _, _, x = twins()
+    train(model, ours, x, steps=2)
+    sd = ours.state_dict()
+    sd["state"][0]["exp_avg"] = torch.zeros(3)
+    ours.load_state_dict(sd)
+    params = list(model.parameters())
+    values = [p.detach().clone() for p in params]
+    ptrs = [p.data_ptr() for p in params]
+    with pytest.raises(ValueError, match="state 'exp_avg' of param 0 has 3 elements; expected 48"):
+        ours.step()
+    assert [p.data_ptr() for p in params] == ptrs and all(torch.equal(p, v) for p, v in zip(params, values))
+
+
+def test_not_a_state_dict_is_rejected():
+    opt = NpuFusedAdam([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(TypeError, match="'state' and 'param_groups'"):
+        opt.load_state_dict({"param_groups": []})
+
+
+def test_old_checkpoint_without_newer_options_gets_defaults():
+    """A torch checkpoint from before decoupled_weight_decay/foreach/... existed still loads."""
+    model, ours, _, ref, x = twins()
+    train(model, ours, x)
+    sd = ref.state_dict()
+    for key in ("decoupled_weight_decay", "foreach", "capturable", "differentiable", "fused", "maximize"):
+        sd["param_groups"][0].pop(key)
+    ours.load_state_dict(sd)
+    assert ours.param_groups[0]["decoupled_weight_decay"] is False and ours.param_groups[0]["maximize"] is False
+    train(model, ours, x)
+
+
+# ------------------------------------------------------------------ closure
+def test_closure_semantics_match_torch():
+    model, ours, ref_model, ref, x = twins()
+    calls = []
+
+    def closure_for(m, opt):
+        def closure():
+            calls.append(torch.is_grad_enabled())
+            opt.zero_grad(set_to_none=False)
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return closure
+
+    for _ in range(3):
+        la = ours.step(closure_for(model, ours))
+        lb = ref.step(closure_for(ref_model, ref))
+        assert torch.equal(la, lb)
+    assert calls == [True] * 6
+    assert ours.step() is None and ref.step() is None
+    assert_models_close(model, ref_model)
