@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from apex import _core
+from apex.optimizers import CombinedOptimizer
 
 LOW = (torch.bfloat16, torch.float16)
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -53,13 +54,20 @@ def expected_executor(device: str) -> str:
     return "apex_C" if device == "cpu" else "torch"
 
 
-def use_executor(monkeypatch, executor: str, device: str) -> None:
-    """Select the executor: "torch" forces the torch-ops path (what non-CPU devices and a missing
-    extension use) on CPU; "apex_C" (the C++ kernels) exists on CPU only."""
+def use_executor(monkeypatch, executor: str, device: str) -> str:
+    """Select the executor as if the extension were unusable; returns the expected `last_executor`.
+
+    "apex_C": the C++ kernels (CPU only). "torch": torch on the flat buffers, as non-CPU devices
+    and a missing extension run it (torch's own fused op where it has one). "torch_ops": the same
+    without torch's fused ops (plain torch ops only).
+    """
     if executor == "apex_C" and device != "cpu":
         pytest.skip("the C++ kernels run on CPU buffers")
-    if executor == "torch":
+    if executor in ("torch", "torch_ops"):
         monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
+    if executor == "torch_ops":
+        monkeypatch.setattr(CombinedOptimizer, "_torch_fused_allowed", lambda self: False)
+    return "apex_C" if executor == "apex_C" else "torch"
 
 
 def random_shapes(rng: random.Random, n: Optional[int] = None) -> List[Tuple[int, ...]]:
@@ -160,7 +168,7 @@ def reference_for(spec: Spec, groups, kind: str):
     if kind == "torch":
         return spec.torch_cls(groups, **spec.base)
     # the same defaults as our class's signature
-    sig = inspect.signature(spec.ours.__init__).parameters.values()
+    sig = inspect.signature(spec.ours).parameters.values()
     defaults = {a.name: a.default for a in sig if a.default is not inspect.Parameter.empty}
     return RefOptimizer(groups, spec, dict(defaults, **spec.base))
 

@@ -30,9 +30,13 @@ SCALE0 = 2.0**16
 
 
 @pytest.fixture(autouse=True)
-def _teardown_amp():
+def _amp_env():
+    # Tiny models: one thread avoids oversubscription stalls on a shared 2-core CI runner.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     amp.deinitialize()
+    torch.set_num_threads(threads)
 
 
 def make_models():
@@ -167,10 +171,10 @@ def reference(level, n_losses, n_opts, opt_kind="sgd", inject=None, inject_low=T
 # ---------------------------------------------------------------- the amp run
 
 
-def amp_run(level, zero, n_losses, n_opts, opt_kind="sgd", inject=None, inject_low=True, **kw):
+def amp_run(level, zero, n_losses, n_opts, opt_kind="sgd", inject=None, inject_low=True, verbosity=0, **kw):
     models = make_models()
     opts = [make_opt(ps, opt_kind) for ps in param_split(models, n_opts)]
-    models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0, num_losses=n_losses, **kw)
+    models, opts = amp.initialize(models, opts, opt_level=level, verbosity=verbosity, num_losses=n_losses, **kw)
     plan = loss_plan(n_losses, n_opts)
     data = make_data()
     for it in range(ITERS):
@@ -189,7 +193,7 @@ def amp_run(level, zero, n_losses, n_opts, opt_kind="sgd", inject=None, inject_l
                 scaled.backward()
                 if inject == (it, k):
                     with torch.no_grad():
-                        inject_into(models, k, inject_low).grad[0, 0] = float("inf")
+                        inject_into(models, k, inject_low).grad.view(-1)[0] = float("inf")
         for o in opts:
             o.step()
     return models, opts
@@ -239,7 +243,7 @@ DYNAMIC = [("O0", {"loss_scale": "dynamic"}), ("O1", {}), ("O1", {"combine_grad"
 def test_inf_skips_only_owning_optimizers(level, kw, n_losses, n_opts, k, it, caplog):
     ref_models, _ = reference(level, n_losses, n_opts, inject=(it, k))
     with caplog.at_level("INFO", logger="apex.amp"):
-        amp_models, _ = amp_run(level, "optimizer", n_losses, n_opts, inject=(it, k), **kw)
+        amp_models, _ = amp_run(level, "optimizer", n_losses, n_opts, inject=(it, k), verbosity=1, **kw)
     assert_same(amp_models, ref_models)
     state = amp.state_dict()
     for j in range(n_losses):
@@ -266,4 +270,16 @@ def test_o2_inf_in_fp32_batchnorm_grad(combine):
 def test_fused_torch_optimizer(level, kw, zero):
     ref_models, _ = reference(level, 2, 2, opt_kind="adam_fused", inject=(1, 1))
     amp_models, _ = amp_run(level, zero, 2, 2, opt_kind="adam_fused", inject=(1, 1), **kw)
+    assert_same(amp_models, ref_models, exact=False)
+
+
+@pytest.mark.parametrize("zero", ["model", "optimizer", "set_to_none"])
+@pytest.mark.parametrize("level,kw", [("O1", {}), ("O1", {"combine_grad": True}), ("O1", {"combine_grad": True,
+                                      "fold_unscale": True}), ("O2", {}), ("O2", {"combine_grad": True})],
+                         ids=str)
+def test_apex_fused_optimizer(level, kw, zero):
+    """Our fused Adam under amp: combined grads come from the optimizer (one owner per buffer)."""
+    pytest.importorskip("apex.optimizers")
+    ref_models, _ = reference(level, 2, 2, opt_kind="apex_adam", inject=(1, 1))
+    amp_models, opts = amp_run(level, zero, 2, 2, opt_kind="apex_adam", inject=(1, 1), **kw)
     assert_same(amp_models, ref_models, exact=False)

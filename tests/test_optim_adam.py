@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-
 from _optim_harness import (
     LOW,
     Spec,
@@ -27,6 +26,7 @@ from _optim_harness import (
     make_params,
     run_side_by_side,
 )
+
 from apex.optimizers import NpuFusedAdam, NpuFusedAdamW
 
 
@@ -65,7 +65,7 @@ def ref_adamw(p, g, st, t, hp, new):
 def draw(rng: random.Random) -> dict:
     return dict(
         lr=rng.choice([1e-3, rng.uniform(1e-4, 5e-2)]),
-        betas=(rng.uniform(0.5, 0.95), rng.uniform(0.9, 0.9999)),
+        betas=rng.choice([(0.9, 0.999), (rng.uniform(0.5, 0.95), rng.uniform(0.9, 0.9999))]),
         eps=rng.choice([1e-8, rng.uniform(1e-10, 1e-3)]),
         weight_decay=rng.choice([0.0, rng.uniform(0.0, 0.2)]),
         amsgrad=rng.random() < 0.5,

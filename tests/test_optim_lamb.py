@@ -9,8 +9,11 @@ Reference per param (no bias correction)::
     p = p - lr r u
 
 fp32: whole runs vs the float64 reference (rtol 1e-5). bf16/fp16: every step,
-from our previous values, against float64 math whose m, v are rounded to the
-storage dtype (the kernel forms u from the stored moments), within 1 ulp.
+from our previous values: the stored m, v within 1 ulp of their float64 values;
+the param within 1 ulp of the float64 update formed from the m, v we stored
+(as both executors do by design: u is built from the stored moments, so a
+1-ulp moment difference, large relative to a tiny fp16 v, is not charged to p
+a second time).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ GROUPS = [
     dict(shapes=[(9, 7), (5,)], lr=0.05, betas=(0.8, 0.99), eps=1e-4, weight_decay=0.0),
 ]
 NO_GRAD_STEPS = {(0, 1): (2, 3)}  # (group, param) -> steps at which that param has no grad
+
+
+def flat(groups):
+    return [p for ps in groups for p in ps]
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,21 +202,32 @@ def test_weight_norm_clamp_and_zero_norms():
     opt = NpuFusedLamb([big, zero_p, still], lr=0.1, weight_decay=0.1)
     spec = [dict(lr=0.1, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)]
     ref = RefLamb([[big, zero_p, still]], spec, adam=False, use_global=False)
-    for step in range(3):
+    for _ in range(3):
         grads = [[torch.randn(40, 5), torch.randn(8), torch.zeros(6)]]
         set_grads([[big, zero_p, still]], grads)
         opt.step()
         ref.step(grads)
-    assert float(big.norm()) > 10
+    assert float(big.detach().norm()) > 10
     for ours, theirs in zip((big, zero_p, still), ref.p[0]):
         torch.testing.assert_close(ours.detach().double(), theirs, rtol=1e-5, atol=1e-7)
     assert torch.count_nonzero(still) == 0
 
 
 # --------------------------------------------------------------------------- bf16 / fp16 per step
+def use_torch_executor(monkeypatch):
+    """Flat sets built from now on use the torch-ops executor (as on a device without apex_C)."""
+    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
+
+
+@pytest.mark.parametrize("executor", ["apex_C", "torch"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("use_global", [False, True])
-def test_low_precision_each_step_within_one_ulp(dtype, use_global):
+def test_low_precision_each_step_within_one_ulp(dtype, use_global, executor, monkeypatch):
+    """Both executors meet the same per-step contract. (Comparing the two executors' low-precision runs
+    with each other over several steps is not meaningful: a 1-ulp difference in a stored moment, e.g. from
+    torch's fused multiply-add, persists in the moving average.)"""
+    if executor == "torch":
+        use_torch_executor(monkeypatch)
     params = make_params(dtype)
     opt = NpuFusedLamb(group_dicts(params), use_global_grad_norm=use_global)
     ref = RefLamb(params, GROUPS, adam=False, use_global=use_global)
@@ -218,7 +236,7 @@ def test_low_precision_each_step_within_one_ulp(dtype, use_global):
         grads = draw_grads(params, step, 3.0, dtype)
         set_grads(params, grads)
         opt.step()
-        assert opt.last_executor == "apex_C"
+        assert opt.last_executor == executor
         stored = tuple([[opt.state[p][k] if p in opt.state else None for p in ps] for ps in params]
                        for k in ("exp_avg", "exp_avg_sq"))
         ref.step(grads, low=dtype, stored=stored)
@@ -234,37 +252,34 @@ def test_low_precision_each_step_within_one_ulp(dtype, use_global):
 
 
 # --------------------------------------------------------------------------- executors
-@pytest.fixture
-def torch_executor(monkeypatch):
-    """Makes flat sets built from now on use the torch-ops executor (as on a device without apex_C)."""
-    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
-
-
-def _run(params, steps, dtype, **kw):
+def _run(params, steps, **kw):
     opt = NpuFusedLamb(group_dicts(params), **kw)
     for step in range(steps):
-        set_grads(params, draw_grads(params, step, 4.0, dtype))
+        set_grads(params, draw_grads(params, step, 4.0, torch.float32))
         opt.step()
     return opt
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kw", [dict(), dict(use_global_grad_norm=True), dict(adam=True)], ids=["lamb", "global", "adam"])
-def test_torch_executor_equals_kernel(dtype, kw, monkeypatch):
-    pk = make_params(dtype)
-    ok = _run(pk, 6, dtype, **kw)
+KWS = dict(argnames="kw", argvalues=[dict(), dict(use_global_grad_norm=True), dict(adam=True)],
+           ids=["lamb", "global", "adam"])
+
+
+@pytest.mark.parametrize(**KWS)
+def test_torch_executor_equals_kernel(kw, monkeypatch):
+    pk = make_params()
+    ok = _run(pk, 6, **kw)
     assert ok.last_executor == "apex_C"
-    pt = make_params(dtype)
-    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
-    ot = _run(pt, 6, dtype, **kw)
+    pt = make_params()
+    use_torch_executor(monkeypatch)
+    ot = _run(pt, 6, **kw)
     assert ot.last_executor == "torch"
-    rtol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # norms summed in another order
-    for a, b in zip(sum(pk, []), sum(pt, [])):
-        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=rtol, atol=1e-6)
-        torch.testing.assert_close(ok.state[a]["exp_avg"].float(), ot.state[b]["exp_avg"].float(), rtol=rtol, atol=1e-6)
+    for a, b in zip(flat(pk), flat(pt)):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        for name, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):  # m may cancel to ~0: absolute floor
+            torch.testing.assert_close(ok.state[a][name], ot.state[b][name], rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(use_global_grad_norm=True), dict(adam=True)], ids=["lamb", "global", "adam"])
+@pytest.mark.parametrize(**KWS)
 def test_reference_class_matches_fused(kw):
     pf, pr = make_params(), make_params()
     of = NpuFusedLamb(group_dicts(pf), **kw)
@@ -275,14 +290,15 @@ def test_reference_class_matches_fused(kw):
         set_grads(pr, grads)
         of.step()
         orf.step()
-    for a, b in zip(sum(pf, []), sum(pr, [])):
+    for a, b in zip(flat(pf), flat(pr)):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
         assert set(orf.state[b]) >= {"step", "exp_avg", "exp_avg_sq", "weight_norm", "adam_norm", "trust_ratio"}
         assert int(of.state[a]["step"]) == int(orf.state[b]["step"])
 
 
 def test_folded_unscale_uses_unscaled_global_norm():
-    """amp's apex_grad_scale: grads stored x S, multiplied by 1/S inside the step; the global norm is the unscaled one."""
+    """amp's apex_grad_scale: grads stored x S and multiplied by 1/S inside the step; the global norm is the
+    unscaled one."""
     s = 1024.0
     pa, pb = make_params(), make_params()
     oa = NpuFusedLamb(group_dicts(pa), use_global_grad_norm=True)
@@ -294,7 +310,7 @@ def test_folded_unscale_uses_unscaled_global_norm():
         set_grads(pb, [[None if g is None else g * s for g in gs] for gs in grads])
         oa.step()
         ob.step()
-    for a, b in zip(sum(pa, []), sum(pb, [])):
+    for a, b in zip(flat(pa), flat(pb)):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
 
@@ -318,7 +334,7 @@ def test_state_dict_resume_is_bitwise():
         o_full.step()
         set_grads(resumed, draw_grads(resumed, step, 3.0, torch.float32))
         o_res.step()
-    for a, b in zip(sum(full, []), sum(resumed, [])):
+    for a, b in zip(flat(full), flat(resumed)):
         assert torch.equal(a, b)
         assert torch.equal(o_full.state[a]["exp_avg_sq"], o_res.state[b]["exp_avg_sq"])
 
@@ -386,7 +402,7 @@ def _import_timm_module(name):
     spec = importlib.util.find_spec("timm")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("timm is not installed (optional outside peer)")
-    root = list(spec.submodule_search_locations)[0]
+    root = next(iter(spec.submodule_search_locations))
     saved = {k: sys.modules.get(k) for k in ("timm", "timm.optim")}
     try:
         for pkg, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
@@ -423,5 +439,5 @@ def test_matches_timm_lamb(use_global):
         ours.step()
         theirs.step()
     for a, b in zip(pa[0], pb[0]):
-        assert float(b.norm()) < 10
+        assert float(b.detach().norm()) < 10
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

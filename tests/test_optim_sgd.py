@@ -50,13 +50,15 @@ SPEC = Spec(ours=NpuFusedSGD, ref=ref_sgd, draw=draw, torch_cls=torch.optim.SGD,
 MOMENTUM = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
 
 
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
+@pytest.mark.parametrize("executor", ["apex_C", "torch", "torch_ops"])
 @pytest.mark.parametrize("seed", range(4))
 def test_matches_torch_random_hyperparameters(seed, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
+    """Each executor: the C++ kernel, torch's fused SGD on flat slices, plain torch ops."""
+    expected = use_executor(monkeypatch, executor, device)
     hp = draw(random.Random(100 + seed))
-    ours, *_ = run_side_by_side(SPEC, [(4, hp)], device=device, seed=seed, ref_kind="torch")
-    assert ours.last_executor == executor
+    skip = (lambda step, k: k == 2 and step % 4 == 1) if seed % 2 else (lambda step, k: False)
+    ours, *_ = run_side_by_side(SPEC, [(4, hp)], device=device, seed=seed, ref_kind="torch", skip=skip)
+    assert ours.last_executor == expected
 
 
 def test_param_groups_frozen_and_skipped_params(device):

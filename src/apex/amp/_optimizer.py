@@ -299,8 +299,8 @@ class AmpStash:
     def _set_torch_scale(self, scale: float, found_inf: float) -> None:
         opt = self.optimizer
         device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
-        opt.grad_scale = torch.full((1,), scale, dtype=torch.float32, device=device)
-        opt.found_inf = torch.full((1,), found_inf, dtype=torch.float32, device=device)
+        opt.grad_scale = torch.full((), scale, dtype=torch.float32, device=device)
+        opt.found_inf = torch.full((), found_inf, dtype=torch.float32, device=device)
 
     def _clear_torch_scale(self) -> None:
         for name in ("grad_scale", "found_inf"):

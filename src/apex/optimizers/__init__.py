@@ -17,3 +17,13 @@ __all__ += ["Lamb", "NpuFusedAdamP", "NpuFusedLamb", "clip_optimizer_grad_norm_f
 
 # the seed's fused clipping, a method of every fused optimizer (see clip.py)
 CombinedOptimizer.clip_optimizer_grad_norm_fused = clip_optimizer_grad_norm_fused
+
+# NVIDIA Apex's optimizers (signatures, defaults and semantics of apex.optimizers upstream)
+from .fused_adagrad import FusedAdagrad  # noqa: E402
+from .fused_adam import FusedAdam  # noqa: E402
+from .fused_lamb import FusedLAMB  # noqa: E402
+from .fused_mixed_precision_lamb import FusedMixedPrecisionLamb  # noqa: E402
+from .fused_novograd import FusedNovoGrad  # noqa: E402
+from .fused_sgd import FusedSGD  # noqa: E402
+
+__all__ += ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad", "FusedSGD"]

@@ -52,19 +52,23 @@ class NpuFusedAdadelta(CombinedOptimizer):
     def _state_names(self, group: dict) -> List[str]:
         return ["square_avg", "acc_delta"]
 
+    @staticmethod
+    def _hp(group: dict) -> List[float]:
+        return [float(group[k]) for k in ("lr", "rho", "eps", "weight_decay")]
+
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
-        hp = [group["lr"], group["rho"], group["eps"], group["weight_decay"]]
-        _core.ext.adadelta_step(self._prepare_args(s, hp))
+        _core.ext.adadelta_step(self._prepare_args(s, self._hp(group)))
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
+        lr, rho, eps, weight_decay = self._hp(group)
         settle = settler(s.dtype)
         for lo, hi, _, _, _ in s.active_runs():
             p = self._f32(s.flat_p[lo:hi])
             sq = self._f32(s.flat_s["square_avg"][lo:hi])
             acc = self._f32(s.flat_s["acc_delta"][lo:hi])
             adadelta_math(
-                p, self._f32(s.flat_g[lo:hi]), sq, acc, lr=group["lr"], rho=group["rho"], eps=group["eps"],
-                weight_decay=group["weight_decay"], grad_scale=self._grad_scale(), settle=settle,
+                p, self._f32(s.flat_g[lo:hi]), sq, acc, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
+                grad_scale=self._grad_scale(), settle=settle,
             )
             self._write_back(s.flat_p[lo:hi], p)
             self._write_back(s.flat_s["square_avg"][lo:hi], sq)

@@ -133,7 +133,7 @@ class NpuFusedAdamP(CombinedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, delta=delta, wd_ratio=wd_ratio,
                         nesterov=nesterov)
         _validate_adamp_group(defaults)
-        self._plans: "weakref.WeakKeyDictionary[FlatSet, _RowPlan]" = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[FlatSet, _RowPlan] = weakref.WeakKeyDictionary()
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
@@ -208,7 +208,7 @@ class NpuFusedAdamP(CombinedOptimizer):
             self._layer_sums(plan, s)
         a.skip = plan.skip.data_ptr() if s.n_skipped else 0
         _core.ext.adamp_stage_b(a)
-        a.seg_out = 0
+        a.seg_out = a.seg_mul = a.seg_aux = 0
 
     @staticmethod
     def _layer_sums(plan: _RowPlan, s: FlatSet) -> None:
@@ -254,4 +254,3 @@ class NpuFusedAdamP(CombinedOptimizer):
                 p.mul_(torch.repeat_interleave(decay, lengths, output_size=hi - lo))
             p.add_(d, alpha=-lr / (1 - b1**step))
             self._write_back(s.flat_p[lo:hi], p)
-        self.last_executor = "torch"

@@ -25,7 +25,7 @@ def warmup_linear(x: float, warmup: float) -> float:
     """Triangle: up to 1 at x = warmup, then linearly down to 0 at x = 1."""
     if x < warmup:
         return x / warmup
-    return max((x - 1.0) / (warmup - 1.0), 0.0)
+    return max(0.0, (x - 1.0) / (warmup - 1.0))
 
 
 def warmup_constant(x: float, warmup: float) -> float:
@@ -46,7 +46,7 @@ def warmup_poly(x: float, warmup: float, degree: float = 0.5) -> float:
     """Linear warmup, then (1 - x) ** degree."""
     if x < warmup:
         return x / warmup
-    return max(1.0 - x, 0.0) ** degree
+    return max(0.0, 1.0 - x) ** degree
 
 
 SCHEDULES: Dict[str, Callable[[float, float], float]] = {
@@ -59,16 +59,12 @@ SCHEDULES: Dict[str, Callable[[float, float], float]] = {
 
 def scheduled_lr(group: dict, step: float) -> float:
     """lr for an update whose step count before this update is ``step`` (0 at the first update)."""
+    lr = float(group["lr"])
     if group["t_total"] == -1:
-        return group["lr"]
+        return lr
     warmup = group["warmup"]
     x = step / group["t_total"]
-    return group["lr"] * SCHEDULES[group["schedule"]](x, 0.0 if warmup == -1 else warmup)
-
-
-def clip_coef(norm: float, max_grad_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s multiplier for a grad of 2-norm ``norm``."""
-    return min(max_grad_norm / (norm + 1e-6), 1.0)
+    return lr * SCHEDULES[group["schedule"]](x, 0.0 if warmup == -1 else warmup)
 
 
 def bert_adam_math(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, grad_mul, settle):
@@ -152,16 +148,27 @@ class NpuFusedBertAdam(CombinedOptimizer):
         return ["exp_avg", "exp_avg_sq"]
 
     # -------------------------------------------------------------- helpers
-    def _note_progress(self, group: dict, steps_before: List[float]) -> None:
-        if self._warned_past_end or group["t_total"] == -1 or not steps_before:
+    @staticmethod
+    def _counts_before(s: FlatSet, group: dict) -> List[float]:
+        """Distinct step counts (before this update) of the updated segments; [] for a constant lr."""
+        if group["t_total"] == -1:
+            return []
+        before = s.steps - 1  # steps were already advanced for this update
+        if s.n_skipped:
+            before = before[s.skip == 0]
+        return torch.unique(before).tolist()
+
+    def _note_progress(self, group: dict, counts: List[float]) -> None:
+        """One warning per optimizer when the schedule runs past t_total (its lr stays at the end value)."""
+        if self._warned_past_end or not counts or max(counts) < group["t_total"]:
             return
-        if max(steps_before) >= group["t_total"]:
-            self._warned_past_end = True
-            logger.warning(
-                "NpuFusedBertAdam: training past t_total=%s; schedule %r now gives lr multiplier %s",
-                group["t_total"], group["schedule"], SCHEDULES[group["schedule"]](max(steps_before) / group["t_total"],
-                                                                                  max(group["warmup"], 0.0)),
-            )
+        self._warned_past_end = True
+        warmup = 0.0 if group["warmup"] == -1 else group["warmup"]
+        factor = SCHEDULES[group["schedule"]](max(counts) / group["t_total"], warmup)
+        logger.warning(
+            "NpuFusedBertAdam: training past t_total=%s; schedule %r now gives lr multiplier %s",
+            group["t_total"], group["schedule"], factor,
+        )
 
     def _clip_coefs_kernel(self, s: FlatSet, group: dict) -> torch.Tensor:
         """Per-segment clip coefficient x grad scale, from one float64 norm pass over the flat grads."""
@@ -187,12 +194,10 @@ class NpuFusedBertAdam(CombinedOptimizer):
 
     # ------------------------------------------------------------ executors
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
-        steps = s.steps.tolist()  # already advanced: the count before this update is steps - 1
-        active = [k for k in range(s.nseg) if not (s.n_skipped and s.skip[k])]
-        before = [steps[k] - 1 for k in active]
-        self._note_progress(group, before)
-        hp_tail = [group["b1"], group["b2"], group["e"], group["weight_decay"]]
-        a = self._prepare_args(s, [scheduled_lr(group, before[0]) if before else group["lr"], *hp_tail])
+        counts = self._counts_before(s, group)
+        self._note_progress(group, counts)
+        hp_tail = [float(group[k]) for k in ("b1", "b2", "e", "weight_decay")]
+        a = self._prepare_args(s, [scheduled_lr(group, counts[0] if counts else 0.0), *hp_tail])
         coefs = None
         if group["max_grad_norm"] > 0:
             coefs = self._clip_coefs_kernel(s, group)
@@ -200,16 +205,15 @@ class NpuFusedBertAdam(CombinedOptimizer):
             a.grad_scale = 1.0  # folded into coefs
         else:
             a.seg_gmul = 0
-        distinct = sorted(set(before)) if group["t_total"] != -1 else []
         try:
-            if len(distinct) <= 1:
+            if len(counts) <= 1:
                 _core.ext.bert_adam_step(a)
                 return
             # Params with different step counts get different scheduled lrs: one pass per count,
             # skipping the other segments (rare: only after params missed updates).
             base_skip = s.skip if s.n_skipped else torch.zeros(s.nseg, dtype=torch.uint8)
             steps_t = s.steps - 1
-            for t in distinct:
+            for t in counts:
                 mask = (base_skip != 0) | (steps_t != t)
                 skip = mask.to(torch.uint8)
                 a.skip = skip.data_ptr()
@@ -224,7 +228,7 @@ class NpuFusedBertAdam(CombinedOptimizer):
         settle = settler(s.dtype)
         coefs = self._clip_coefs_torch(s, group) if group["max_grad_norm"] > 0 else None
         runs = s.active_runs()
-        self._note_progress(group, [r[2] - 1 for r in runs])
+        self._note_progress(group, self._counts_before(s, group))
         lengths = (s.seg[1:] - s.seg[:-1]).to(s.device)
         for lo, hi, step, k, j in runs:
             if coefs is None:

@@ -30,11 +30,12 @@ _CLIP_EPS = 1e-6
 
 
 def healed_sets(opt) -> List[FlatSet]:
-    """All flat sets of `opt`, combined now if needed, with user-rebound grads adopted first."""
-    sets = opt._all_sets()
-    adopted = sum(s.sync_grads() for s in sets)
-    opt._count_event(adopted > 0)
-    return sets
+    """All flat sets of `opt`, combined now if needed, with user-rebound grads adopted first.
+
+    Same preparation as a step (every group checked before anything is healed), so a later
+    ``step()`` finds nothing left to heal and counts no second re-combine event.
+    """
+    return [s for _, group_sets in opt._prepare_groups() for s in group_sets]
 
 
 def grad_runs(s: FlatSet) -> List[Tuple[int, int, int, int]]:
@@ -66,12 +67,13 @@ def _host_combine(parts: List[float], norm_type: float) -> float:
     return max(parts, default=0.0)
 
 
-def total_grad_norm(sets: List[FlatSet], norm_type: float) -> Union[float, torch.Tensor]:
+def total_grad_norm(sets: List[FlatSet], norm_type: float, use_kernel: bool = True) -> Union[float, torch.Tensor]:
     """Norm of all grads (params with ``.grad is None`` excluded), before any unscale.
 
-    Returns a Python float (float64 accumulation) when every set runs on the
-    apex_C kernels and the norm is 2 or inf; otherwise a 0-d float32 tensor on
-    the first set's device, computed with torch ops and no host sync.
+    Returns a Python float (float64 accumulation) when every set can use the
+    apex_C kernels (and `use_kernel`) and the norm is 2 or inf; otherwise a 0-d
+    float32 tensor on the first set's device, computed with torch ops and no
+    host sync.
     """
     host: List[float] = []
     dev: List[torch.Tensor] = []
@@ -84,7 +86,7 @@ def total_grad_norm(sets: List[FlatSet], norm_type: float) -> Union[float, torch
                     dev.append(torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float32))
     else:
         for s in sets:
-            host_ok = s.uses_kernel and norm_type in (2.0, math.inf)
+            host_ok = use_kernel and s.uses_kernel and norm_type in (2.0, math.inf)
             for lo, hi, _, _ in grad_runs(s):
                 g = s.flat_g[lo:hi]
                 if host_ok:
@@ -133,7 +135,8 @@ def clip_optimizer_grad_norm_fused(self, max_norm: float, norm_type: float = 2.0
 
     sets = healed_sets(self)
     gs = self._grad_scale()
-    total = total_grad_norm(sets, norm_type)
+    use_kernel = self.executor == "auto"
+    total = total_grad_norm(sets, norm_type, use_kernel)
     if isinstance(total, float):
         total *= gs
         if error_if_nonfinite and not math.isfinite(total):
@@ -156,7 +159,7 @@ def clip_optimizer_grad_norm_fused(self, max_norm: float, norm_type: float = 2.0
         )
     coef_t = (max_norm / (total + _CLIP_EPS)).clamp(max=1.0)
     for s in sets:
-        if s.uses_kernel:
+        if use_kernel and s.uses_kernel:
             coef = float(coef_t)
             if coef < 1.0 or math.isnan(coef):
                 _core.scale_(s.flat_g, coef, check=False)

@@ -119,10 +119,13 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._lamb_step()
+        return loss
+
+    def _lamb_step(self) -> None:
         self._advance_group_steps()
         self._clip = self._global_clip()
-        super().step()
-        return loss
+        CombinedOptimizer.step(self)
 
     def _grad_mul(self) -> Union[float, torch.Tensor]:
         """What each stored grad is multiplied by: amp's folded unscale over the clipping divisor."""
@@ -173,7 +176,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
                 ok = (p_norm != 0) & (u_norm != 0)
                 scratch.ratio.copy_(torch.where(ok, p_norm / torch.where(ok, u_norm, 1.0), 1.0))
                 a.seg_mul = scratch.ratio.data_ptr()
-            a.hp = [group["lr"], eps, kernel_wd, b1, b2]
+            a.hp = [float(group["lr"]), eps, kernel_wd, b1, b2]
             _core.ext.lamb_stage2(a)
         finally:
             a.seg_out = 0
@@ -183,7 +186,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         step = self._use_group_step(s, group)
         b1, b2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        eps, wd, lr = group["eps"], group["weight_decay"], float(group["lr"])
         b3 = self._beta3(group)
         bc1 = 1 - b1**step if group["bias_correction"] else 1.0
         bc2 = 1 - b2**step if group["bias_correction"] else 1.0

@@ -105,7 +105,7 @@ class NpuFusedLamb(CombinedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
                         use_global_grad_norm=use_global_grad_norm)
         _validate_lamb_group(defaults)
-        self._bufs: "weakref.WeakKeyDictionary[FlatSet, _SetBuffers]" = weakref.WeakKeyDictionary()
+        self._bufs: weakref.WeakKeyDictionary[FlatSet, _SetBuffers] = weakref.WeakKeyDictionary()
         self._global_mul: Union[float, torch.Tensor] = 1.0
         super().__init__(params, defaults)
 
@@ -124,7 +124,7 @@ class NpuFusedLamb(CombinedOptimizer):
         self._global_mul = 1.0
         if any(g["use_global_grad_norm"] for g in self.param_groups):
             # the norm needs every group's grads before any group is updated
-            total = total_grad_norm(healed_sets(self), 2.0)
+            total = total_grad_norm(healed_sets(self), 2.0, self.executor == "auto")
             gs = self._grad_scale()
             if isinstance(total, float):
                 self._global_mul = _global_multiplier(total * gs)
@@ -162,7 +162,7 @@ class NpuFusedLamb(CombinedOptimizer):
             a.seg_mul = buf.ratio.data_ptr()
         a.hp = [group["lr"], eps, wd]
         _core.ext.lamb_stage2(a)
-        a.seg_out = 0
+        a.seg_out = a.seg_mul = 0  # the buffers are ours; no later call may read them by accident
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         b1, b2 = group["betas"]
@@ -172,8 +172,10 @@ class NpuFusedLamb(CombinedOptimizer):
         for lo, hi, k0, k1 in grad_runs(s):
             p = self._f32(s.flat_p[lo:hi])
             g = self._f32(s.flat_g[lo:hi])
-            if isinstance(mul, torch.Tensor) or mul != 1.0:
-                g = g * mul  # a new tensor: user grads stay as they are
+            if isinstance(mul, torch.Tensor):
+                g = g * mul.to(g.device)  # a new tensor: user grads stay as they are
+            elif mul != 1.0:
+                g = g * mul
             m_st, v_st = s.flat_s["exp_avg"][lo:hi], s.flat_s["exp_avg_sq"][lo:hi]
             m, v = self._f32(m_st), self._f32(v_st)
             lamb_moments(g, m, v, beta1=b1, beta2=b2)
@@ -192,7 +194,6 @@ class NpuFusedLamb(CombinedOptimizer):
                 scale = torch.repeat_interleave(ratio, torch.tensor(lengths, device=p.device), output_size=hi - lo)
                 p.addcmul_(scale, u, value=-lr)
             self._write_back(s.flat_p[lo:hi], p)
-        self.last_executor = "torch"
 
 
 # ------------------------------------------------------------------ per-tensor reference

@@ -65,6 +65,11 @@ class RMSpropFamily(CombinedOptimizer):
             if t is not None:
                 self._write_back(s.flat_s[n][lo:hi], t)
 
+    @staticmethod
+    def _hp(group: dict) -> List[float]:
+        """The kernels' hyperparameters: lr, alpha, eps, weight_decay, momentum."""
+        return [float(group[k]) for k in ("lr", "alpha", "eps", "weight_decay", "momentum")]
+
     def _validate_common(self, group: dict) -> None:
         _check_range("learning rate", group["lr"], 0.0)
         _check_range("epsilon value", group["eps"], 0.0)
@@ -92,20 +97,19 @@ class NpuFusedRMSprop(RMSpropFamily):
         self._validate_common(group)
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
-        hp = [group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]]
-        a = self._prepare_args(s, hp, _core.ext.FLAG_CENTERED if group["centered"] else 0)
+        a = self._prepare_args(s, self._hp(group), _core.ext.FLAG_CENTERED if group["centered"] else 0)
         self._bind_slots(s, a)
         _core.ext.rmsprop_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
+        lr, alpha, eps, weight_decay, momentum = self._hp(group)
         settle = settler(s.dtype)
         for lo, hi, _, _, _ in s.active_runs():
             p = self._f32(s.flat_p[lo:hi])
             states = self._states(s, lo, hi)
             rmsprop_math(
-                p, self._f32(s.flat_g[lo:hi]), *states, lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
-                weight_decay=group["weight_decay"], momentum=group["momentum"], grad_scale=self._grad_scale(),
-                settle=settle,
+                p, self._f32(s.flat_g[lo:hi]), *states, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                momentum=momentum, grad_scale=self._grad_scale(), settle=settle,
             )
             self._write_back(s.flat_p[lo:hi], p)
             self._write_states(s, lo, hi, states)

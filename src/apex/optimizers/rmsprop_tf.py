@@ -93,19 +93,19 @@ class NpuFusedRMSpropTF(RMSpropFamily):
             | (ext.FLAG_DECOUPLED if group["decoupled_decay"] else 0)
             | (ext.FLAG_LR_IN_MOMENTUM if group["lr_in_momentum"] else 0)
         )
-        hp = [group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]]
-        a = self._prepare_args(s, hp, flags)
+        a = self._prepare_args(s, self._hp(group), flags)
         self._bind_slots(s, a)
         ext.rmsprop_tf_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
+        lr, alpha, eps, weight_decay, momentum = self._hp(group)
         settle = settler(s.dtype)
         for lo, hi, _, _, _ in s.active_runs():
             p = self._f32(s.flat_p[lo:hi])
             states = self._states(s, lo, hi)
             rmsprop_tf_math(
-                p, self._f32(s.flat_g[lo:hi]), *states, lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
-                weight_decay=group["weight_decay"], momentum=group["momentum"],
+                p, self._f32(s.flat_g[lo:hi]), *states, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                momentum=momentum,
                 decoupled_decay=group["decoupled_decay"], lr_in_momentum=group["lr_in_momentum"],
                 grad_scale=self._grad_scale(), settle=settle,
             )

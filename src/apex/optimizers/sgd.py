@@ -11,6 +11,11 @@ from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
 
+# devices whose torch has a fused SGD kernel (CPU since torch 2.4); used by the torch executor
+_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+_FUSED_SGD = getattr(torch, "_fused_sgd_", None)
+_FUSED_DEVICES = {"cuda", "xpu", "mps"} | ({"cpu"} if _TORCH_VERSION >= (2, 4) else set())
+
 
 def sgd_math(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first, grad_scale, settle):
     """One SGD update on fp32 tensors (in place); torch.optim.SGD's formulas.
@@ -86,27 +91,46 @@ class NpuFusedSGD(CombinedOptimizer):
     def _state_names(self, group: dict) -> List[str]:
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
+    def _hp(self, group: dict) -> List[float]:
+        return [float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")]
+
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         flags = _core.ext.FLAG_NESTEROV if group["nesterov"] else 0
-        hp = [group["lr"], group["momentum"], group["dampening"], group["weight_decay"]]
-        _core.ext.sgd_step(self._prepare_args(s, hp, flags))
+        _core.ext.sgd_step(self._prepare_args(s, self._hp(group), flags))
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
-        settle = settler(s.dtype)
+        lr, momentum, dampening, weight_decay = self._hp(group)
         flat_buf: Optional[torch.Tensor] = s.flat_s.get("momentum_buffer")
-        for _, _, _, k, j in s.active_runs():
-            for lo, hi, first in split_by_first(s, k, j):
-                p = self._f32(s.flat_p[lo:hi])
-                buf = None if flat_buf is None else self._f32(flat_buf[lo:hi])
-                sgd_math(
-                    p, self._f32(s.flat_g[lo:hi]), buf, lr=group["lr"], momentum=group["momentum"],
-                    dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                    first=first, grad_scale=self._grad_scale(), settle=settle,
+        parts = [part for _, _, _, k, j in s.active_runs() for part in split_by_first(s, k, j)]
+        if (
+            _FUSED_SGD is not None
+            and s.dtype == torch.float32
+            and self._grad_scale() == 1.0  # torch's op would unscale the stored grads in place
+            and self._torch_fused_allowed()
+            and s.device.type in _FUSED_DEVICES
+        ):
+            # torch's fused SGD over the flat slices, one call per value of the first-update flag
+            for first in sorted({f for _, _, f in parts}):
+                sl = [slice(lo, hi) for lo, hi, f in parts if f == first]
+                _FUSED_SGD(
+                    [s.flat_p[x] for x in sl], [s.flat_g[x] for x in sl],
+                    [] if flat_buf is None else [flat_buf[x] for x in sl],
+                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                    nesterov=bool(group["nesterov"]), maximize=False, is_first_step=first and flat_buf is not None,
                 )
-                self._write_back(s.flat_p[lo:hi], p)
-                if buf is not None:
-                    self._write_back(flat_buf[lo:hi], buf)
-        self.last_executor = "torch"
+            return
+        settle = settler(s.dtype)
+        for lo, hi, first in parts:
+            p = self._f32(s.flat_p[lo:hi])
+            buf = None if flat_buf is None else self._f32(flat_buf[lo:hi])
+            sgd_math(
+                p, self._f32(s.flat_g[lo:hi]), buf, lr=lr, momentum=momentum, dampening=dampening,
+                weight_decay=weight_decay, nesterov=group["nesterov"], first=first, grad_scale=self._grad_scale(),
+                settle=settle,
+            )
+            self._write_back(s.flat_p[lo:hi], p)
+            if buf is not None:
+                self._write_back(flat_buf[lo:hi], buf)
 
     def state_dict(self) -> dict:
         """torch's layout: without momentum SGD keeps no per-param state, so no empty entries are saved."""

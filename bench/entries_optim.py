@@ -1,0 +1,305 @@
+"""Entries of issue 3: one optimizer step, ours vs the best implementation of the same math we can run here.
+
+Ours: ``apex.optimizers.NpuFused*`` ``step()``, sharing checks included (params and grads are verified to
+still live in the combined buffers at every step). Grads are set once in setup and stay in place between
+steps (the ``zero_grad(set_to_none=False)`` pattern); the "new grads" entries assign fresh grad tensors
+before every step on both sides (the ``zero_grad(set_to_none=True)`` + backward pattern), which costs ours
+one copy into the combined grad buffer.
+
+References, per optimizer (every optimizer class present in ``apex.optimizers`` at run time):
+  Adam, AdamW, SGD (momentum)  torch.optim with ``fused=True``
+  Adadelta, RMSprop            torch.optim with ``foreach=True`` (torch has no fused kernel for them)
+  BertAdam, LAMB               the same math written with torch ``_foreach_*`` ops (nothing in torch or
+                               timm computes them); LAMB also against ``timm.optim.Lamb`` (other semantics:
+                               bias correction, no weight-norm clamp) when timm can be imported
+  RMSpropTF, AdamP             ``timm.optim`` (foreach where timm has it); skipped without timm
+Regimes: the GPT-like 145-tensor model (fp32, and bf16 params), 5000 x 200 and 2000 x 2000.
+
+timm is imported without ``timm/__init__`` (which needs torchvision): only its optimizer modules, which need
+torch alone (see ../shared/MACHINE.md).
+
+bytes/param is the traffic the math needs at minimum, in elements of the param dtype: Adam(W), Adadelta,
+BertAdam read p, g and two states and write three tensors (7); SGD with momentum, RMSprop read three and write
+two (5); RMSpropTF with momentum 7; LAMB needs a norm pass before the update (read p, g, m, v, write m, v; then
+read p, m, v, write p: 10); AdamP a grad/param dot-product pass before an Adam update (2 + 7 = 9).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from bench import env, shapes
+from bench.registry import Context, Entry, Registry
+
+log = logging.getLogger("bench")
+
+MODEL_REGIMES = ("model-145", "small-5000x200", "small-2000x2000")
+
+
+# ---------------------------------------------------------------- timm (optional peer)
+def _timm_optim(module: str):
+    """``timm.optim.<module>`` without running timm/__init__ (torchvision); None when timm is absent."""
+    name = f"timm.optim.{module}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if "timm" not in sys.modules:
+        spec = importlib.util.find_spec("timm")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = list(spec.submodule_search_locations)[0]
+        for pkg_name, path in (("timm", root), ("timm.optim", f"{root}/optim")):
+            pkg = types.ModuleType(pkg_name)
+            pkg.__path__ = [path]  # a namespace-like stub: submodules load, __init__ does not run
+            sys.modules[pkg_name] = pkg
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        log.warning("%s cannot be imported (%s): entries needing it are skipped", name, exc)
+        return None
+
+
+# ---------------------------------------------------------------- foreach references of math torch lacks
+class ForeachBertAdam:
+    """BertAdam (no bias correction, decoupled decay inside the update, per-tensor clipping) in torch foreach ops."""
+
+    def __init__(self, params, lr, b1=0.9, b2=0.999, e=1e-6, weight_decay=0.01, max_grad_norm=1.0):
+        self.params = list(params)
+        self.lr, self.b1, self.b2, self.e, self.wd, self.clip = lr, b1, b2, e, weight_decay, max_grad_norm
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        grads = [p.grad for p in self.params]
+        if self.clip > 0:
+            norms = torch.stack(torch._foreach_norm(grads))
+            coefs = torch.clamp(self.clip / (norms + 1e-6), max=1.0)
+            grads = torch._foreach_mul(grads, list(coefs.unbind()))
+        torch._foreach_lerp_(self.m, grads, 1 - self.b1)
+        torch._foreach_mul_(self.v, self.b2)
+        torch._foreach_addcmul_(self.v, grads, grads, value=1 - self.b2)
+        denom = torch._foreach_sqrt(self.v)
+        torch._foreach_add_(denom, self.e)
+        upd = torch._foreach_div(self.m, denom)
+        if self.wd:
+            torch._foreach_add_(upd, self.params, alpha=self.wd)
+        torch._foreach_add_(self.params, upd, alpha=-self.lr)
+
+
+class ForeachLamb:
+    """The NPU patch's LAMB (see apex.optimizers.lamb) in torch foreach ops."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        self.params = list(params)
+        self.lr, (self.b1, self.b2), self.eps, self.wd = lr, betas, eps, weight_decay
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        grads = [p.grad for p in self.params]
+        torch._foreach_lerp_(self.m, grads, 1 - self.b1)
+        torch._foreach_mul_(self.v, self.b2)
+        torch._foreach_addcmul_(self.v, grads, grads, value=1 - self.b2)
+        denom = torch._foreach_sqrt(self.v)
+        torch._foreach_add_(denom, self.eps)
+        upd = torch._foreach_div(self.m, denom)
+        if self.wd:
+            torch._foreach_add_(upd, self.params, alpha=self.wd)
+        w = torch.stack(torch._foreach_norm(self.params)).clamp_(max=10.0)
+        u = torch.stack(torch._foreach_norm(upd))
+        ratio = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
+        torch._foreach_mul_(upd, list((ratio * -self.lr).unbind()))
+        torch._foreach_add_(self.params, upd)
+
+
+# ---------------------------------------------------------------- optimizer table
+class Optim:
+    def __init__(self, name: str, ours: str, ours_kw: dict, ref: Callable[[List[torch.Tensor]], Any],
+                 ref_label: str, elems: int, same_math: bool, timm: Optional[str] = None):
+        self.name, self.ours, self.ours_kw, self.ref, self.ref_label = name, ours, ours_kw, ref, ref_label
+        self.elems, self.same_math, self.timm = elems, same_math, timm
+
+
+def _timm_ref(module: str, cls: str, **kw):
+    def make(params):
+        mod = _timm_optim(module)
+        return getattr(mod, cls)(params, **kw)
+
+    return make
+
+
+OPTIMS = [
+    Optim("Adam", "NpuFusedAdam", dict(lr=1e-3), lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
+          "torch.optim.Adam(fused=True)", 7, True),
+    Optim("AdamW", "NpuFusedAdamW", dict(lr=1e-3, weight_decay=1e-2),
+          lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, fused=True),
+          "torch.optim.AdamW(fused=True)", 7, True),
+    Optim("SGD momentum", "NpuFusedSGD", dict(lr=1e-3, momentum=0.9),
+          lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), "torch.optim.SGD(fused=True)", 5, True),
+    Optim("Adadelta", "NpuFusedAdadelta", dict(lr=1.0),
+          lambda ps: torch.optim.Adadelta(ps, lr=1.0, foreach=True), "torch.optim.Adadelta(foreach=True)", 7, True),
+    Optim("RMSprop", "NpuFusedRMSprop", dict(lr=1e-3),
+          lambda ps: torch.optim.RMSprop(ps, lr=1e-3, foreach=True), "torch.optim.RMSprop(foreach=True)", 5, True),
+    Optim("RMSpropTF momentum", "NpuFusedRMSpropTF", dict(lr=1e-3, momentum=0.9),
+          _timm_ref("rmsprop_tf", "RMSpropTF", lr=1e-3, momentum=0.9, foreach=True),
+          "timm.optim.RMSpropTF(foreach=True)", 7, True, timm="rmsprop_tf"),
+    Optim("BertAdam", "NpuFusedBertAdam", dict(lr=1e-3), lambda ps: ForeachBertAdam(ps, lr=1e-3),
+          "same math in torch _foreach ops", 7, True),
+    Optim("LAMB", "NpuFusedLamb", dict(lr=1e-3), lambda ps: ForeachLamb(ps, lr=1e-3),
+          "same math in torch _foreach ops", 10, True),
+    Optim("LAMB vs timm", "NpuFusedLamb", dict(lr=1e-3),
+          _timm_ref("lamb", "Lamb", lr=1e-3, weight_decay=0.0, max_grad_norm=None),
+          "timm.optim.Lamb(max_grad_norm=None) (bias-corrected LAMB)", 10, False, timm="lamb"),
+    Optim("AdamP", "NpuFusedAdamP", dict(lr=1e-3, weight_decay=1e-2),
+          _timm_ref("adamp", "AdamP", lr=1e-3, weight_decay=1e-2), "timm.optim.AdamP", 9, True, timm="adamp"),
+]
+
+
+# ---------------------------------------------------------------- setup / run
+def _rss_note(st: Dict[str, Any]) -> str:
+    d = st.get("rss_first_delta")
+    if d is None:
+        return ""
+    return (f"first step: combine + states RSS {d:+.0f} MiB, states alone {st['state_mib']:.0f} MiB "
+            f"(no lasting copy of params/grads if these agree)")
+
+
+def _setup(ctx: Context, opt: Optim, regime: str, dtype: torch.dtype, new_grads: bool) -> Dict[str, Any]:
+    import apex.optimizers as ao
+
+    shp = shapes.regime_shapes(regime, ctx.quick)
+    ours_p = shapes.make_params(shp, dtype=dtype, device=ctx.device, seed=ctx.seed)
+    ref_p = shapes.make_params(shp, dtype=dtype, device=ctx.device, seed=ctx.seed)
+    st: Dict[str, Any] = {
+        "numel": shapes.numel_of(ours_p),
+        "tensors": len(ours_p),
+        "ours": getattr(ao, opt.ours)(ours_p, **opt.ours_kw),
+        "ref": opt.ref(ref_p),
+        "ours_p": ours_p,
+        "ref_p": ref_p,
+        "first_done": False,
+    }
+    if new_grads:  # two sets of standalone grad tensors per side, alternated
+        st["grads_ours"] = [shapes.make_tensors(shp, dtype, ctx.device, ctx.seed + s, 1e-3) for s in (1, 2)]
+        st["grads_ref"] = [shapes.make_tensors(shp, dtype, ctx.device, ctx.seed + s, 1e-3) for s in (1, 2)]
+        st["i"] = 0
+    return st
+
+
+def _assign(params, grads) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def _ours(st: Dict[str, Any]):
+    if "grads_ours" in st:
+        st["i"] ^= 1
+        _assign(st["ours_p"], st["grads_ours"][st["i"]])
+    if not st["first_done"]:
+        before = env.rss_mib()
+        st["ours"].step()
+        after = env.rss_mib()
+        st["first_done"] = True
+        if before is not None and after is not None:
+            st["rss_first_delta"] = after - before
+            st["state_mib"] = sum(v.numel() * v.element_size() for s in st["ours"].state.values()
+                                  for v in s.values() if v.dim()) / 2 ** 20
+        return None
+    return st["ours"].step()
+
+
+def _ref(st: Dict[str, Any]):
+    if "grads_ref" in st:
+        _assign(st["ref_p"], st["grads_ref"][st["i"]])
+    return st["ref"].step()
+
+
+def _verify_factory(opt: Optim, dtype: torch.dtype):
+    """Three steps of ours and the reference from the same values on small shapes: same params (rtol 1e-5)."""
+
+    def verify(_st):
+        import apex.optimizers as ao
+
+        shp = [(33, 7), (64,), (5, 4, 3)]
+        a = shapes.make_params(shp, dtype=torch.float32, seed=3)
+        b = shapes.make_params(shp, dtype=torch.float32, seed=3)
+        oa, ob = getattr(ao, opt.ours)(a, **opt.ours_kw), opt.ref(b)
+        for _ in range(3):
+            oa.step()
+            ob.step()
+        for k, (p, q) in enumerate(zip(a, b)):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{opt.name}: param {k}: {m}")
+
+    return verify
+
+
+def _make_entry(opt: Optim, regime: str, dtype: torch.dtype, new_grads: bool) -> Entry:
+    esize = torch.empty((), dtype=dtype).element_size()
+    label = regime if dtype == torch.float32 else f"{regime} bf16"
+    name = opt.name + (", new grad tensors each step" if new_grads else "")
+    holder: Dict[str, Entry] = {}
+
+    def teardown(st):
+        note = _rss_note(st)
+        if note:
+            holder["entry"].notes = note
+
+    entry = Entry(
+        name=name,
+        regime=label,
+        setup=lambda ctx: _setup(ctx, opt, regime, dtype, new_grads),
+        ours=_ours,
+        torch_ref=_ref,
+        bytes_per_param=opt.elems * esize,
+        executor=lambda st: env.apex_executor(st["ours_p"][0]),
+        ref_label=opt.ref_label,
+        target_ratio=_target(opt, regime),
+        verify=_verify_factory(opt, dtype) if opt.same_math and regime == "small-5000x200" and not new_grads else None,
+        teardown=teardown,
+        dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+        group="optimizers",
+        devices=("cpu", "cuda"),
+    )
+    holder["entry"] = entry
+    return entry
+
+
+def _target(opt: Optim, regime: str) -> Optional[float]:
+    """Issue 3's targets: large tensors <= 1.05x torch fused (>= 2x faster than foreach/timm where torch has no
+    fused kernel); 5000 x 200 >= 10x faster."""
+    if regime == "small-5000x200":
+        return 0.1
+    if regime == "model-145":
+        return 1.05 if opt.name in ("Adam", "AdamW", "SGD momentum") else 0.5
+    return None
+
+
+def register(reg: Registry) -> None:
+    try:
+        env.import_apex()
+        import apex.optimizers as ao
+    except ImportError as exc:
+        log.warning("apex.optimizers cannot be imported (%s): no optimizer entries", exc)
+        return
+    for opt in OPTIMS:
+        if not hasattr(ao, opt.ours):
+            log.info("apex.optimizers.%s does not exist (yet): no %s entries", opt.ours, opt.name)
+            continue
+        if opt.timm is not None and _timm_optim(opt.timm) is None:
+            log.info("timm is not importable: no %s entries", opt.name)
+            continue
+        cases = [(r, torch.float32, False) for r in MODEL_REGIMES] + [("model-145", torch.bfloat16, False)]
+        if opt.name == "LAMB vs timm":
+            cases = [("model-145", torch.float32, False), ("small-5000x200", torch.float32, False)]
+        if opt.name == "Adam":
+            cases += [("small-5000x200", torch.float32, True), ("model-145", torch.float32, True)]
+        for regime, dtype, new_grads in cases:
+            reg.add(_make_entry(opt, regime, dtype, new_grads))

@@ -1,0 +1,452 @@
+"""combine_grad: flat grad buffers, one unscale+check pass per buffer, sharing checks, folded unscale,
+gradient accumulation, torch fused optimizers, apex optimizers, and the npu overflow-flag path."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from apex import _core, _device, amp
+
+LOW = torch.bfloat16
+S = 2.0**16
+
+
+@pytest.fixture(autouse=True)
+def _amp_env():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    amp.deinitialize()
+    torch.set_num_threads(threads)
+
+
+def net(seed=5):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def loss_of(m, x, y):
+    return (m(x).float() - y).pow(2).mean()
+
+
+def storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def apex_adam(params, **kw):
+    optimizers = pytest.importorskip("apex.optimizers")
+    return optimizers.NpuFusedAdam(params, lr=0.01, **kw)
+
+
+# ---------------------------------------------------------------- structure
+
+
+def test_grads_live_in_one_buffer_per_group_and_dtype():
+    m = net()
+    o = torch.optim.SGD([{"params": m[0].parameters()}, {"params": list(m[1].parameters()) +
+                                                          list(m[3].parameters()), "lr": 0.5}], lr=0.1)
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, verbosity=0)
+    for x, y in data(2):
+        o.zero_grad(set_to_none=False)
+        with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+            scaled.backward()
+        o.step()
+    flats = o._amp_stash.combined.flat_buffers()
+    assert len(flats) == 2
+    for group, flat in zip(o.param_groups, flats):
+        for p in group["params"]:
+            assert storage(p.grad) == storage(flat)
+
+
+def test_one_pass_per_buffer(monkeypatch):
+    m = net()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, verbosity=0)
+    (x, y), = data(1)
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+    o.step()
+    calls = []
+    real = _core.scale_
+
+    def spy(src, scale, out=None, check=True):
+        calls.append((src.numel(), scale, check))
+        return real(src, scale, out=out, check=check)
+
+    monkeypatch.setattr(_core, "scale_", spy)
+    o.zero_grad(set_to_none=False)
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+    flat = o._amp_stash.combined.flat_buffers()[0]
+    assert calls == [(flat.numel(), 1.0 / S, True)]  # zero_grad made it known-zero: no pre-scale pass
+
+
+def test_combined_matches_uncombined_with_accumulation():
+    """Micro-batches without zeroing in between; the combined run uses pre-scaling, not a stash."""
+    runs = []
+    for combine in (False, True):
+        m = net()
+        o = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        amp.initialize(m, o, opt_level="O1", combine_grad=combine or None, num_losses=2, verbosity=0)
+        batches = data(6)
+        for step in range(3):
+            o.zero_grad(set_to_none=step % 2 == 0)
+            for k, (x, y) in enumerate(batches[2 * step:2 * step + 2]):
+                with amp.scale_loss(loss_of(m, x, y), o, loss_id=k) as scaled:
+                    scaled.backward()
+            o.step()
+        runs.append([p.detach().clone() for p in m.parameters()])
+        amp.deinitialize()
+    ref = net()
+    ro = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    batches = data(6)
+    for step in range(3):
+        ro.zero_grad()
+        for x, y in batches[2 * step:2 * step + 2]:
+            with torch.autocast("cpu", dtype=LOW):
+                out = ref(x)
+            (out.float() - y).pow(2).mean().backward()
+        ro.step()
+    for a, b, r in zip(runs[0], runs[1], ref.parameters()):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+        torch.testing.assert_close(b, r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_delay_unscale_accumulation(level):
+    """delay_unscale leaves grads scaled until the last micro-batch.
+
+    Combined and per-tensor bookkeeping agree bit for bit either way. Under O1 (fp32 grads, power-of-two
+    scale) delaying changes nothing at all; under O2 the delayed model grads accumulate in bf16, as upstream.
+    """
+    results = {}
+    for combine in (False, True):
+        for delayed in (False, True):
+            m = net()
+            o = torch.optim.SGD(m.parameters(), lr=0.1)
+            amp.initialize(m, o, opt_level=level, combine_grad=combine or None, verbosity=0)
+            for step in range(2):
+                o.zero_grad()
+                micro = data(3, seed=step)
+                for i, (x, y) in enumerate(micro):
+                    last = i == len(micro) - 1
+                    with amp.scale_loss(loss_of(m, x, y), o, delay_unscale=delayed and not last) as scaled:
+                        scaled.backward()
+                o.step()
+            results[combine, delayed] = [p.detach().clone() for p in m.parameters()]
+            amp.deinitialize()
+    pairs = [((False, d), (True, d)) for d in (False, True)]
+    if level == "O1":
+        pairs.append(((False, False), (False, True)))
+    for ka, kb in pairs:
+        for a, b in zip(results[ka], results[kb]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- sharing broken by user code
+
+
+def _run_breaking(breaker, check):
+    m = net()
+    o = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, check_combined_tensors=check or None, verbosity=0)
+    for i, (x, y) in enumerate(data(4)):
+        o.zero_grad(set_to_none=False)
+        if i == 2:
+            breaker(m)
+        with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+            scaled.backward()
+        o.step()
+    flat = o._amp_stash.combined.flat_buffers()[0]
+    shared = all(storage(p.grad) == storage(flat) for p in m.parameters())
+    return [p.detach().clone() for p in m.parameters()], shared
+
+
+def _reference_params():
+    m = net()
+    o = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    for x, y in data(4):
+        o.zero_grad()
+        with torch.autocast("cpu", dtype=LOW):
+            out = m(x)
+        (out.float() - y).pow(2).mean().backward()
+        o.step()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _set_none(m):
+    for p in m.parameters():
+        p.grad = None
+
+
+def _new_tensor(m):
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def _rebind_data(m):
+    for p in m.parameters():
+        p.grad.data = torch.zeros_like(p)
+
+
+@pytest.mark.parametrize("breaker,needs_check", [(_set_none, False), (_new_tensor, False), (_rebind_data, True)],
+                         ids=["grad=None", "grad=new", "grad.data=new"])
+def test_broken_sharing_is_healed(breaker, needs_check):
+    expected = _reference_params()
+    params, shared = _run_breaking(breaker, check=needs_check)
+    for a, b in zip(params, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert shared
+
+
+# ---------------------------------------------------------------- folded unscale, torch fused
+
+
+class SpyAdam(torch.optim.Adam):
+    """Records what amp hands the fused kernel at each step."""
+
+    def step(self, closure=None):
+        self.seen = dict(grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                         grad=self.param_groups[0]["params"][0].grad.clone())
+        return super().step(closure)
+
+
+def test_fold_unscale_with_torch_fused_passes_scale_to_kernel():
+    m = net()
+    o = SpyAdam(m.parameters(), lr=0.01, fused=True)
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, fold_unscale=True, verbosity=0)
+    assert o._amp_stash.fold
+    (x, y), = data(1)
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+    scaled_grad = m[0].weight.grad.clone()
+    o.step()
+    assert o.seen["grad_scale"].item() == S and o.seen["found_inf"].item() == 0.0
+    torch.testing.assert_close(o.seen["grad"], scaled_grad)  # the exit left the grads scaled
+    assert "grad_scale" not in o.__dict__ and "found_inf" not in o.__dict__
+    ref = net()
+    ro = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)
+    with torch.autocast("cpu", dtype=LOW):
+        out = ref(x)
+    (out.float() - y).pow(2).mean().backward()
+    torch.testing.assert_close(scaled_grad / S, ref[0].weight.grad, rtol=0, atol=0)
+    ro.step()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # an overflow: the kernel is called with found_inf=1 and skips in-kernel (step counts restored)
+    o.zero_grad()
+    w = m[0].weight.detach().clone()
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+        m[0].weight.grad.view(-1)[0] = float("nan")
+    o.step()
+    assert o.seen["found_inf"].item() == 1.0
+    assert torch.equal(m[0].weight, w) and o.state[m[0].weight]["step"].item() == 1.0
+
+
+def test_fold_unscale_ignored_for_plain_torch_optimizer(caplog):
+    m = net()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    with caplog.at_level("INFO", logger="apex.amp"):
+        amp.initialize(m, o, opt_level="O1", combine_grad=True, fold_unscale=True)
+    assert "fold_unscale does not apply to SGD" in caplog.text
+    (x, y), = data(1)
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+    ref = net()
+    with torch.autocast("cpu", dtype=LOW):
+        out = ref(x)
+    (out.float() - y).pow(2).mean().backward()
+    torch.testing.assert_close(m[0].weight.grad, ref[0].weight.grad, rtol=0, atol=0)  # unscaled at exit
+
+
+# ---------------------------------------------------------------- apex optimizers (the protocol)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_apex_optimizer_owns_the_buffers(fold):
+    optimizers = pytest.importorskip("apex.optimizers")
+
+    class SpyFusedAdam(optimizers.NpuFusedAdam):
+        seen: list
+
+        def step(self, closure=None):
+            self.seen.append(self.apex_grad_scale)
+            return super().step(closure)
+
+    m = net()
+    o = SpyFusedAdam(m.parameters(), lr=0.01)
+    o.seen = []
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, fold_unscale=fold or None, verbosity=0)
+    for x, y in data(5):
+        o.zero_grad(set_to_none=False)
+        with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+            scaled.backward()
+        o.step()
+    assert o.apex_grad_scale is None
+    assert o.seen == ([1.0 / S] * 5 if fold else [None] * 5)
+    flats = o.combined_grad_buffers()
+    assert [f.data_ptr() for f in flats] == [f.data_ptr() for f in o._amp_stash.combined.flat_buffers()]
+    assert o.recombine_count == 1  # combined once, never re-combined because of amp
+    ref = net()
+    ro = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for x, y in data(5):
+        ro.zero_grad()
+        with torch.autocast("cpu", dtype=LOW):
+            out = ref(x)
+        (out.float() - y).pow(2).mean().backward()
+        ro.step()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_apex_optimizer_o2_master_copy_is_attached():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    o = apex_adam(m.parameters())
+    amp.initialize(m, o, opt_level="O2", combine_grad=True, verbosity=0)
+    assert o._amp_stash.attached
+    for x, y in data(3):
+        o.zero_grad()
+        with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+            scaled.backward()
+        o.step()
+    for master, model_p in zip(amp.master_params(o), m.parameters()):
+        assert torch.equal(master.to(LOW), model_p)
+
+
+# ---------------------------------------------------------------- fp16 grad buffers: stash instead of pre-scaling
+
+
+def test_fp16_buffer_accumulation_uses_fp32_stash():
+    """An fp16 param outside the model (O1 allows it in the optimizer) accumulating across backwards.
+
+    Each backward's grad 0.6 * 2**16 fits fp16, but pre-scaling the accumulated grads (1.2 * 2**16) would
+    overflow: the old grads wait in an fp32 stash and are added back after the unscale.
+    """
+    m = net()
+    extra = torch.nn.Parameter(torch.full((3,), 0.5, dtype=torch.float16))
+    o = torch.optim.SGD([*m.parameters(), extra], lr=0.01)
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, verbosity=0)
+    ref = extra.detach().clone().requires_grad_()
+    for x, y in data(3):
+        loss = loss_of(m, x, y) + (extra.float() * 0.6).sum()
+        with amp.scale_loss(loss, o) as scaled:
+            scaled.backward()
+        (ref.float() * 0.6).sum().backward()
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": S, "unskipped": 3}
+    assert extra.grad.dtype == torch.float16
+    torch.testing.assert_close(extra.grad, ref.grad, rtol=0, atol=0)
+    assert storage(extra.grad) == storage(o._amp_stash.combined.flat_buffers()[1])
+
+
+# ---------------------------------------------------------------- npu overflow flag (test double)
+
+
+class FakeOverflowNpu(types.ModuleType):
+    """torch_npu stand-in: records calls to the float-status helpers and reports a settable flag."""
+
+    def __init__(self):
+        super().__init__("torch_npu")
+        self.calls = []
+        self.flag = False
+        utils = types.SimpleNamespace(
+            get_npu_overflow_flag=self._get, clear_npu_overflow_flag=self._clear, is_support_inf_nan=lambda: False)
+        self.npu = types.SimpleNamespace(utils=utils)
+
+    def _get(self):
+        self.calls.append("get")
+        return self.flag
+
+    def _clear(self):
+        self.calls.append("clear")
+
+
+@pytest.mark.parametrize("combine", [False, True])
+def test_npu_overflow_flag_replaces_value_scan(monkeypatch, combine):
+    fake = FakeOverflowNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(_device, "npu_needs_overflow_flag", lambda device=None: True)
+    m = net()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O1", combine_grad=combine or None, verbosity=0)
+    (x, y), = data(1)
+    ref = net()
+    with torch.autocast("cpu", dtype=LOW):
+        out = ref(x)
+    (out.float() - y).pow(2).mean().backward()
+
+    # the register says "overflow" although every value is finite: skipped on the flag alone
+    fake.flag = True
+    order = []
+    w0 = m[0].weight.detach().clone()
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        order.append(list(fake.calls))
+        scaled.backward()
+    assert order == [["clear"]] and fake.calls == ["clear", "get"]
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == S / 2
+    torch.testing.assert_close(m[0].weight.grad, ref[0].weight.grad, rtol=0, atol=0)  # unscaled all the same
+    o.step()
+    assert torch.equal(m[0].weight, w0)
+
+    # saturation mode never looks at values: an inf with a clear register is not an overflow
+    fake.calls.clear()
+    fake.flag = False
+    o.zero_grad()
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+        m[0].weight.grad.view(-1)[0] = float("inf")
+    assert fake.calls == ["clear", "get"]
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": S / 2, "unskipped": 1}
+    o.step()
+    assert not torch.isfinite(m[0].weight).all()
+
+
+class TwoBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def test_unused_param_keeps_torch_semantics_under_o1():
+    """O1 + combine_grad: after zero_grad(set_to_none=True), a param without a grad is skipped as in torch."""
+    m = TwoBranch()
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, verbosity=0)
+    x = torch.randn(8, 4)
+    for use_b in (True, False):
+        o.zero_grad(set_to_none=True)
+        with amp.scale_loss(m(x, use_b).float().sum(), o) as scaled:
+            scaled.backward()
+        b_before = m.b.weight.detach().clone()
+        o.step()
+    assert m.b.weight.grad is None and torch.equal(m.b.weight, b_before)
+
+
+def test_unused_param_under_o2_gets_zero_master_grad():
+    """O2 + combine_grad (documented): a model param that once had a grad keeps a zeroed slot."""
+    m = TwoBranch()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O2", combine_grad=True, verbosity=0)
+    x = torch.randn(8, 4)
+    for use_b in (True, False):
+        o.zero_grad()
+        with amp.scale_loss(m(x, use_b).float().sum(), o) as scaled:
+            scaled.backward()
+    masters = list(amp.master_params(o))
+    b_master = masters[2]
+    assert b_master.grad is not None and not b_master.grad.any()
+    assert masters[0].grad.any()

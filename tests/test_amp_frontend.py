@@ -1,0 +1,549 @@
+"""amp.initialize: opt-level table, overrides, every documented error, shapes in/out, teardown."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from apex import amp
+from apex.amp._amp_state import _amp_state
+
+LOW = torch.bfloat16  # the CPU default
+
+
+@pytest.fixture(autouse=True)
+def _amp_env(monkeypatch):
+    from apex.amp import _casts
+
+    monkeypatch.delenv("APEX_AMP_DTYPE", raising=False)
+    registry = dict(_casts._USER_CAST_REGISTRY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    amp.deinitialize()
+    torch.set_num_threads(threads)
+    _casts._USER_CAST_REGISTRY.clear()
+    _casts._USER_CAST_REGISTRY.update(registry)
+
+
+def net():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+# ---------------------------------------------------------------- the table
+
+TABLE = {
+    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
+               master_weights=False, loss_scale=1.0),
+    "O1": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale="dynamic"),
+    "O2": dict(cast_model_type=LOW, patch_torch_functions=False, keep_batchnorm_fp32=True, master_weights=True,
+               loss_scale="dynamic"),
+    "O3": dict(cast_model_type=LOW, patch_torch_functions=False, keep_batchnorm_fp32=False, master_weights=False,
+               loss_scale=1.0),
+}
+
+
+@pytest.mark.parametrize("level", sorted(TABLE))
+def test_opt_level_table(level):
+    m = net()
+    amp.initialize(m, sgd(m), opt_level=level, verbosity=0)
+    props = _amp_state.opt_properties
+    assert props.enabled and props.opt_level == level
+    for key, value in TABLE[level].items():
+        assert getattr(props, key) == value, key
+    for key in ("combine_grad", "combine_ddp", "check_combined_tensors", "user_cast_preferred"):
+        assert getattr(props, key) is None
+    scaler = _amp_state.loss_scalers[0]
+    assert scaler.dynamic == (TABLE[level]["loss_scale"] == "dynamic")
+    assert scaler.loss_scale() == (2.0**16 if scaler.dynamic else 1.0)
+
+
+def test_overrides_apply_on_top():
+    m = net()
+    amp.initialize(m, sgd(m), opt_level="O2", keep_batchnorm_fp32="False", loss_scale=128, master_weights=False,
+                   verbosity=0)
+    props = _amp_state.opt_properties
+    assert props.keep_batchnorm_fp32 is False and props.loss_scale == 128.0 and props.master_weights is False
+    assert m[1].weight.dtype == LOW  # batchnorm cast too
+    assert not _amp_state.loss_scalers[0].dynamic
+
+
+@pytest.mark.parametrize("value,expected", [(True, True), ("True", True), (False, False), ("False", False)])
+def test_keep_batchnorm_fp32_accepts_bool_and_strings(value, expected):
+    m = net()
+    amp.initialize(m, opt_level="O2", keep_batchnorm_fp32=value, verbosity=0)
+    assert _amp_state.opt_properties.keep_batchnorm_fp32 is expected
+    assert m[1].weight.dtype == (torch.float32 if expected else LOW)
+    assert m[0].weight.dtype == LOW
+
+
+def test_low_precision_dtype_choice(monkeypatch):
+    m = net()
+    amp.initialize(m, opt_level="O3", amp_dtype=torch.float16, verbosity=0)
+    assert m[0].weight.dtype == torch.float16
+    amp.deinitialize()
+    monkeypatch.setenv("APEX_AMP_DTYPE", "fp16")
+    m = net()
+    amp.initialize(m, opt_level="O2", verbosity=0)
+    assert m[0].weight.dtype == torch.float16 and m[1].weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="amp_dtype"):
+        amp.initialize(net(), opt_level="O2", amp_dtype="int8", verbosity=0)
+
+
+def test_logging_of_options(caplog):
+    m = net()
+    with caplog.at_level("INFO", logger="apex.amp"):
+        amp.initialize(m, opt_level="O1")
+    text = caplog.text
+    assert "Selected optimization level O1" in text and "patch_torch_functions  : True" in text
+    caplog.clear()
+    amp.deinitialize()
+    with caplog.at_level("INFO", logger="apex.amp"):
+        amp.initialize(net(), opt_level="O1", verbosity=0)
+    assert "Selected optimization level" not in caplog.text
+
+
+# ---------------------------------------------------------------- shapes in, shapes out
+
+
+def test_same_shape_out():
+    m1, m2 = net(), net()
+    o1 = sgd(m1)
+    out = amp.initialize(m1, opt_level="O1", verbosity=0)
+    assert out is m1
+    amp.deinitialize()
+    ms, opt = amp.initialize([m1, m2], o1, opt_level="O1", verbosity=0)
+    assert ms == [m1, m2] and opt is o1
+    amp.deinitialize()
+    o2, o3 = sgd(m1), sgd(m2)
+    ms, opts = amp.initialize((m1,), [o2, o3], opt_level="O1", verbosity=0)
+    assert ms == (m1,) and opts == [o2, o3]
+
+
+def test_disabled_returns_inputs_and_scale_loss_passes_through():
+    m = net()
+    o = sgd(m)
+    w = m[0].weight.detach().clone()
+    m2, o2 = amp.initialize(m, o, opt_level="O2", enabled=False)
+    assert m2 is m and o2 is o and m[0].weight.dtype == torch.float32 and not hasattr(o, "_amp_stash")
+    assert torch.equal(m[0].weight, w)
+    loss = m(torch.randn(4, 4)).sum()
+    with amp.scale_loss(loss, o) as scaled:
+        assert scaled is loss
+
+
+# ---------------------------------------------------------------- errors
+
+
+def assert_untouched(model, opt=None):
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert "forward" not in model.__dict__
+    if opt is not None:
+        assert not hasattr(opt, "_amp_stash") and "step" not in opt.__dict__
+    assert _amp_state.session is None
+
+
+@pytest.mark.parametrize("level", ["O4", "00", "o1", 1, None])
+def test_bad_opt_level(level):
+    m = net()
+    with pytest.raises(RuntimeError, match="Unexpected optimization level"):
+        amp.initialize(m, sgd(m), opt_level=level)
+    assert_untouched(m)
+
+
+def test_parallel_wrapped_model_rejected(tmp_path):
+    m = net()
+    with pytest.raises(RuntimeError, match="Parallel wrappers should only be applied to the model"):
+        amp.initialize(torch.nn.DataParallel(m), opt_level="O1")
+    assert_untouched(m)
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
+        with pytest.raises(RuntimeError, match="DistributedDataParallel"):
+            amp.initialize(ddp, opt_level="O2")
+    finally:
+        dist.destroy_process_group()
+    assert_untouched(m)
+
+
+def test_optimizer_passed_twice():
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once"):
+        amp.initialize(m, o, opt_level="O1", verbosity=0)
+    amp.deinitialize()  # even after teardown: O2 masters could not be rebuilt from masters
+    with pytest.raises(RuntimeError, match="only be passed through amp.initialize once"):
+        amp.initialize(m, o, opt_level="O1", verbosity=0)
+    m2 = net()
+    o2 = sgd(m2)
+    with pytest.raises(RuntimeError, match="appears twice"):
+        amp.initialize(m2, [o2, o2], opt_level="O1")
+    assert_untouched(m2, o2)
+
+
+@pytest.mark.parametrize("models,optimizers,match", [
+    ("model", None, "models must be either a single Module"),
+    ([object()], None, "entry 0 is object"),
+    (None, "opt", "optimizers must be either a single Optimizer"),
+    (None, ["net"], "entry 0 is Sequential"),
+])
+def test_wrong_types(models, optimizers, match):
+    m = net()
+    models = m if models is None else models
+    if optimizers == ["net"]:
+        optimizers = [net()]
+    with pytest.raises(TypeError, match=match):
+        amp.initialize(models, optimizers, opt_level="O1")
+    assert_untouched(m)
+
+
+@pytest.mark.parametrize("level,kw,exc,match", [
+    ("O1", dict(cast_model_type=torch.float16), RuntimeError, "O1 inserts casts around Torch functions"),
+    ("O1", dict(keep_batchnorm_fp32=True), RuntimeError, "keep_batchnorm_fp32 should be None"),
+    ("O1", dict(master_weights=True), RuntimeError, "doesn't make sense to use master_weights with O1"),
+    ("O2", dict(patch_torch_functions=True), RuntimeError, "patch_torch_functions=True should only be set"),
+    ("O2", dict(keep_batchnorm_fp32="yes"), ValueError, "keep_batchnorm_fp32 must be a boolean"),
+    ("O2", dict(cast_model_type=torch.int8), TypeError, "cast_model_type must be"),
+    ("O2", dict(master_weights="True"), TypeError, "master_weights must be True, False or None"),
+    ("O0", dict(combine_grad=True), RuntimeError, "combine_grad=True is only supported with opt_level 'O1' or 'O2'"),
+    ("O3", dict(combine_grad=True), RuntimeError, "combine_grad=True is only supported"),
+    ("O3", dict(check_combined_tensors=True), RuntimeError, "check_combined_tensors=True is only supported"),
+    ("O1", dict(check_combined_tensors=True), RuntimeError, "check_combined_tensors=True requires combine_grad"),
+    ("O1", dict(combine_ddp=True), RuntimeError, "combine_ddp=True requires combine_grad=True"),
+    ("O2", dict(user_cast_preferred=True), RuntimeError, "user_cast_preferred=True is only supported with opt_level"),
+    ("O2", dict(combine_grad=True, master_weights=False), RuntimeError, "combine_grad=True requires master_weights"),
+    ("O1", dict(fold_unscale=True), RuntimeError, "fold_unscale=True requires combine_grad=True"),
+    ("O1", dict(loss_scale="abc"), ValueError, "loss_scale must be 'dynamic' or a positive number"),
+    ("O1", dict(loss_scale=-2), ValueError, "loss_scale must be"),
+    ("O1", dict(loss_scale=True), TypeError, "loss_scale must be"),
+    ("O1", dict(num_losses=0), ValueError, "num_losses must be >= 1"),
+    ("O1", dict(num_losses=1.5), TypeError, "num_losses must be an int"),
+    ("O1", dict(scale_window=0), ValueError, "scale_window must be >= 1"),
+    ("O1", dict(min_loss_scale=2.0**30), ValueError, "min_loss_scale .* is larger than max_loss_scale"),
+    ("O1", dict(dynamic_init_scale=0), ValueError, "dynamic_init_scale must be a finite positive number"),
+    ("O1", dict(scale_backoff_factor=2.0), ValueError, "scale_backoff_factor must be in"),
+    ("O1", dict(scale_growth_factor=0.5), ValueError, "scale_growth_factor must be >= 1"),
+    ("O1", dict(ddp_replica_count=0), ValueError, "ddp_replica_count must be >= 1"),
+    ("O1", dict(cast_model_outputs="half"), TypeError, "cast_model_outputs must be"),
+    ("O1", dict(verbosity="loud"), TypeError, "verbosity must be an int"),
+])
+def test_option_errors_leave_everything_untouched(level, kw, exc, match):
+    m = net()
+    o = sgd(m)
+    with pytest.raises(exc, match=match):
+        amp.initialize(m, o, opt_level=level, **kw)
+    assert_untouched(m, o)
+
+
+def test_allowed_o1_overrides():
+    m = net()
+    amp.initialize(m, opt_level="O1", cast_model_type=torch.float32, verbosity=0)
+    assert m[0].weight.dtype == torch.float32
+
+
+def test_low_precision_model_rejected():
+    m = net().half()
+    with pytest.raises(RuntimeError, match="you do not need to call .half"):
+        amp.initialize(m, opt_level="O2")
+    assert m[0].weight.dtype == torch.float16 and "forward" not in m.__dict__
+
+
+def test_master_weights_reject_float64_params():
+    m = net()
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    o = torch.optim.SGD([*m.parameters(), extra], lr=0.1)
+    with pytest.raises(TypeError, match="float64"):
+        amp.initialize(m, o, opt_level="O2")
+    assert_untouched(m, o)
+
+
+def test_closure_rejected():
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    with pytest.raises(RuntimeError, match="does not support closure"):
+        o.step(lambda: 0.0)
+
+
+def test_scale_loss_errors():
+    m = net()
+    o = sgd(m)
+    loss = m(torch.randn(4, 4)).sum()
+    with pytest.raises(RuntimeError, match="must be called before"):
+        with amp.scale_loss(loss, o):
+            pass
+    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match=r"loss_id must be an int in \[0, 1\)"):
+        with amp.scale_loss(loss, o, loss_id=1):
+            pass
+    other = sgd(net())
+    with pytest.raises(RuntimeError, match="was not returned by the active amp.initialize"):
+        with amp.scale_loss(loss, other):
+            pass
+    with pytest.raises(TypeError, match="optimizers must be an optimizer or a list"):
+        with amp.scale_loss(loss, "opt"):
+            pass
+    with pytest.raises(TypeError, match="loss must be a tensor"):
+        with amp.scale_loss(1.0, o):
+            pass
+
+
+def test_combine_ddp_hook_point():
+    from apex.amp import _ddp
+
+    m = net()
+    with pytest.raises(RuntimeError, match="no combine_ddp backend is registered"):
+        amp.initialize(m, sgd(m), opt_level="O1", combine_grad=True, combine_ddp=True)
+    assert_untouched(m)
+    seen = []
+
+    class Hook:
+        def before_unscale(self, combined):
+            seen.append([b.clone() for b in combined.flat_buffers()])
+
+    def backend(session):
+        seen.append(session.ddp_replica_count)
+        return Hook()
+
+    _ddp.register_backend(backend)
+    try:
+        o = sgd(m)
+        amp.initialize(m, o, opt_level="O1", combine_grad=True, combine_ddp=True, ddp_replica_count=2, verbosity=0)
+        loss = m(torch.randn(4, 4)).float().sum()
+        with amp.scale_loss(loss, o) as scaled:
+            scaled.backward()
+        # called once with the replica count, then at the exit with the still-scaled combined grads
+        assert seen[0] == 2 and len(seen) == 2
+        unscaled = torch.cat([b for b in o._amp_stash.combined.flat_buffers()])
+        torch.testing.assert_close(torch.cat(seen[1]), unscaled * 2.0**16)
+    finally:
+        _ddp.register_backend(None)
+
+
+# ---------------------------------------------------------------- what each level does to the model
+
+
+def test_o1_autocast_inside_forward_only():
+    m = net()
+    amp.initialize(m, opt_level="O1", verbosity=0)
+    out = m(torch.randn(4, 4))
+    assert out.dtype == LOW  # the last Linear ran under autocast
+    assert m[0].weight.dtype == torch.float32  # weights stay fp32
+    loss = (out.float() - 1).pow(2).mean()
+    assert (torch.randn(3, 3) @ torch.randn(3, 3)).dtype == torch.float32  # outside forward: own dtype
+    assert loss.dtype == torch.float32
+    with amp.disable_casts():
+        assert m(torch.randn(4, 4)).dtype == torch.float32
+
+
+def test_o1_cast_model_outputs():
+    m = net()
+    amp.initialize(m, opt_level="O1", cast_model_outputs=torch.float32, verbosity=0)
+    assert m(torch.randn(4, 4)).dtype == torch.float32
+
+
+def test_o2_model_cast_inputs_outputs_and_masters():
+    m = net()
+    o = sgd(m)
+    ids = [id(p) for p in m.parameters()]
+    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    assert [id(p) for p in m.parameters()] == ids  # same Parameter objects, new dtype
+    assert [p.dtype for p in m.parameters()] == [LOW, LOW, torch.float32, torch.float32, LOW, LOW]
+    out = m(torch.randn(4, 4))  # fp32 input cast to the model dtype
+    assert out.dtype == torch.float32  # outputs cast back by default
+    masters = list(amp.master_params(o))
+    assert all(p.dtype == torch.float32 for p in masters)
+    model_params = list(m.parameters())
+    for master, p in zip(masters, model_params):
+        if p.dtype == LOW:
+            assert master is not p and torch.equal(master.to(LOW), p)
+        else:
+            assert master is p  # fp32 batchnorm params are their own masters
+    amp.deinitialize()
+    m = net()
+    amp.initialize(m, opt_level="O2", cast_model_outputs=torch.bfloat16, verbosity=0)
+    assert m(torch.randn(4, 4)).dtype == torch.bfloat16
+
+
+def test_o3_pure_low_precision():
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O3", verbosity=0)
+    assert all(p.dtype == LOW for p in m.parameters())
+    assert all(b.dtype == LOW for b in m.buffers() if b.is_floating_point())
+    assert list(amp.master_params(o)) == list(m.parameters())
+    loss = m(torch.randn(4, 4)).sum()
+    with amp.scale_loss(loss, o) as scaled:
+        assert scaled.dtype == torch.float32 and torch.equal(scaled, loss.float())  # scale 1
+
+
+def test_teardown_restores_instances():
+    m = net()
+    o = sgd(m)
+    cls_step = type(o).step
+    amp.initialize(m, o, opt_level="O1", combine_grad=True, verbosity=0)
+    assert "forward" in m.__dict__ and "zero_grad" in m.__dict__ and "step" in o.__dict__
+    amp.deinitialize()
+    for name in ("forward", "zero_grad"):
+        assert name not in m.__dict__
+    for name in ("step", "zero_grad", "add_param_group", "load_state_dict"):
+        assert name not in o.__dict__
+    assert type(o).step is cls_step
+    assert m(torch.randn(4, 4)).dtype == torch.float32
+    assert _amp_state.opt_properties is None and _amp_state.loss_scalers == []
+
+
+def test_lr_scheduler_after_initialize():
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # wraps optimizer.step.__func__
+    loss = m(torch.randn(4, 4)).sum()
+    with amp.scale_loss(loss, o) as scaled:
+        scaled.backward()
+    o.step()
+    sched.step()
+    assert o.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_add_param_group_after_initialize_o2():
+    m, extra = net(), torch.nn.Linear(4, 2)
+    o = sgd(m)
+    amp.initialize([m, extra], o, opt_level="O2", verbosity=0)
+    o.add_param_group({"params": extra.parameters(), "lr": 0.5})
+    masters = o.param_groups[1]["params"]
+    assert all(p.dtype == torch.float32 for p in masters) and masters[0] is not extra.weight
+    before = extra.weight.detach().clone()
+    loss = m(torch.randn(4, 4)).sum() + extra(torch.randn(4, 4)).sum()
+    with amp.scale_loss(loss, o) as scaled:
+        scaled.backward()
+    o.step()
+    expected = (masters[0].detach()).to(LOW)
+    assert torch.equal(extra.weight, expected) and not torch.equal(extra.weight, before)
+
+
+# ---------------------------------------------------------------- user-registered casts
+
+
+def _fake_module():
+    mod = types.ModuleType("fake_ops")
+
+    def ident(*xs):
+        return xs if len(xs) > 1 else xs[0]
+
+    mod.ident = ident
+    mod.other = ident
+    mod.promote_me = ident
+    return mod
+
+
+def test_register_functions_wrapped_and_restored():
+    mod = _fake_module()
+    originals = (mod.ident, mod.other, mod.promote_me)
+    amp.register_half_function(mod, "ident")
+    amp.register_float_function(mod, "other")
+    amp.register_promote_function(mod, "promote_me")
+    x32, x16 = torch.randn(2), torch.randn(2, dtype=LOW)
+    amp.initialize(net(), opt_level="O1", verbosity=0)
+    assert mod.ident is not originals[0]
+    assert mod.ident(x32).dtype == LOW
+    assert mod.other(x16).dtype == torch.float32
+    a, b = mod.promote_me(x32, x16)
+    assert a.dtype == b.dtype == torch.float32
+    out = mod.ident([x32, {"k": x32}, 3, "s"])  # containers are walked, other values kept
+    assert out[0].dtype == LOW and out[1]["k"].dtype == LOW and out[2:] == [3, "s"]
+    assert mod.ident(torch.arange(3)).dtype == torch.int64  # integer tensors untouched
+    with amp.disable_casts():
+        assert mod.ident(x32).dtype == torch.float32
+    amp.deinitialize()
+    assert (mod.ident, mod.other, mod.promote_me) == originals
+
+
+def test_register_errors_and_late_registration():
+    mod = _fake_module()
+    with pytest.raises(ValueError, match="No function named missing"):
+        amp.register_half_function(mod, "missing")
+    mod.value = 3
+    with pytest.raises(ValueError, match="not callable"):
+        amp.register_float_function(mod, "value")
+    orig = mod.ident
+    amp.initialize(net(), opt_level="O2", verbosity=0)  # not O1: nothing is wrapped
+    amp.register_half_function(mod, "ident")
+    assert mod.ident is orig
+    amp.deinitialize()
+    amp.initialize(net(), opt_level="O1", verbosity=0)
+    late = _fake_module()
+    amp.register_half_function(late, "other")  # during an O1 session: wrapped at once
+    assert late.other(torch.randn(2)).dtype == LOW
+    amp.deinitialize()
+    assert late.other(torch.randn(2)).dtype == torch.float32
+
+
+def test_decorators():
+    @amp.half_function
+    def h(x):
+        return x
+
+    @amp.float_function
+    def f(x):
+        return x
+
+    @amp.promote_function
+    def p(x, y):
+        return x + y
+
+    x32, x16 = torch.randn(2), torch.randn(2, dtype=LOW)
+    assert h(x32).dtype == torch.float32  # no session: plain call
+    amp.initialize(net(), opt_level="O1", verbosity=0)
+    assert h(x32).dtype == LOW and f(x16).dtype == torch.float32 and p(x16, x32).dtype == torch.float32
+    with amp.disable_casts():
+        assert h(x32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("preferred", [False, True])
+def test_user_cast_preferred_over_autocast(preferred):
+    """matmul is on autocast's low-precision list: registered as float, the user wins only if preferred."""
+
+    class MM(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.matmul(a, b)
+
+    orig = torch.matmul
+    amp.register_float_function(torch, "matmul")
+    try:
+        m = MM()
+        amp.initialize(m, opt_level="O1", user_cast_preferred=preferred or None, verbosity=0)
+        out = m(torch.randn(2, 2), torch.randn(2, 2))
+        assert out.dtype == (torch.float32 if preferred else LOW)
+        amp.deinitialize()
+        assert torch.matmul is orig
+    finally:
+        from apex.amp import _casts
+
+        _casts._USER_CAST_REGISTRY.pop((id(torch), "matmul"), None)
+        torch.matmul = orig
+
+
+def test_second_initialize_replaces_function_casts(caplog):
+    mod = _fake_module()
+    orig = mod.ident
+    amp.register_half_function(mod, "ident")
+    amp.initialize(net(), opt_level="O1", verbosity=0)
+    with caplog.at_level("WARNING", logger="apex.amp"):
+        amp.initialize(net(), opt_level="O1", verbosity=0)
+    assert "called again" in caplog.text
+    assert getattr(mod.ident, "_apex_amp_patch_of", None) is orig  # wrapped once, not twice
+    amp.deinitialize()
+    assert mod.ident is orig

@@ -1,0 +1,726 @@
+"""NVIDIA Apex's optimizer API (FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad,
+FusedMixedPrecisionLamb) on our combined-buffer executors.
+
+References: torch.optim.Adam / AdamW / SGD / Adagrad where torch has the same math; float64
+implementations written here from the published formulas (NVIDIA's documented semantics,
+see docs/upstream-compat.md) for LAMB and NovoGrad. fp32 params: 30 steps, every param and
+state within assert_close(rtol=1e-5, atol=1e-6 * max|p0|). Each case runs on the C++ kernel
+(``executor="auto"`` on CPU) and on the torch executor (what other devices use).
+
+The HF transformers Trainer runs (optim="adamw_apex_fused", half_precision_backend="apex")
+are in the full tier.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+import torch
+
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+
+STEPS = 30
+RTOL = 1e-5
+EXECUTORS = ("auto", "torch")
+
+
+# ------------------------------------------------------------------ helpers
+def expected_executor(executor: str, device: str) -> str:
+    return "apex_C" if executor == "auto" and device == "cpu" else "torch"
+
+
+def shapes_for(seed: int) -> List[tuple]:
+    rng = random.Random(seed)
+    return [tuple(rng.randint(1, 7) for _ in range(rng.choice([0, 1, 2, 3]))) for _ in range(rng.randint(3, 6))]
+
+
+def make_params(shapes, device, dtype=torch.float32, seed=0) -> List[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype))
+            for s in shapes]
+
+
+def clone_params(params, dtype=None) -> List[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone().to(dtype or p.dtype)) for p in params]
+
+
+def set_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
+    """Writes into the existing grad (keeps our combined views) or binds a new one; None drops it."""
+    if g is None:
+        p.grad = None
+    elif p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.copy_(g)
+
+
+def draw_grads(params, gen: torch.Generator, scale: float = 1.0,
+               drop: Sequence[int] = ()) -> List[Optional[torch.Tensor]]:
+    out = []
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale
+        out.append(None if i in drop else g.to(device=p.device, dtype=p.dtype))
+    return out
+
+
+def assert_params_close(ours, ref, atol_scale: float, what: str) -> None:
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        torch.testing.assert_close(a.detach().double().cpu(), b.detach().double().cpu(), rtol=RTOL,
+                                   atol=1e-6 * atol_scale, msg=lambda m, i=i: f"{what} {i}: {m}")
+
+
+def max_abs(params) -> float:
+    return max(float(p.detach().abs().max()) if p.numel() else 0.0 for p in params) or 1.0
+
+
+def run_vs_torch(ours_cls, ours_kw, torch_cls, torch_kw, device, executor, seed, groups=2, drop_at=None):
+    """Both optimizers see identical fp32 grads for STEPS steps; params and states must agree."""
+    shapes = shapes_for(seed)
+    params = make_params(shapes, device, seed=seed)
+    ref = clone_params(params)
+    half = max(1, len(params) // groups)
+    split = [(0, half), (half, len(params))]
+    ours_groups = [{"params": params[a:b]} for a, b in split if b > a]
+    ref_groups = [{"params": ref[a:b]} for a, b in split if b > a]
+    if len(ours_groups) > 1:  # a second group with its own learning rate
+        ours_groups[1]["lr"] = ref_groups[1]["lr"] = ours_kw.get("lr", 1e-3) * 0.5
+    opt = ours_cls(ours_groups, **ours_kw)
+    opt.executor = executor
+    ref_opt = torch_cls(ref_groups, **torch_kw)
+    atol = max_abs(params)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(STEPS):
+        drop = (0,) if drop_at is not None and step in drop_at else ()
+        grads = draw_grads(params, gen, drop=drop)
+        for p, q, g in zip(params, ref, grads):
+            set_grad(p, g)
+            set_grad(q, None if g is None else g.clone())
+        opt.step()
+        ref_opt.step()
+    assert opt.last_executor == expected_executor(executor, device)
+    assert_params_close(params, ref, atol, "param")
+    for p, q in zip(params, ref):
+        for key, value in opt.state[p].items():
+            if key in ref_opt.state[q] and isinstance(value, torch.Tensor) and key != "step":
+                torch.testing.assert_close(value.double().cpu(), ref_opt.state[q][key].double().cpu(), rtol=RTOL,
+                                           atol=1e-6 * max(1.0, float(ref_opt.state[q][key].abs().max())))
+    return opt, params
+
+
+# ------------------------------------------------------------------ FusedAdam
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_adam_matches_torch(device, executor, adam_w_mode, seed):
+    rng = random.Random(seed)
+    hp = dict(lr=rng.choice([1e-3, 1e-2, 5e-2]), betas=(rng.uniform(0.8, 0.95), rng.uniform(0.9, 0.999)),
+              eps=rng.choice([1e-8, 1e-6]), weight_decay=rng.choice([0.0, 0.01, 0.1]))
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    opt, _ = run_vs_torch(FusedAdam, dict(hp, adam_w_mode=adam_w_mode), torch_cls, hp, device, executor, seed)
+    # NVIDIA's layout: one step per group, no per-param step
+    assert [g["step"] for g in opt.param_groups] == [STEPS] * len(opt.param_groups)
+    assert all(set(st) == {"exp_avg", "exp_avg_sq"} for st in opt.state.values())
+
+
+def ref_adam64(p, g, m, v, *, lr, b1, b2, eps, wd, step, adam_w_mode, bias_correction):
+    if wd and not adam_w_mode:
+        g = g + wd * p
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    bc1 = 1 - b1**step if bias_correction else 1.0
+    bc2 = 1 - b2**step if bias_correction else 1.0
+    u = (m / bc1) / ((v / bc2).sqrt() + eps)
+    if wd and adam_w_mode:
+        u = u + wd * p
+    return p - lr * u, m, v
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fused_adam_no_bias_correction_and_group_step(device, executor):
+    """bias_correction=False, and NVIDIA's per-group step: a param without a grad is skipped while the
+    group's count still advances, so its later bias correction uses the group's count."""
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    for bias_correction in (False, True):
+        params = make_params(shapes_for(3), device, seed=3)
+        ref = [p.detach().double().cpu() for p in params]
+        ms = [torch.zeros_like(r) for r in ref]
+        vs = [torch.zeros_like(r) for r in ref]
+        opt = FusedAdam(params, bias_correction=bias_correction, **hp)
+        opt.executor = executor
+        gen = torch.Generator().manual_seed(4)
+        for step in range(1, STEPS + 1):
+            grads = draw_grads(params, gen, drop=(0,) if step in (2, 3, 7) else ())
+            for p, g in zip(params, grads):
+                set_grad(p, g)
+            opt.step()
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                ref[i], ms[i], vs[i] = ref_adam64(ref[i], g.double().cpu(), ms[i], vs[i], lr=hp["lr"], b1=0.9,
+                                                  b2=0.99, eps=1e-8, wd=0.05, step=step, adam_w_mode=True,
+                                                  bias_correction=bias_correction)
+        assert opt.param_groups[0]["step"] == STEPS
+        assert opt.last_executor == expected_executor(executor, device)
+        assert_params_close(params, ref, max_abs(ref), f"bias_correction={bias_correction}")
+
+
+def test_fused_adam_errors_and_closure(device):
+    params = make_params([(3,), (2, 2)], device)
+    with pytest.raises(RuntimeError, match="FusedAdam does not support the AMSGrad variant"):
+        FusedAdam(params, amsgrad=True)
+    with pytest.raises(RuntimeError, match="Master weights is currently only supported with the capturable"):
+        FusedAdam(params, master_weights=True)
+    with pytest.raises(ValueError, match="capturable"):
+        FusedAdam(params, capturable=True)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        FusedAdam(params, lr=-1.0)
+    opt = FusedAdam(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    for legacy in ("grads", "output_params", "scale", "grad_norms"):
+        with pytest.raises(RuntimeError, match="FusedAdam has been updated"):
+            opt.step(**{legacy: 1.0})
+    # the rejected calls changed nothing
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert "step" not in opt.param_groups[0] and not opt.state
+
+    def closure():
+        opt.zero_grad()
+        loss = sum((p.float() ** 2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.grad_fn is not None  # the closure ran with grad enabled
+    assert opt.param_groups[0]["step"] == 1
+    assert not any(torch.equal(a, b) for a, b in zip(params, before))
+    opt.step(grad_scaler=None)  # accepted, as NVIDIA's signature has it
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad])
+def test_set_grad_none(device, cls):
+    params = make_params([(4,), (2, 3)], device)
+    opt = cls(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    grads = [p.grad for p in params]
+    opt.zero_grad()  # default set_grad_none=True: NVIDIA's behaviour
+    assert all(p.grad is None for p in params)
+    opt = cls(params, lr=1e-2, set_grad_none=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    grads = [p.grad for p in params]
+    opt.zero_grad()  # set_grad_none=False: zeroed in place, still the same (combined) tensors
+    assert all(p.grad is g for p, g in zip(params, grads))
+    assert all(float(p.grad.abs().sum()) == 0 for p in params)
+    opt.zero_grad(set_to_none=True)  # an explicit argument wins
+    assert all(p.grad is None for p in params)
+
+
+def test_fused_adam_state_dict_resume_and_torch_checkpoint(device):
+    hp = dict(lr=1e-2, weight_decay=0.01)
+    params = make_params(shapes_for(5), device, seed=5)
+    twin = clone_params(params)
+    opt, opt_twin = FusedAdam(params, **hp), FusedAdam(twin, **hp)
+    gen = torch.Generator().manual_seed(6)
+    grads_seq = [draw_grads(params, gen) for _ in range(8)]
+    for grads in grads_seq[:4]:
+        for p, q, g in zip(params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        opt.step()
+        opt_twin.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["param_groups"][0]["step"] == 4 and set(saved["state"][0]) == {"exp_avg", "exp_avg_sq"}
+    resumed_params = clone_params(params)
+    resumed = FusedAdam(resumed_params, **hp)
+    resumed.load_state_dict(saved)
+    for grads in grads_seq[4:]:
+        for p, q, g in zip(resumed_params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        resumed.step()
+        opt_twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, twin))  # same executor: bitwise
+
+    # a torch.optim.AdamW checkpoint (per-param steps) continues as torch would
+    tp = make_params(shapes_for(7), device, seed=7)
+    torch_opt = torch.optim.AdamW(tp, **hp)
+    ours_p = clone_params(tp)
+    for _ in range(3):
+        for p in tp:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        torch_opt.step()
+    ours = FusedAdam(ours_p, **hp)
+    ours_p_data = [p.detach().clone() for p in tp]
+    for p, d in zip(ours_p, ours_p_data):
+        p.data.copy_(d)
+    ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # as if saved and loaded: no shared tensors
+    assert ours.param_groups[0]["step"] == 3 and "step" not in ours.state[ours_p[0]]
+    for _ in range(3):
+        for p, q in zip(tp, ours_p):
+            g = torch.randn(p.shape, generator=gen).to(device)
+            p.grad, q.grad = g.clone(), g.clone()
+        torch_opt.step()
+        ours.step()
+    assert_params_close(ours_p, tp, max_abs(tp), "after torch checkpoint")
+
+
+# ------------------------------------------------------------------ FusedSGD
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_sgd_matches_torch(device, executor, seed):
+    rng = random.Random(seed)
+    nesterov = seed == 1
+    hp = dict(lr=rng.choice([1e-2, 5e-2]), momentum=rng.choice([0.0, 0.9]) if not nesterov else 0.9,
+              dampening=0.0 if nesterov else rng.choice([0.0, 0.3]), weight_decay=rng.choice([0.0, 1e-2]),
+              nesterov=nesterov)
+    run_vs_torch(FusedSGD, hp, torch.optim.SGD, hp, device, executor, seed, drop_at={3, 4})
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_fused_sgd_wd_after_momentum(device, executor, nesterov):
+    lr, mom, damp, wd = 0.05, 0.9, 0.0, 0.1
+    params = make_params(shapes_for(8), device, seed=8)
+    ref = [p.detach().double().cpu() for p in params]
+    bufs: List[Optional[torch.Tensor]] = [None] * len(ref)
+    opt = FusedSGD(params, lr=lr, momentum=mom, dampening=damp, weight_decay=wd, nesterov=nesterov,
+                   wd_after_momentum=True, materialize_master_grads=False)
+    opt.executor = executor
+    assert opt.wd_after_momentum and not opt.materialize_master_grads
+    gen = torch.Generator().manual_seed(9)
+    for step in range(STEPS):
+        grads = draw_grads(params, gen, drop=(1,) if step == 5 else ())
+        for p, g in zip(params, grads):
+            set_grad(p, g)
+        opt.step()
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            g = g.double().cpu()
+            bufs[i] = g.clone() if bufs[i] is None else mom * bufs[i] + (1 - damp) * g
+            d = g + mom * bufs[i] if nesterov else bufs[i]
+            ref[i] = ref[i] - lr * (d + wd * ref[i])
+    assert opt.last_executor == expected_executor(executor, device)
+    assert_params_close(params, ref, max_abs(ref), "wd_after_momentum")
+
+
+# ------------------------------------------------------------------ FusedAdagrad
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_fused_adagrad_matches_torch(device, executor, weight_decay):
+    hp = dict(lr=5e-2, eps=1e-10, weight_decay=weight_decay)
+    opt, _ = run_vs_torch(FusedAdagrad, hp, torch.optim.Adagrad, hp, device, executor, seed=10)
+    assert all(set(st) == {"sum"} for st in opt.state.values())
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fused_adagrad_w_mode(device, executor):
+    lr, eps, wd = 5e-2, 1e-10, 0.1
+    params = make_params(shapes_for(11), device, seed=11)
+    ref = [p.detach().double().cpu() for p in params]
+    h = [torch.zeros_like(r) for r in ref]
+    opt = FusedAdagrad(params, lr=lr, eps=eps, weight_decay=wd, adagrad_w_mode=True)
+    opt.executor = executor
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(STEPS):
+        grads = draw_grads(params, gen)
+        for p, g in zip(params, grads):
+            set_grad(p, g)
+        opt.step()
+        for i, g in enumerate(grads):
+            g = g.double().cpu()
+            h[i] = h[i] + g * g
+            ref[i] = ref[i] - lr * (g / (h[i].sqrt() + eps) + wd * ref[i])
+    assert opt.last_executor == expected_executor(executor, device)
+    assert_params_close(params, ref, max_abs(ref), "adagrad_w_mode")
+
+
+# ------------------------------------------------------------------ FusedLAMB
+class RefLamb:
+    """float64 LAMB as NVIDIA's FusedLAMB defines it (global clip, beta3, per-group step, trust ratio)."""
+
+    def __init__(self, groups: List[dict], *, max_grad_norm, adam_w_mode, use_nvlamb):
+        self.groups = groups  # each: params (float64 list), hyperparameters
+        self.max_grad_norm, self.adam_w_mode, self.use_nvlamb = max_grad_norm, adam_w_mode, use_nvlamb
+        for g in groups:
+            g["m"] = [torch.zeros_like(p) for p in g["params"]]
+            g["v"] = [torch.zeros_like(p) for p in g["params"]]
+            g["step"] = 0
+
+    def step(self, grads: List[List[Optional[torch.Tensor]]], unscale: float = 1.0):
+        flat = [g * unscale for gs in grads for g in gs if g is not None]
+        norm = math.sqrt(sum(float((g * g).sum()) for g in flat))
+        clip = norm / self.max_grad_norm if self.max_grad_norm is not None and norm > self.max_grad_norm else 1.0
+        for group, gs in zip(self.groups, grads):
+            group["step"] += 1
+            t = group["step"]
+            b1, b2 = group["betas"]
+            b3 = 1 - b1 if group["grad_averaging"] else 1.0
+            bc1 = 1 - b1**t if group["bias_correction"] else 1.0
+            bc2 = 1 - b2**t if group["bias_correction"] else 1.0
+            wd = group["weight_decay"]
+            for i, g in enumerate(gs):
+                if g is None:
+                    continue
+                p = group["params"][i]
+                g = g * unscale / clip
+                if wd and not self.adam_w_mode:
+                    g = g + wd * p
+                m = group["m"][i] = b1 * group["m"][i] + b3 * g
+                v = group["v"][i] = b2 * group["v"][i] + (1 - b2) * g * g
+                u = (m / bc1) / ((v / bc2).sqrt() + group["eps"])
+                if wd and self.adam_w_mode:
+                    u = u + wd * p
+                ratio = 1.0
+                if self.use_nvlamb or wd != 0:
+                    pn, un = float(p.norm()), float(u.norm())
+                    if pn != 0 and un != 0:
+                        ratio = pn / un
+                group["params"][i] = p - group["lr"] * ratio * u
+
+
+LAMB_CASES = [
+    dict(adam_w_mode=True, use_nvlamb=False, weight_decay=0.01, grad_averaging=True, bias_correction=True,
+         grad_scale=1.0),
+    dict(adam_w_mode=False, use_nvlamb=False, weight_decay=0.05, grad_averaging=False, bias_correction=True,
+         grad_scale=3.0),
+    dict(adam_w_mode=True, use_nvlamb=True, weight_decay=0.0, grad_averaging=True, bias_correction=False,
+         grad_scale=0.3),
+    dict(adam_w_mode=True, use_nvlamb=False, weight_decay=0.0, grad_averaging=True, bias_correction=True,
+         grad_scale=1.0),  # no trust ratio at all
+]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("case", range(len(LAMB_CASES)))
+def test_fused_lamb_matches_reference(device, executor, case):
+    c = LAMB_CASES[case]
+    max_grad_norm = 2.0
+    params = make_params(shapes_for(20 + case), device, seed=20 + case)
+    half = len(params) // 2
+    ours_groups = [{"params": params[:half]}, {"params": params[half:], "lr": 5e-3, "max_grad_norm": 1e9}]
+    opt = FusedLAMB(ours_groups, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=c["weight_decay"],
+                    adam_w_mode=c["adam_w_mode"], grad_averaging=c["grad_averaging"],
+                    bias_correction=c["bias_correction"], max_grad_norm=max_grad_norm, use_nvlamb=c["use_nvlamb"])
+    opt.executor = executor
+    base = dict(betas=(0.9, 0.99), eps=1e-6, weight_decay=c["weight_decay"], grad_averaging=c["grad_averaging"],
+                bias_correction=c["bias_correction"])
+    ref = RefLamb([dict(base, params=[p.detach().double().cpu() for p in params[:half]], lr=1e-2),
+                   dict(base, params=[p.detach().double().cpu() for p in params[half:]], lr=5e-3)],
+                  max_grad_norm=max_grad_norm, adam_w_mode=c["adam_w_mode"], use_nvlamb=c["use_nvlamb"])
+    gen = torch.Generator().manual_seed(30 + case)
+    clipped = 0
+    for step in range(STEPS):
+        # alternate small and large grads: the global clip is active on some steps only
+        grads = draw_grads(params, gen, scale=0.05 if step % 3 else 2.0, drop=(0,) if step == 4 else ())
+        scaled = [None if g is None else g * c["grad_scale"] for g in grads]
+        for p, g in zip(params, scaled):
+            set_grad(p, g)
+        # amp's folded unscale: the stored grads carry the loss scale; the norm must be the unscaled one
+        opt.apex_grad_scale = None if c["grad_scale"] == 1.0 else 1.0 / c["grad_scale"]
+        opt.step()
+        opt.apex_grad_scale = None
+        norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads if g is not None))
+        clipped += norm > max_grad_norm
+        ref.step([[None if g is None else g.double().cpu() for g in grads[:half]],
+                  [None if g is None else g.double().cpu() for g in grads[half:]]])
+    assert 0 < clipped < STEPS
+    assert opt.last_executor == expected_executor(executor, device)
+    assert [g["step"] for g in opt.param_groups] == [STEPS, STEPS]
+    ref_params = ref.groups[0]["params"] + ref.groups[1]["params"]
+    assert_params_close(params, ref_params, max_abs(ref_params), "lamb param")
+    ref_m = ref.groups[0]["m"] + ref.groups[1]["m"]
+    for i, p in enumerate(params):
+        torch.testing.assert_close(opt.state[p]["exp_avg"].double().cpu(), ref_m[i], rtol=RTOL,
+                                   atol=1e-6 * max(1.0, float(ref_m[i].abs().max())))
+
+
+def test_fused_lamb_errors_and_defaults(device):
+    params = make_params([(3,), (4,)], device)
+    with pytest.raises(RuntimeError, match="FusedLAMB does not support the AMSGrad variant"):
+        FusedLAMB(params, amsgrad=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        FusedLAMB(params, max_grad_norm=-1.0)
+    opt = FusedLAMB(params)
+    assert opt.defaults["eps"] == 1e-6 and opt.defaults["weight_decay"] == 0.01
+    assert opt.defaults["max_grad_norm"] == 1.0 and opt.adam_w_mode == 1 and not opt.use_nvlamb
+    # the user's grads are read, never overwritten (NVIDIA stores the update in them)
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    opt.step()
+    assert all(bool((p.grad == 3.0).all()) for p in params)
+
+
+# ------------------------------------------------------------------ FusedNovoGrad
+def ref_novograd(params, grads, state, *, step, lr, b1, b2, eps, wd, norm_type, init_zero, reg_inside_moment,
+                 grad_averaging, bias_correction):
+    b3 = 1 - b1 if grad_averaging else 1.0
+    bc1 = 1 - b1**step if bias_correction else 1.0
+    bc2 = math.sqrt(1 - b2**step) if bias_correction else 1.0
+    out = []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is None:
+            out.append(p)
+            continue
+        n = float(g.norm()) if norm_type == 2 else float(g.abs().max())
+        if i not in state:
+            state[i] = {"m": torch.zeros_like(p), "gn": 0.0 if init_zero else n}
+        st = state[i]
+        if norm_type == 2:
+            st["gn"] = math.sqrt(b2 * st["gn"] ** 2 + (1 - b2) * n * n)
+        else:
+            st["gn"] = b2 * st["gn"] + (1 - b2) * n
+        d = st["gn"] / bc2 + eps
+        if reg_inside_moment:
+            st["m"] = b1 * st["m"] + b3 * (g / d + wd * p)
+            out.append(p - lr * st["m"] / bc1)
+        else:
+            st["m"] = b1 * st["m"] + b3 * g
+            out.append(p - lr * ((st["m"] / bc1) / d + wd * p))
+    return out
+
+
+NOVOGRAD_CASES = [
+    dict(norm_type=2, init_zero=False, reg_inside_moment=False, grad_averaging=True, bias_correction=True, b1=0.95),
+    dict(norm_type=0, init_zero=True, reg_inside_moment=False, grad_averaging=False, bias_correction=True, b1=0.9),
+    dict(norm_type=2, init_zero=True, reg_inside_moment=True, grad_averaging=True, bias_correction=False, b1=0.9),
+    dict(norm_type=0, init_zero=False, reg_inside_moment=True, grad_averaging=True, bias_correction=True, b1=0.8),
+    dict(norm_type=2, init_zero=False, reg_inside_moment=False, grad_averaging=True, bias_correction=True, b1=0.0),
+]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("case", range(len(NOVOGRAD_CASES)))
+def test_fused_novograd_matches_reference(device, executor, case):
+    c = dict(NOVOGRAD_CASES[case])
+    b1 = c.pop("b1")
+    hp = dict(lr=1e-2, b1=b1, b2=0.98, eps=1e-8, wd=0.01, **c)
+    params = make_params(shapes_for(40 + case), device, seed=40 + case)
+    opt = FusedNovoGrad(params, lr=hp["lr"], betas=(b1, hp["b2"]), eps=hp["eps"], weight_decay=hp["wd"], **c)
+    opt.executor = executor
+    ref = [p.detach().double().cpu() for p in params]
+    state: Dict[int, dict] = {}
+    gen = torch.Generator().manual_seed(50 + case)
+    for step in range(1, STEPS + 1):
+        grads = draw_grads(params, gen, drop=(1,) if step in (1, 6) else ())
+        for p, g in zip(params, grads):
+            set_grad(p, g)
+        opt.step()
+        ref = ref_novograd(ref, [None if g is None else g.double().cpu() for g in grads], state, step=step, **hp)
+    want = "torch" if b1 == 0 else expected_executor(executor, device)  # beta1 = 0 runs the torch math
+    assert opt.last_executor == want
+    assert opt.param_groups[0]["step"] == STEPS
+    assert_params_close(params, ref, max_abs(ref), "novograd param")
+    for i, p in enumerate(params):
+        assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq"}
+        assert opt.state[p]["exp_avg_sq"].dim() == 0
+        torch.testing.assert_close(float(opt.state[p]["exp_avg_sq"]), state[i]["gn"], rtol=RTOL, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["exp_avg"].double().cpu(), state[i]["m"], rtol=RTOL,
+                                   atol=1e-6 * max(1.0, float(state[i]["m"].abs().max())))
+
+
+def test_fused_novograd_errors_and_state_dict(device):
+    params = make_params([(5,), (2, 3)], device)
+    with pytest.raises(RuntimeError, match="FusedNovoGrad does not support the AMSGrad variant"):
+        FusedNovoGrad(params, amsgrad=True)
+    with pytest.raises(RuntimeError, match="only support l2/inf norm"):
+        FusedNovoGrad(params, norm_type=1)
+    opt = FusedNovoGrad(params, lr=1e-2)
+    twin = clone_params(params)
+    opt_twin = FusedNovoGrad(twin, lr=1e-2)
+    gen = torch.Generator().manual_seed(60)
+    seq = [draw_grads(params, gen) for _ in range(6)]
+    for grads in seq[:3]:
+        for p, q, g in zip(params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        opt.step()
+        opt_twin.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"][0]["exp_avg_sq"].dim() == 0
+    resumed_params = clone_params(params)
+    resumed = FusedNovoGrad(resumed_params, lr=1e-2)
+    resumed.load_state_dict(saved)
+    for grads in seq[3:]:
+        for p, q, g in zip(resumed_params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        resumed.step()
+        opt_twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, twin))
+
+
+# ------------------------------------------------------------------ FusedMixedPrecisionLamb
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_lamb_masters(device, executor, dtype):
+    """Low-precision model params, fp32 masters and moments: the masters follow the float64 LAMB
+    reference, the model params are the masters rounded to the model dtype."""
+    shapes = shapes_for(70)
+    params = make_params(shapes, device, dtype=dtype, seed=70)
+    ref = RefLamb([dict(params=[p.detach().double().cpu() for p in params], lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
+                        weight_decay=0.01, grad_averaging=True, bias_correction=True)],
+                  max_grad_norm=1.0, adam_w_mode=True, use_nvlamb=False)
+    opt = FusedMixedPrecisionLamb(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01,
+                                  reduced_precision_dtype=dtype)
+    opt.executor = executor
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["step"].tolist() == [0]
+    gen = torch.Generator().manual_seed(71)
+    for _ in range(STEPS):
+        grads = draw_grads(params, gen, scale=0.3)
+        for p, g in zip(params, grads):
+            set_grad(p, g)
+        opt.step()
+        ref.step([[g.double().cpu() for g in grads]])  # the reference sees the grads as the model holds them
+    assert opt.last_executor == expected_executor(executor, device)
+    assert opt.param_groups[0]["step"].tolist() == [STEPS]
+    masters = opt.param_groups_full_precision[0]["params"]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert_params_close(masters, ref.groups[0]["params"], max_abs(ref.groups[0]["params"]), "master")
+    for p, m in zip(params, masters):
+        assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
+        assert {k: v.dtype for k, v in opt.state[p].items()} == {"exp_avg": torch.float32,
+                                                                  "exp_avg_sq": torch.float32}
+    # checkpoints keep the fp32 moments (torch would cast them to the param dtype)
+    saved = opt.state_dict()
+    again = FusedMixedPrecisionLamb(clone_params(params), lr=1e-2, reduced_precision_dtype=dtype)
+    again.load_state_dict(saved)
+    assert all(v.dtype == torch.float32 for st in again.state.values() for v in st.values())
+
+
+@pytest.mark.devices("cpu")
+def test_mixed_precision_lamb_grad_scaler():
+    """torch GradScaler: overflow steps are skipped (step count unchanged); otherwise the result equals the
+    unscaled run."""
+    model = torch.nn.Linear(6, 4).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = FusedMixedPrecisionLamb(model.parameters(), lr=1e-2, reduced_precision_dtype=torch.bfloat16)
+    opt_twin = FusedMixedPrecisionLamb(twin.parameters(), lr=1e-2, reduced_precision_dtype=torch.bfloat16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    gen = torch.Generator().manual_seed(80)
+    for it in range(4):
+        x = torch.randn(3, 6, generator=gen).to(torch.bfloat16)
+        loss = model(x).float().sum()
+        scaler.scale(loss).backward()
+        if it == 2:
+            model.weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # the current GradScaler contract, not the deprecated one
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if it == 2:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert opt.param_groups[0]["step"].tolist() == [2]
+            assert scaler.get_scale() == 2.0**3
+            continue
+        twin(x).float().sum().backward()
+        opt_twin.step()
+        opt_twin.zero_grad()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert opt.param_groups[0]["step"].tolist() == [3]
+
+
+def test_mixed_precision_lamb_errors(device):
+    params = make_params([(3,)], device, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedMixedPrecisionLamb(params, amsgrad=True)
+    with pytest.raises(ValueError, match="reduced_precision_dtype"):
+        FusedMixedPrecisionLamb(params, reduced_precision_dtype=torch.float64)
+    opt = FusedMixedPrecisionLamb(params, reduced_precision_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        opt.step(grads=1)
+
+
+# ------------------------------------------------------------------ all of them on CPU: the C++ kernels ran
+@pytest.mark.devices("cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(ps), lambda ps: FusedLAMB(ps), lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: FusedAdagrad(ps), lambda ps: FusedNovoGrad(ps),
+    lambda ps: FusedMixedPrecisionLamb(ps, reduced_precision_dtype=torch.bfloat16),
+], ids=["adam", "lamb", "sgd", "adagrad", "novograd", "mp_lamb"])
+def test_cpu_uses_kernels(make, dtype):
+    params = make_params([(17,), (3, 5)], "cpu", dtype=dtype)
+    opt = make(params)
+    for _ in range(2):
+        for p in params:
+            set_grad(p, torch.randn(p.shape).to(dtype))
+        opt.step()
+    assert opt.last_executor == "apex_C"
+    assert opt.recombine_count == 1  # combined once, sharing intact afterwards
+    assert all(torch.isfinite(p.float()).all() for p in params)
+
+
+# ------------------------------------------------------------------ HF transformers (full tier)
+def _tiny_trainer(tmp_path, **args):
+    transformers = pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(1)
+    # a learnable sequence task: token t+1 = (token t + 1) mod 64
+    starts = torch.randint(0, 64, (64, 1), generator=gen)
+    data = (starts + torch.arange(16)) % 64
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i], "labels": data[i]}
+
+    targs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=4,
+                              learning_rate=1e-2, logging_steps=1, log_level="error", save_strategy="no", report_to=[],
+                              use_cpu=True, disable_tqdm=True, **args)
+    trainer = Trainer(model=model, args=targs, train_dataset=Data())
+    return transformers, trainer
+
+
+def _losses(trainer) -> List[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.full
+def test_transformers_adamw_apex_fused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, trainer = _tiny_trainer(tmp_path, optim="adamw_apex_fused")
+    trainer.train()
+    assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), FusedAdam)  # accelerate wraps it
+    losses = _losses(trainer)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.full
+def test_transformers_half_precision_backend_apex(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("APEX_AMP_DTYPE", os.environ.get("APEX_AMP_DTYPE", "float16"))
+    pytest.importorskip("apex.amp")
+    _, trainer = _tiny_trainer(tmp_path, optim="adamw_apex_fused", fp16=True, half_precision_backend="apex",
+                               fp16_opt_level="O1")
+    trainer.train()
+    losses = _losses(trainer)
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.5 * losses[0], losses
