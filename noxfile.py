@@ -331,3 +331,5 @@ def bench(session: nox.Session) -> None:
 
 if __name__ == "__main__":
     nox.main()
+overlay = __import__("runpy").run_path(str(ROOT / "ci" / "nox_overlay.py"))["overlay"]  # nox -s overlay
+release_sessions = __import__("runpy").run_path(str(ROOT / "ci" / "nox_release.py"))  # docker matrix release audit ...

@@ -26,6 +26,7 @@ read p, m, v, write p: 10); AdamP a grad/param dot-product pass before an Adam u
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
 import logging
@@ -53,7 +54,7 @@ def _timm_optim(module: str):
         spec = importlib.util.find_spec("timm")
         if spec is None or not spec.submodule_search_locations:
             return None
-        root = list(spec.submodule_search_locations)[0]
+        root = next(iter(spec.submodule_search_locations))
         for pkg_name, path in (("timm", root), ("timm.optim", f"{root}/optim")):
             pkg = types.ModuleType(pkg_name)
             pkg.__path__ = [path]  # a namespace-like stub: submodules load, __init__ does not run
@@ -164,12 +165,21 @@ OPTIMS = [
 
 
 # ---------------------------------------------------------------- setup / run
+def _trimmed_rss() -> Optional[float]:
+    """RSS after returning freed heap memory to the OS (glibc malloc_trim), so freed buffers do not count."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return env.rss_mib()
+
+
 def _rss_note(st: Dict[str, Any]) -> str:
     d = st.get("rss_first_delta")
     if d is None:
         return ""
-    return (f"first step: combine + states RSS {d:+.0f} MiB, states alone {st['state_mib']:.0f} MiB "
-            f"(no lasting copy of params/grads if these agree)")
+    return (f"first step (combine): RSS {d:+.0f} MiB for {st['state_mib']:.0f} MiB of new optimizer states "
+            "(equal = no lasting copy of params or grads)")
 
 
 def _setup(ctx: Context, opt: Optim, regime: str, dtype: torch.dtype, new_grads: bool) -> Dict[str, Any]:
@@ -204,9 +214,9 @@ def _ours(st: Dict[str, Any]):
         st["i"] ^= 1
         _assign(st["ours_p"], st["grads_ours"][st["i"]])
     if not st["first_done"]:
-        before = env.rss_mib()
+        before = _trimmed_rss()
         st["ours"].step()
-        after = env.rss_mib()
+        after = _trimmed_rss()
         st["first_done"] = True
         if before is not None and after is not None:
             st["rss_first_delta"] = after - before

@@ -57,9 +57,7 @@ def markdown(result: dict, png_name: Optional[str]) -> str:
         "warmups, [p10-p90] in brackets. GB/s = minimal bytes the math moves per element x elements / median "
         "time (same formula for both sides). ratio = ours / reference (< 1: ours faster). Peak RSS: process "
         "high-water mark during the entry (setup included); 'first' = the first call of each side (combining, "
-        "lazy state).",
-        "",
-        "- GB/s above the roofline means the working set fits in the CPU caches (small regimes).",
+        "lazy state). GB/s above the roofline means the working set fits in the CPU caches (small regimes).",
         "",
         "| entry | regime | size | ours (executor) | ours ms | reference | ref ms | ours/ref "
         "| ours GB/s (% roofline) | ref GB/s | target | first call ms ours / ref | peak RSS MiB |",

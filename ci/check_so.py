@@ -323,11 +323,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print("\n".join(format_report(r) for r in reports))
     failed = [r for r in reports if not r.ok]
+    sys.stdout.flush()
     if failed:
         print(f"check_so: {len(failed)} of {len(reports)} shared objects failed: "
               + "; ".join(f"{r.path}: {', '.join(f.check for f in r.failures)}" for r in failed), file=sys.stderr)
         return 1
-    print(f"check_so: all {len(reports)} shared objects passed", file=sys.stderr)
+    print(f"check_so: all {len(reports)} shared objects passed")
     return 0
 
 

@@ -54,8 +54,9 @@ RECIPE_VERSION = 3
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 # Shared libraries the pyenv interpreters' extension modules link against (found with ldd on this machine; _tkinter is
-# left out of the copy, so no X11/Tk).
+# left out of the copy, so no X11/Tk), plus binutils: ci/check_so.py reads the built .so with readelf.
 BUILD_PACKAGES = (
+    "binutils",
     "libbz2-1.0",
     "libcrypt1",
     "libexpat1",
@@ -140,7 +141,8 @@ def detect_engine() -> Engine:
         if probe.returncode == 0:
             return Engine("docker", docker, None, ())
         if forced == "docker":
-            raise ContainerError(f"APEX_CONTAINER_ENGINE=docker but `docker info` failed: {probe.stderr.decode()[-300:]}")
+            raise ContainerError("APEX_CONTAINER_ENGINE=docker but `docker info` failed: "
+                                 + probe.stderr.decode()[-300:])
     podman = shutil.which("podman")
     if podman and forced in ("", "podman"):
         runtime = os.environ.get("APEX_OCI_RUNTIME") or ("runc" if shutil.which("runc") else None)
@@ -357,6 +359,16 @@ def build_userland(u: Userland, engine: Engine, key: str) -> dict:
     return record
 
 
+def _prune_stale(u: Userland, key: str, engine: Engine) -> None:
+    """Drop older builds of the same image (other keys): their manifests and their images."""
+    for old in IMAGES.glob(f"apex-{u.role}-{u.suite}-{u.debian_arch}-*.json"):
+        old_key = old.stem.rsplit("-", 1)[1]
+        if old_key != key:
+            subprocess.run(engine.cmd("rmi", f"{u.repo}:{old_key}"), capture_output=True)
+            old.unlink()
+            old.with_suffix(".dpkg-l.txt").unlink(missing_ok=True)
+
+
 def ensure_userland(u: Userland, engine: Engine | None = None) -> dict:
     """The cached image for `u` (built when missing). Returns its manifest record ("image" is the tag)."""
     engine = engine or detect_engine()
@@ -367,7 +379,9 @@ def ensure_userland(u: Userland, engine: Engine | None = None) -> dict:
             record = json.loads(manifest.read_text())
             record["cached"] = True
             return record
-        return build_userland(u, engine, key)
+        record = build_userland(u, engine, key)
+        _prune_stale(u, key, engine)
+        return record
 
 
 def build_base(pythons: list[str] | None = None, engine: Engine | None = None) -> dict:
@@ -381,9 +395,39 @@ def arm64_userland(suite: str, engine: Engine | None = None) -> dict:
     return ensure_userland(Userland("test", suite, "aarch64", USERLAND_PACKAGES), engine)
 
 
-def image_manifests() -> list[dict]:
-    """Every local image manifest recorded so far (for the SBOM)."""
-    return [json.loads(p.read_text()) for p in sorted(IMAGES.glob("apex-*.json"))]
+def pip_config_mounts() -> tuple[list[str], dict[str, str]]:
+    """Bind mounts (read-only, same paths) and environment that give a container this host's pip configuration.
+
+    Every existing pip configuration file, and every local path its values or PIP_* variables name (find-links
+    folders, constraints, CA bundle, file:// indexes), is mounted where the host has it, so pip in the container
+    resolves exactly as on the host; the PIP_* variables are passed through.
+    """
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True,
+                         check=True).stdout
+    paths, env = set(), {}
+    for line in out.splitlines():
+        m = re.match(r"\s+(/\S+), exists: True", line)
+        if m:
+            paths.add(m.group(1))
+            continue
+        m = re.match(r"\s+(PIP_[A-Z_]+)='(.*)'$", line)
+        value = None
+        if m:
+            env[m.group(1)] = m.group(2)
+            value = m.group(2)
+        else:
+            m = re.match(r"\s+[\w.-]+: (.+)$", line)
+            value = m.group(1) if m else None
+        for token in (value or "").split():
+            token = token[len("file://"):] if token.startswith("file://") else token
+            if token.rstrip("/").endswith("/simple"):  # a PEP 503 index whose files may sit beside simple/
+                token = os.path.dirname(token.rstrip("/"))
+            if token.startswith("/") and os.path.exists(token):
+                paths.add(token)
+    mounts = []
+    for p in sorted(paths):
+        mounts += ["-v", f"{p}:{p}:ro"]
+    return mounts, env
 
 
 # ---------------------------------------------------------------------------------------------------- public pins

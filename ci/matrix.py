@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+import tomllib
 
 MATRIX_FILE = Path(__file__).with_name("matrix.toml")
 

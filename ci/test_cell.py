@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -56,6 +55,16 @@ def find_wheel(wheel_dir: Path, tag: str, arch: str) -> Path:
     return found[0]
 
 
+def where_am_i() -> dict:
+    """Whether this runs in a container (podman writes /run/.containerenv, docker /.dockerenv) and on what OS."""
+    marker = next((p for p in ("/run/.containerenv", "/.dockerenv") if os.path.exists(p)), None)
+    osname = ""
+    if os.path.exists("/etc/os-release"):
+        with open("/etc/os-release") as f:
+            osname = dict(ln.rstrip("\n").split("=", 1) for ln in f if "=" in ln).get("PRETTY_NAME", "").strip('"')
+    return {"container": marker is not None, "container_marker": marker, "os": osname}
+
+
 def junit_counts(path: Path) -> dict:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
@@ -80,13 +89,15 @@ def test_cell(args) -> dict:
     wheel = find_wheel(args.wheel_dir, tag, arch)
     t0 = time.monotonic()
     report = {"cell": args.cell, "wheel": wheel.name, "wheel_sha256": sha256(wheel), "interpreter": ident,
-              "suite": args.suite, "torch": args.torch, "passed": False}
+              "suite": args.suite, "torch": args.torch, "passed": False, **where_am_i()}
     with tempfile.TemporaryDirectory(prefix="apex-cell-") as tmp:
         tmp = Path(tmp)
         venv = tmp / "venv"
         _run([args.python, "-m", "venv", venv])
         py = venv / "bin" / "python"
-        pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-index"]
+        pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+        if not args.index:
+            pip.append("--no-index")
         for wh in args.wheelhouse:
             pip += ["--find-links", wh]
         _run([*pip, "numpy", "pytest"])
@@ -126,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", choices=("kernels", "full"), default="kernels")
     ap.add_argument("--torch", help="torch version for the full suite")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--index", action="store_true",
+                    help="let pip use its configured indexes (default: --no-index, find-links only)")
     ap.add_argument("--report", type=Path)
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args(argv)

@@ -20,8 +20,9 @@ import json
 import logging
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from ci import matrix
 

@@ -450,3 +450,48 @@ def test_unused_param_under_o2_gets_zero_master_grad():
     b_master = masters[2]
     assert b_master.grad is not None and not b_master.grad.any()
     assert masters[0].grad.any()
+
+
+def test_add_param_group_rebuilds_buffers():
+    m, extra = net(), torch.nn.Linear(4, 3)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize([m, extra], o, opt_level="O1", combine_grad=True, verbosity=0)
+    (x, y), = data(1)
+    with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+        scaled.backward()
+    o.step()
+    o.add_param_group({"params": extra.parameters(), "lr": 0.5})
+    o.zero_grad(set_to_none=False)
+    loss = loss_of(m, x, y) + (extra(x).float() - y).pow(2).mean()
+    with amp.scale_loss(loss, o) as scaled:
+        scaled.backward()
+    flats = o._amp_stash.combined.flat_buffers()
+    assert len(flats) == 2 and all(storage(p.grad) == storage(flats[1]) for p in extra.parameters())
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(extra.state_dict())
+    with torch.autocast("cpu", dtype=LOW):
+        out = ref(x)
+    (out.float() - y).pow(2).mean().backward()
+    torch.testing.assert_close(extra.weight.grad, ref.weight.grad, rtol=0, atol=0)
+
+
+def test_attached_copy_is_verified_once(caplog):
+    """An optimizer that accepts attach_model_params but never copies: amp notices after one step."""
+    optimizers = pytest.importorskip("apex.optimizers")
+
+    class ForgetfulAdam(optimizers.NpuFusedAdam):
+        def attach_model_params(self, pairs):
+            pass
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    o = ForgetfulAdam(m.parameters())
+    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    with caplog.at_level("WARNING", logger="apex.amp"):
+        for x, y in data(2):
+            o.zero_grad()
+            with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+                scaled.backward()
+            o.step()
+    assert "did not update 4 of 4 model params" in caplog.text and not o._amp_stash.attached
+    for master, model_p in zip(amp.master_params(o), m.parameters()):
+        assert torch.equal(master.to(LOW), model_p)

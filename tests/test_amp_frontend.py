@@ -181,10 +181,10 @@ def test_optimizer_passed_twice():
     m = net()
     o = sgd(m)
     amp.initialize(m, o, opt_level="O1", verbosity=0)
-    with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once"):
+    with pytest.raises(RuntimeError, match=r"should only be passed through amp\.initialize once"):
         amp.initialize(m, o, opt_level="O1", verbosity=0)
     amp.deinitialize()  # even after teardown: O2 masters could not be rebuilt from masters
-    with pytest.raises(RuntimeError, match="only be passed through amp.initialize once"):
+    with pytest.raises(RuntimeError, match=r"only be passed through amp\.initialize once"):
         amp.initialize(m, o, opt_level="O1", verbosity=0)
     m2 = net()
     o2 = sgd(m2)
@@ -250,12 +250,15 @@ def test_option_errors_leave_everything_untouched(level, kw, exc, match):
 def test_allowed_o1_overrides():
     m = net()
     amp.initialize(m, opt_level="O1", cast_model_type=torch.float32, verbosity=0)
-    assert m[0].weight.dtype == torch.float32
+    inner = []
+    m[0].register_forward_hook(lambda mod, args, out: inner.append(out.dtype))
+    assert m(torch.randn(4, 4)).dtype == torch.float32  # outputs cast to the model type
+    assert inner == [LOW] and m[0].weight.dtype == torch.float32  # autocast still on inside
 
 
 def test_low_precision_model_rejected():
     m = net().half()
-    with pytest.raises(RuntimeError, match="you do not need to call .half"):
+    with pytest.raises(RuntimeError, match=r"you do not need to call \.half"):
         amp.initialize(m, opt_level="O2")
     assert m[0].weight.dtype == torch.float16 and "forward" not in m.__dict__
 
@@ -289,7 +292,7 @@ def test_scale_loss_errors():
         with amp.scale_loss(loss, o, loss_id=1):
             pass
     other = sgd(net())
-    with pytest.raises(RuntimeError, match="was not returned by the active amp.initialize"):
+    with pytest.raises(RuntimeError, match=r"was not returned by the active amp\.initialize"):
         with amp.scale_loss(loss, other):
             pass
     with pytest.raises(TypeError, match="optimizers must be an optimizer or a list"):
@@ -547,3 +550,43 @@ def test_second_initialize_replaces_function_casts(caplog):
     assert getattr(mod.ident, "_apex_amp_patch_of", None) is orig  # wrapped once, not twice
     amp.deinitialize()
     assert mod.ident is orig
+
+
+def test_error_inside_scale_loss_restores_stashed_grads():
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    m(torch.randn(4, 4)).float().sum().backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match="boom"):
+        with amp.scale_loss(m(torch.randn(4, 4)).float().sum(), o):
+            raise ValueError("boom")
+    for p, g in zip(m.parameters(), before):
+        assert torch.equal(p.grad, g)
+
+
+def test_teardown_under_lr_scheduler_wrapper():
+    """A scheduler created after initialize wraps amp's step; after teardown that wrapper calls plain torch."""
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    torch.optim.lr_scheduler.StepLR(o, step_size=1)
+    amp.deinitialize()
+    loss = m(torch.randn(4, 4)).sum()
+    loss.backward()
+    w = m[0].weight.detach().clone()
+    o.step()  # no skip logic, no amp state: a plain SGD step
+    torch.testing.assert_close(m[0].weight, w - 0.1 * m[0].weight.grad)
+
+
+def test_o2_optimizer_state_dict_carries_masters():
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    sd = o.state_dict()
+    masters = sd["apex_amp_master_params"]
+    assert [t is None for t in masters] == [p.dtype == torch.float32 for p in m.parameters()]
+    assert all(t.dtype == torch.float32 for t in masters if t is not None)
+    bad = dict(sd, apex_amp_master_params=masters[:2])
+    with pytest.raises(ValueError, match="apex_amp_master_params"):
+        o.load_state_dict(bad)

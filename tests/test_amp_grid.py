@@ -80,11 +80,15 @@ def make_opt(params, kind):
         from apex.optimizers import NpuFusedAdam
 
         return NpuFusedAdam(params, lr=0.01)
+    if kind == "nvidia_fused_adam":  # apex.optimizers.FusedAdam, what HF Trainer's "adamw_apex_fused" builds
+        from apex.optimizers import FusedAdam
+
+        return FusedAdam(params, lr=0.01)
     raise ValueError(kind)
 
 
 def ref_opt(params, kind):
-    return make_opt(params, "adam_fused" if kind == "apex_adam" else kind)
+    return make_opt(params, "adam_fused" if kind in ("apex_adam", "nvidia_fused_adam") else kind)
 
 
 def forward_losses(models, data, n_losses, level):
@@ -281,5 +285,15 @@ def test_apex_fused_optimizer(level, kw, zero):
     """Our fused Adam under amp: combined grads come from the optimizer (one owner per buffer)."""
     pytest.importorskip("apex.optimizers")
     ref_models, _ = reference(level, 2, 2, opt_kind="apex_adam", inject=(1, 1))
-    amp_models, opts = amp_run(level, zero, 2, 2, opt_kind="apex_adam", inject=(1, 1), **kw)
+    amp_models, _ = amp_run(level, zero, 2, 2, opt_kind="apex_adam", inject=(1, 1), **kw)
+    assert_same(amp_models, ref_models, exact=False)
+
+
+@pytest.mark.parametrize("kw", [{}, {"combine_grad": True}], ids=["plain", "combined"])
+def test_nvidia_fused_adam_under_o1(kw):
+    optimizers = pytest.importorskip("apex.optimizers")
+    if not hasattr(optimizers, "FusedAdam"):
+        pytest.skip("apex.optimizers.FusedAdam not available")
+    ref_models, _ = reference("O1", 2, 2, opt_kind="nvidia_fused_adam", inject=(1, 1))
+    amp_models, _ = amp_run("O1", "set_to_none", 2, 2, opt_kind="nvidia_fused_adam", inject=(1, 1), **kw)
     assert_same(amp_models, ref_models, exact=False)

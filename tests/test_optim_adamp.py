@@ -61,7 +61,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_within_ulp(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    ours64 = ours.double()
+    ours64 = ours.double().cpu()
     tol = ulp(torch.maximum(ours64.abs(), ref.abs()), dtype)
     err = (ours64 - ref).abs()
     bad = err > tol
@@ -71,10 +71,19 @@ def assert_within_ulp(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
     )
 
 
-def make_params(dtype=torch.float32, seed=0):
+def make_params(dtype=torch.float32, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in spec["shapes"]]
-            for spec in GROUPS]
+    return [[torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+             for s in spec["shapes"]] for spec in GROUPS]
+
+
+def select_executor(opt, executor: str, device: str) -> str:
+    """executor "apex_C" (CPU kernels, the default there) or "torch" (torch ops on the flat buffers, as on
+    other devices); returns the expected `last_executor`."""
+    if executor == "apex_C" and device != "cpu":
+        pytest.skip("the C++ kernels run on CPU buffers")
+    opt.executor = "auto" if executor == "apex_C" else "torch"
+    return executor
 
 
 def group_dicts(params, groups=GROUPS):
@@ -83,7 +92,7 @@ def group_dicts(params, groups=GROUPS):
 
 def shaped_grad(p: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
     """A random grad whose cosine similarity with `p` makes the `kind` branch fire."""
-    p = p.detach().double()
+    p = p.detach().double().cpu()
     r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
     if kind == "channel":  # every row orthogonal to the param's row
         pr, rr = p.reshape(p.shape[0], -1), r.reshape(p.shape[0], -1)
@@ -101,7 +110,7 @@ def draw_grads(params, step, dtype):
     for gi, (spec, ps) in enumerate(zip(GROUPS, params)):
         row = []
         for pi, (p, kind) in enumerate(zip(ps, spec["kinds"])):
-            g = shaped_grad(p, kind, gen).to(dtype)
+            g = shaped_grad(p, kind, gen).to(p.device, dtype)
             row.append(None if step in NO_GRAD_STEPS.get((gi, pi), ()) else g)
         grads.append(row)
     return grads
@@ -127,7 +136,7 @@ class RefAdamP:
 
     def __init__(self, params, groups=GROUPS):
         self.groups = groups
-        self.p = [[p.detach().double().clone() for p in ps] for ps in params]
+        self.p = [[p.detach().double().cpu() for p in ps] for ps in params]
         self.m = [[torch.zeros_like(p) for p in ps] for ps in self.p]
         self.v = [[torch.zeros_like(p) for p in ps] for ps in self.p]
         self.steps = [[0 for _ in ps] for ps in self.p]
@@ -142,7 +151,7 @@ class RefAdamP:
             for pi, g in enumerate(grads[gi]):
                 if g is None:
                     continue
-                g = g.double()
+                g = g.double().cpu()
                 p = self.p[gi][pi]
                 self.steps[gi][pi] += 1
                 t = self.steps[gi][pi]
@@ -152,7 +161,7 @@ class RefAdamP:
                     m, v = m.to(low).double(), v.to(low).double()
                 self.m[gi][pi], self.v[gi][pi] = m, v
                 if stored is not None:
-                    m, v = stored[0][gi][pi].double(), stored[1][gi][pi].double()
+                    m, v = stored[0][gi][pi].double().cpu(), stored[1][gi][pi].double().cpu()
                 denom = v.sqrt() / math.sqrt(1 - b2**t) + eps
                 d = ((b1 * m + (1 - b1) * g) if spec["nesterov"] else m) / denom
                 ratio, branch = 1.0, "1d"
@@ -172,11 +181,11 @@ class RefAdamP:
     def load_from(self, opt, params):
         for gi, ps in enumerate(params):
             for pi, p in enumerate(ps):
-                self.p[gi][pi] = p.detach().double().clone()
+                self.p[gi][pi] = p.detach().double().cpu()
                 st = opt.state.get(p)
                 if st:
-                    self.m[gi][pi] = st["exp_avg"].double().clone()
-                    self.v[gi][pi] = st["exp_avg_sq"].double().clone()
+                    self.m[gi][pi] = st["exp_avg"].double().cpu()
+                    self.v[gi][pi] = st["exp_avg_sq"].double().cpu()
 
 
 ALL_BRANCHES = {("channel", "channel"), ("layer", "layer"), ("none", "none"), ("1d", "1d")}
@@ -184,24 +193,26 @@ ALL_BRANCHES = {("channel", "channel"), ("layer", "layer"), ("none", "none"), ("
 
 # --------------------------------------------------------------------------- fp32 vs float64
 @pytest.mark.parametrize("nesterov", [None, True], ids=["as-groups", "all-nesterov"])
-def test_fp32_matches_float64_reference(nesterov):
+@pytest.mark.parametrize("executor", ["apex_C", "torch"])
+def test_fp32_matches_float64_reference(nesterov, executor, device):
     groups = GROUPS if nesterov is None else [dict(spec, nesterov=nesterov) for spec in GROUPS]
-    params = make_params()
+    params = make_params(device=device)
     opt = NpuFusedAdamP(group_dicts(params, groups))
+    executor = select_executor(opt, executor, device)
     ref = RefAdamP(params, groups)
     for step in range(10):
         grads = draw_grads(params, step, torch.float32)
         set_grads(params, grads)
         opt.step()
         ref.step(grads)
-        assert opt.last_executor == "apex_C"
+        assert opt.last_executor == executor
     assert ref.branches == ALL_BRANCHES  # each kind of grad took its branch, and only that one
     for gi, ps in enumerate(params):
         for pi, p in enumerate(ps):
-            torch.testing.assert_close(p.detach().double(), ref.p[gi][pi], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.detach().double().cpu(), ref.p[gi][pi], rtol=1e-5, atol=1e-6)
             st = opt.state[p]
-            torch.testing.assert_close(st["exp_avg"].double(), ref.m[gi][pi], rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(st["exp_avg_sq"].double(), ref.v[gi][pi], rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(st["exp_avg"].double().cpu(), ref.m[gi][pi], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(st["exp_avg_sq"].double().cpu(), ref.v[gi][pi], rtol=1e-5, atol=1e-9)
             assert int(st["step"]) == ref.steps[gi][pi]  # params without a grad do not advance
 
 
@@ -224,19 +235,30 @@ def test_projection_removes_the_radial_part(kind, radial):
         assert float(dots.max()) < 1e-5
 
 
+def test_eps_zero():
+    """eps=0 is accepted: the zero gaps between slots must stay out of the row sums (0/0 there)."""
+    groups = [dict(spec, eps=0.0) for spec in GROUPS]
+    params = make_params()
+    opt = NpuFusedAdamP(group_dicts(params, groups))
+    ref = RefAdamP(params, groups)
+    for step in range(4):
+        grads = draw_grads(params, step, torch.float32)
+        set_grads(params, grads)
+        opt.step()
+        ref.step(grads)
+    assert ref.branches == ALL_BRANCHES
+    for gi, ps in enumerate(params):
+        for pi, p in enumerate(ps):
+            torch.testing.assert_close(p.detach().double(), ref.p[gi][pi], rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- bf16 / fp16 per step
-def use_torch_executor(monkeypatch):
-    """Flat sets built from now on use the torch-ops executor (as on a device without apex_C)."""
-    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
-
-
 @pytest.mark.parametrize("executor", ["apex_C", "torch"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-def test_low_precision_each_step_within_one_ulp(dtype, executor, monkeypatch):
-    if executor == "torch":
-        use_torch_executor(monkeypatch)
-    params = make_params(dtype)
+def test_low_precision_each_step_within_one_ulp(dtype, executor, device):
+    params = make_params(dtype, device=device)
     opt = NpuFusedAdamP(group_dicts(params))
+    executor = select_executor(opt, executor, device)
     ref = RefAdamP(params)
     for step in range(6):
         ref.load_from(opt, params)
@@ -270,12 +292,15 @@ def _lockstep(pa, oa, pb, ob, steps, scale_b=1.0):
         ob.step()
 
 
-def test_torch_executor_equals_kernel(monkeypatch):
+@pytest.mark.parametrize("no_extension", [False, True], ids=["executor-torch", "without-extension"])
+def test_torch_executor_equals_kernel(no_extension, monkeypatch):
     pk, pt = make_params(), make_params()
     ok = NpuFusedAdamP(group_dicts(pk))
     ok.step()  # no grads yet: combines with the kernel executor, updates nothing
-    use_torch_executor(monkeypatch)
+    if no_extension:  # flat sets built without kernel arguments, as on a machine without apex_C
+        monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
     ot = NpuFusedAdamP(group_dicts(pt))
+    ot.executor = "auto" if no_extension else "torch"
     _lockstep(pk, ok, pt, ot, 6)
     assert (ok.last_executor, ot.last_executor) == ("apex_C", "torch")
     for a, b in zip(flat(pk), flat(pt)):
@@ -284,9 +309,9 @@ def test_torch_executor_equals_kernel(monkeypatch):
             torch.testing.assert_close(ok.state[a][name], ot.state[b][name], rtol=1e-5, atol=atol)
 
 
-def test_folded_unscale():
+def test_folded_unscale(device):
     """amp's apex_grad_scale: grads stored x S and multiplied by 1/S inside the step (the decision included)."""
-    pa, pb = make_params(), make_params()
+    pa, pb = make_params(device=device), make_params(device=device)
     oa, ob = NpuFusedAdamP(group_dicts(pa)), NpuFusedAdamP(group_dicts(pb))
     ob.apex_grad_scale = 1.0 / 1024
     _lockstep(pa, oa, pb, ob, 4, scale_b=1024.0)
@@ -294,8 +319,8 @@ def test_folded_unscale():
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_state_dict_resume_is_bitwise():
-    full, half = make_params(), make_params()
+def test_state_dict_resume_is_bitwise(device):
+    full, half = make_params(device=device), make_params(device=device)
     o_full, o_half = NpuFusedAdamP(group_dicts(full)), NpuFusedAdamP(group_dicts(half))
     for step in range(3):
         for ps, o in ((full, o_full), (half, o_half)):

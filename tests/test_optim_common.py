@@ -9,8 +9,10 @@ clear errors that change nothing, closures, copies.
 """
 
 import copy
+import gc
 import io
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -122,6 +124,22 @@ def test_set_to_none_rebinds_grads_each_step():
     ours.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert_models_close(model, ref_model)
+
+
+def test_adopted_grads_are_released():
+    """A grad tensor bound by the user is copied into its slot and then dropped: no lasting second copy."""
+    model, ours, _, _, x = twins()
+    train(model, ours, x)
+    params = list(model.parameters())
+    grads = [torch.randn_like(p) for p in params]
+    refs = [weakref.ref(g) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    del grads, g
+    ours.step()
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert_shared(ours)
 
 
 def test_zero_grad_keeps_views_and_zeroes_them():

@@ -55,7 +55,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_within_ulp(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    ours64 = ours.double()
+    ours64 = ours.double().cpu()
     tol = ulp(torch.maximum(ours64.abs(), ref.abs()), dtype)
     err = (ours64 - ref).abs()
     bad = err > tol
@@ -65,13 +65,22 @@ def assert_within_ulp(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
     )
 
 
-def make_params(dtype=torch.float32, seed=0, scale=1.0):
+def make_params(dtype=torch.float32, seed=0, scale=1.0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for spec in GROUPS:
-        out.append([(torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+        out.append([(torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(device, dtype).requires_grad_()
                     for s in spec["shapes"]])
     return out
+
+
+def select_executor(opt, executor: str, device: str) -> str:
+    """executor "apex_C" (CPU kernels, the default there) or "torch" (torch ops on the flat buffers, as on
+    other devices); returns the expected `last_executor`."""
+    if executor == "apex_C" and device != "cpu":
+        pytest.skip("the C++ kernels run on CPU buffers")
+    opt.executor = "auto" if executor == "apex_C" else "torch"
+    return executor
 
 
 def group_dicts(params, **overrides):
@@ -90,7 +99,7 @@ def draw_grads(params, step, scale, dtype):
     for gi, ps in enumerate(params):
         row = []
         for pi, p in enumerate(ps):
-            g = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+            g = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale).to(p.device, dtype)
             row.append(None if step in NO_GRAD_STEPS.get((gi, pi), ()) else g)
         grads.append(row)
     return grads
@@ -111,7 +120,7 @@ class RefLamb:
     """float64 LAMB from the formulas; `low` rounds m, v to that dtype after each update."""
 
     def __init__(self, params, groups, adam, use_global):
-        self.p = [[p.detach().double().clone() for p in ps] for ps in params]
+        self.p = [[p.detach().double().cpu() for p in ps] for ps in params]
         self.m = [[torch.zeros_like(p) for p in ps] for ps in self.p]
         self.v = [[torch.zeros_like(p) for p in ps] for ps in self.p]
         self.steps = [[0 for _ in ps] for ps in self.p]
@@ -121,7 +130,7 @@ class RefLamb:
     def step(self, grads, low=None, stored=None):
         """One update. `stored`: (m, v) lists the optimizer stored this step; u is then formed from them
         (the kernel forms u from its stored moments; those are checked against ours separately)."""
-        flat = [g.double() for gs in grads for g in gs if g is not None]
+        flat = [g.double().cpu() for gs in grads for g in gs if g is not None]
         norm = math.sqrt(sum(float((g * g).sum()) for g in flat))
         self.last_norm = norm
         c = 1.0 / norm if self.use_global and norm > 1 else 1.0
@@ -130,7 +139,7 @@ class RefLamb:
             for pi, g in enumerate(grads[gi]):
                 if g is None:
                     continue
-                g = g.double() * c
+                g = g.double().cpu() * c
                 p, m, v = self.p[gi][pi], self.m[gi][pi], self.v[gi][pi]
                 m = b1 * m + (1 - b1) * g
                 v = b2 * v + (1 - b2) * g * g
@@ -138,7 +147,7 @@ class RefLamb:
                     m, v = m.to(low).double(), v.to(low).double()
                 self.m[gi][pi], self.v[gi][pi] = m, v
                 if stored is not None:
-                    m, v = stored[0][gi][pi].double(), stored[1][gi][pi].double()
+                    m, v = stored[0][gi][pi].double().cpu(), stored[1][gi][pi].double().cpu()
                 u = m / (v.sqrt() + spec["eps"]) + spec["weight_decay"] * p
                 wn, un = min(float(p.norm()), 10.0), float(u.norm())
                 r = 1.0 if (self.adam or wn == 0 or un == 0) else wn / un
@@ -149,21 +158,21 @@ class RefLamb:
         """Restart from the optimizer's current values (per-step low-precision checks)."""
         for gi, ps in enumerate(params):
             for pi, p in enumerate(ps):
-                self.p[gi][pi] = p.detach().double().clone()
+                self.p[gi][pi] = p.detach().double().cpu()
                 st = opt.state.get(p)
                 if st:
-                    self.m[gi][pi] = st["exp_avg"].double().clone()
-                    self.v[gi][pi] = st["exp_avg_sq"].double().clone()
+                    self.m[gi][pi] = st["exp_avg"].double().cpu()
+                    self.v[gi][pi] = st["exp_avg_sq"].double().cpu()
 
 
 def check_states_fp32(opt, params, ref):
     for gi, ps in enumerate(params):
         for pi, p in enumerate(ps):
             atol = 1e-6 * max(1.0, float(ref.p[gi][pi].abs().max()))
-            torch.testing.assert_close(p.detach().double(), ref.p[gi][pi], rtol=1e-5, atol=atol)
+            torch.testing.assert_close(p.detach().double().cpu(), ref.p[gi][pi], rtol=1e-5, atol=atol)
             st = opt.state[p]
-            torch.testing.assert_close(st["exp_avg"].double(), ref.m[gi][pi], rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(st["exp_avg_sq"].double(), ref.v[gi][pi], rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(st["exp_avg"].double().cpu(), ref.m[gi][pi], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(st["exp_avg_sq"].double().cpu(), ref.v[gi][pi], rtol=1e-5, atol=1e-9)
             assert int(st["step"]) == ref.steps[gi][pi]
 
 
@@ -173,16 +182,18 @@ def check_states_fp32(opt, params, ref):
     [(False, False, 1.0), (False, True, 4.0), (False, True, 0.01), (True, False, 1.0), (True, True, 4.0)],
     ids=["lamb", "global-norm>1", "global-norm<1", "adam", "adam-global"],
 )
-def test_fp32_matches_float64_reference(adam, use_global, gscale):
-    params = make_params()
+@pytest.mark.parametrize("executor", ["apex_C", "torch"])
+def test_fp32_matches_float64_reference(adam, use_global, gscale, executor, device):
+    params = make_params(device=device)
     opt = NpuFusedLamb(group_dicts(params), adam=adam, use_global_grad_norm=use_global)
+    executor = select_executor(opt, executor, device)
     ref = RefLamb(params, GROUPS, adam, use_global)
     for step in range(12):
         grads = draw_grads(params, step, gscale, torch.float32)
         set_grads(params, grads)
         opt.step()
         ref.step(grads)
-        assert opt.last_executor == "apex_C"
+        assert opt.last_executor == executor
         # user grads are left as they are (the global-norm divisor is applied inside the update)
         for ps, gs in zip(params, grads):
             for p, g in zip(ps, gs):
@@ -213,23 +224,32 @@ def test_weight_norm_clamp_and_zero_norms():
     assert torch.count_nonzero(still) == 0
 
 
+def test_eps_zero():
+    """eps=0 is accepted (as by the seed): the zero gaps between slots must stay out of the norms
+    (their update would be 0/0)."""
+    params = make_params()
+    groups = [dict(spec, eps=0.0) for spec in GROUPS]
+    opt = NpuFusedLamb(group_dicts(params, eps=0.0))
+    ref = RefLamb(params, groups, adam=False, use_global=False)
+    for step in range(3):
+        grads = draw_grads(params, step, 1.0, torch.float32)
+        set_grads(params, grads)
+        opt.step()
+        ref.step(grads)
+    check_states_fp32(opt, params, ref)
+
+
 # --------------------------------------------------------------------------- bf16 / fp16 per step
-def use_torch_executor(monkeypatch):
-    """Flat sets built from now on use the torch-ops executor (as on a device without apex_C)."""
-    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
-
-
 @pytest.mark.parametrize("executor", ["apex_C", "torch"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("use_global", [False, True])
-def test_low_precision_each_step_within_one_ulp(dtype, use_global, executor, monkeypatch):
+def test_low_precision_each_step_within_one_ulp(dtype, use_global, executor, device):
     """Both executors meet the same per-step contract. (Comparing the two executors' low-precision runs
     with each other over several steps is not meaningful: a 1-ulp difference in a stored moment, e.g. from
     torch's fused multiply-add, persists in the moving average.)"""
-    if executor == "torch":
-        use_torch_executor(monkeypatch)
-    params = make_params(dtype)
+    params = make_params(dtype, device=device)
     opt = NpuFusedLamb(group_dicts(params), use_global_grad_norm=use_global)
+    executor = select_executor(opt, executor, device)
     ref = RefLamb(params, GROUPS, adam=False, use_global=use_global)
     for step in range(6):
         ref.load_from(opt, params)
@@ -252,8 +272,9 @@ def test_low_precision_each_step_within_one_ulp(dtype, use_global, executor, mon
 
 
 # --------------------------------------------------------------------------- executors
-def _run(params, steps, **kw):
+def _run(params, steps, executor="auto", **kw):
     opt = NpuFusedLamb(group_dicts(params), **kw)
+    opt.executor = executor
     for step in range(steps):
         set_grads(params, draw_grads(params, step, 4.0, torch.float32))
         opt.step()
@@ -270,9 +291,15 @@ def test_torch_executor_equals_kernel(kw, monkeypatch):
     ok = _run(pk, 6, **kw)
     assert ok.last_executor == "apex_C"
     pt = make_params()
-    use_torch_executor(monkeypatch)
-    ot = _run(pt, 6, **kw)
+    ot = _run(pt, 6, executor="torch", **kw)
     assert ot.last_executor == "torch"
+    # also as on a machine without the extension (flat sets without kernel arguments)
+    pn = make_params()
+    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
+    on = _run(pn, 6, **kw)
+    assert on.last_executor == "torch"
+    for a, b in zip(flat(pt), flat(pn)):
+        assert torch.equal(a, b)
     for a, b in zip(flat(pk), flat(pt)):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
         for name, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):  # m may cancel to ~0: absolute floor
@@ -280,8 +307,8 @@ def test_torch_executor_equals_kernel(kw, monkeypatch):
 
 
 @pytest.mark.parametrize(**KWS)
-def test_reference_class_matches_fused(kw):
-    pf, pr = make_params(), make_params()
+def test_reference_class_matches_fused(kw, device):
+    pf, pr = make_params(device=device), make_params(device=device)
     of = NpuFusedLamb(group_dicts(pf), **kw)
     orf = Lamb(group_dicts(pr), **kw)
     for step in range(6):
@@ -296,11 +323,11 @@ def test_reference_class_matches_fused(kw):
         assert int(of.state[a]["step"]) == int(orf.state[b]["step"])
 
 
-def test_folded_unscale_uses_unscaled_global_norm():
+def test_folded_unscale_uses_unscaled_global_norm(device):
     """amp's apex_grad_scale: grads stored x S and multiplied by 1/S inside the step; the global norm is the
     unscaled one."""
     s = 1024.0
-    pa, pb = make_params(), make_params()
+    pa, pb = make_params(device=device), make_params(device=device)
     oa = NpuFusedLamb(group_dicts(pa), use_global_grad_norm=True)
     ob = NpuFusedLamb(group_dicts(pb), use_global_grad_norm=True)
     ob.apex_grad_scale = 1.0 / s
@@ -314,10 +341,10 @@ def test_folded_unscale_uses_unscaled_global_norm():
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_state_dict_resume_is_bitwise():
-    full = make_params()
+def test_state_dict_resume_is_bitwise(device):
+    full = make_params(device=device)
     o_full = NpuFusedLamb(group_dicts(full), use_global_grad_norm=True)
-    half = make_params()
+    half = make_params(device=device)
     o_half = NpuFusedLamb(group_dicts(half), use_global_grad_norm=True)
     for step in range(3):
         set_grads(full, draw_grads(full, step, 3.0, torch.float32))

@@ -45,7 +45,7 @@ T* as_ptr(std::uintptr_t p) {
 
 struct PyOptArgs {
   OptArgs a;
-  std::uintptr_t p = 0, g = 0, s0 = 0, s1 = 0, s2 = 0, out = 0, seg = 0, steps = 0, skip = 0, first = 0;
+  std::uintptr_t p = 0, g = 0, s0 = 0, s1 = 0, s2 = 0, out = 0, seg = 0, seg_end = 0, steps = 0, skip = 0, first = 0;
   std::uintptr_t seg_mul = 0, seg_gmul = 0, seg_aux = 0, seg_out = 0;
   std::vector<double> hp;
 
@@ -57,6 +57,7 @@ struct PyOptArgs {
     a.s[2] = as_ptr<void>(s2);
     a.out = as_ptr<void>(out);
     a.seg = as_ptr<const idx_t>(seg);
+    a.seg_end = as_ptr<const idx_t>(seg_end);
     a.steps = as_ptr<const float>(steps);
     a.skip = as_ptr<const std::uint8_t>(skip);
     a.first = as_ptr<const std::uint8_t>(first);
@@ -85,9 +86,21 @@ struct PyOptArgs {
 };
 
 using OptFn = void (*)(const OptArgs&);
+// Which state slots (s0, s1, s2) a kernel dereferences for the given arguments.
+using SlotFn = int (*)(const OptArgs&);
 
-void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool needs_out, const char* name) {
+void check_slots(const OptArgs& a, int need, const char* name) {
+  if (a.nseg <= 0) return;
+  for (int i = 0; i < 3; ++i)
+    if ((need >> i) & 1 && !a.s[i])
+      throw py::value_error(std::string(name) + ": state slot s" + std::to_string(i) +
+                            " is required for these options but is 0");
+}
+
+void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool needs_out, const char* name,
+             SlotFn slots) {
   const OptArgs& a = args.resolve();
+  check_slots(a, slots(a), name);
   if (needs_steps && a.nseg > 0 && !a.steps)
     throw py::value_error(std::string(name) + ": per-segment steps are required");
   if ((a.flags & kBiasCorrection) && a.nseg > 0 && !a.steps)
@@ -205,6 +218,7 @@ PYBIND11_MODULE(apex_C, m) {
       .def_readwrite("s2", &PyOptArgs::s2)
       .def_readwrite("out", &PyOptArgs::out)
       .def_readwrite("seg", &PyOptArgs::seg)
+      .def_readwrite("seg_end", &PyOptArgs::seg_end)
       .def_readwrite("steps", &PyOptArgs::steps)
       .def_readwrite("skip", &PyOptArgs::skip)
       .def_readwrite("first", &PyOptArgs::first)
@@ -223,21 +237,25 @@ PYBIND11_MODULE(apex_C, m) {
       .def_property("grad_scale", [](PyOptArgs& s) { return s.a.grad_scale; },
                     [](PyOptArgs& s, float v) { s.a.grad_scale = v; });
 
-  auto bind = [&](const char* name, OptFn OptimKernels::*which, bool steps, bool out) {
-    m.def(name, [which, steps, out, name](PyOptArgs& a) { run_opt(which, a, steps, out, name); }, py::arg("args"));
+  auto bind = [&](const char* name, OptFn OptimKernels::*which, bool steps, bool out, SlotFn slots) {
+    m.def(name, [which, steps, out, name, slots](PyOptArgs& a) { run_opt(which, a, steps, out, name, slots); },
+          py::arg("args"));
   };
-  bind("sgd_step", &OptimKernels::sgd, false, false);
-  bind("adam_step", &OptimKernels::adam, true, false);
-  bind("adadelta_step", &OptimKernels::adadelta, false, false);
-  bind("rmsprop_step", &OptimKernels::rmsprop, false, false);
-  bind("rmsprop_tf_step", &OptimKernels::rmsprop_tf, false, false);
-  bind("bert_adam_step", &OptimKernels::bert_adam, false, false);
-  bind("lamb_stage1", &OptimKernels::lamb_stage1, false, true);
-  bind("lamb_stage2", &OptimKernels::lamb_stage2, false, false);
-  bind("row_dots", &OptimKernels::row_dots, false, true);
-  bind("adamp_stage_a", &OptimKernels::adamp_stage_a, true, true);
-  bind("adamp_stage_b", &OptimKernels::adamp_stage_b, true, false);
-  bind("adagrad_step", &OptimKernels::adagrad, true, false);
+  // bit i set = state slot s<i> is dereferenced
+  bind("sgd_step", &OptimKernels::sgd, false, false, [](const OptArgs& a) { return a.hp[1] != 0.0 ? 1 : 0; });
+  bind("adam_step", &OptimKernels::adam, true, false,
+       [](const OptArgs& a) { return (a.flags & kAmsgrad) ? 7 : 3; });
+  bind("adadelta_step", &OptimKernels::adadelta, false, false, [](const OptArgs&) { return 3; });
+  auto rms_slots = [](const OptArgs& a) { return 1 | (a.hp[4] > 0.0 ? 2 : 0) | ((a.flags & kCentered) ? 4 : 0); };
+  bind("rmsprop_step", &OptimKernels::rmsprop, false, false, rms_slots);
+  bind("rmsprop_tf_step", &OptimKernels::rmsprop_tf, false, false, rms_slots);
+  bind("bert_adam_step", &OptimKernels::bert_adam, false, false, [](const OptArgs&) { return 3; });
+  bind("lamb_stage1", &OptimKernels::lamb_stage1, false, true, [](const OptArgs&) { return 3; });
+  bind("lamb_stage2", &OptimKernels::lamb_stage2, false, false, [](const OptArgs&) { return 3; });
+  bind("row_dots", &OptimKernels::row_dots, false, true, [](const OptArgs&) { return 0; });
+  bind("adamp_stage_a", &OptimKernels::adamp_stage_a, true, true, [](const OptArgs&) { return 3; });
+  bind("adamp_stage_b", &OptimKernels::adamp_stage_b, true, false, [](const OptArgs&) { return 3; });
+  bind("adagrad_step", &OptimKernels::adagrad, true, false, [](const OptArgs&) { return 1; });
 
   m.attr("FLAG_NESTEROV") = static_cast<int>(kNesterov);
   m.attr("FLAG_AMSGRAD") = static_cast<int>(kAmsgrad);

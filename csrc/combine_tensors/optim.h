@@ -21,6 +21,9 @@ struct OptArgs {
   int odt = F32;
   const idx_t* seg = nullptr;  // nseg+1 slot starts (last = end of the used buffer)
   idx_t nseg = 0;
+  // Optional per-segment end (slot start + numel): the padding between slots is then never
+  // touched, so it stays zero whatever the math does to zeros (e.g. 0/0 with eps=0).
+  const idx_t* seg_end = nullptr;
   const float* steps = nullptr;         // per-segment step count, already advanced for this update
   const std::uint8_t* skip = nullptr;   // per-segment: nonzero = leave this slot untouched
   const std::uint8_t* first = nullptr;  // per-segment: nonzero = first update of this slot
@@ -93,6 +96,8 @@ const OptimKernels& optim_kernels_neon();
 
 const OptimKernels& OK();
 
+inline idx_t seg_end(const OptArgs& a, idx_t k) { return a.seg_end ? a.seg_end[k] : a.seg[k + 1]; }
+
 // Runs fn(k, lo, hi) for every part of segment k that falls in this thread's
 // element range; segments flagged in `skip` are not visited.
 template <class F>
@@ -111,7 +116,8 @@ void for_segments(const OptArgs& a, F&& fn) {
     for (idx_t k = lo; k < a.nseg && a.seg[k] < e; ++k) {
       if (a.skip && a.skip[k]) continue;
       idx_t s0 = a.seg[k] > b ? a.seg[k] : b;
-      idx_t s1 = a.seg[k + 1] < e ? a.seg[k + 1] : e;
+      const idx_t end = seg_end(a, k);
+      idx_t s1 = end < e ? end : e;
       if (s0 < s1) fn(k, s0, s1);
     }
   });

@@ -69,7 +69,7 @@ static void sgd(const OptArgs& a) {
       }
       const bool first = a.first && a.first[k];
       // torch: the first momentum buffer is the gradient itself (no dampening)
-      const float keep = first ? 0.f : mom, take = first ? 1.f : 1.f - damp;
+      const float keep = first ? 0.f : mom, take = first ? 1.f : static_cast<float>(1.0 - a.hp[2]);
       for (idx_t i = lo; i < hi; ++i) {
         float d = load(g, i) * gs + wd * load(p, i);
         float b = keep * load(buf, i) + take * d;
@@ -94,6 +94,7 @@ static void adam(const OptArgs& a) {
     const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
     const float eps = static_cast<float>(a.hp[3]), wd = static_cast<float>(a.hp[4]);
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
+    const float omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
     const bool amsgrad = a.flags & kAmsgrad, decoupled = a.flags & kDecoupled;
     const bool no_bc = a.flags & kNoBiasCorrection;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
@@ -107,8 +108,8 @@ static void adam(const OptArgs& a) {
         for (idx_t i = lo; i < hi; ++i) {
           float pv = load(p, i) * decay;
           float gv = load(g, i) * gs + l2 * pv;
-          float mv = fb1 * load(m, i) + (1.f - fb1) * gv;
-          float vv = fb2 * load(v, i) + (1.f - fb2) * gv * gv;
+          float mv = fb1 * load(m, i) + omb1 * gv;
+          float vv = fb2 * load(v, i) + omb2 * gv * gv;
           store(m, i, mv);
           store(v, i, vv);
           float denom = std::sqrt(load(v, i)) / bc2_sqrt + eps;
@@ -120,8 +121,8 @@ static void adam(const OptArgs& a) {
         for (idx_t i = lo; i < hi; ++i) {
           float pv = load(p, i) * decay;
           float gv = load(g, i) * gs + l2 * pv;
-          float mv = fb1 * load(m, i) + (1.f - fb1) * gv;
-          float vv = fb2 * load(v, i) + (1.f - fb2) * gv * gv;
+          float mv = fb1 * load(m, i) + omb1 * gv;
+          float vv = fb2 * load(v, i) + omb2 * gv * gv;
           store(m, i, mv);
           store(v, i, vv);
           float vm = load(vmax, i);
@@ -146,15 +147,16 @@ static void adadelta(const OptArgs& a) {
     P* __restrict acc = static_cast<P*>(a.s[1]);
     const float lr = static_cast<float>(a.hp[0]), rho = static_cast<float>(a.hp[1]);
     const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    const float omr = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(g, i) * gs + wd * pv;
-        store(sq, i, rho * load(sq, i) + (1.f - rho) * gv * gv);
+        store(sq, i, rho * load(sq, i) + omr * gv * gv);
         float stdv = std::sqrt(load(sq, i) + eps);
         float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
-        store(acc, i, rho * load(acc, i) + (1.f - rho) * delta * delta);
+        store(acc, i, rho * load(acc, i) + omr * delta * delta);
         float np = pv - lr * delta;
         store(p, i, np);
         store(o, i, np);
@@ -179,7 +181,7 @@ static void rmsprop_impl(const OptArgs& a) {
     const float mom = static_cast<float>(a.hp[4]);
     const bool centered = a.flags & kCentered, decoupled = a.flags & kDecoupled;
     const bool lr_in_mom = a.flags & kLrInMomentum;
-    const float one_minus = 1.f - alpha;
+    const float one_minus = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       for (idx_t i = lo; i < hi; ++i) {
@@ -239,13 +241,14 @@ static void bert_adam(const OptArgs& a) {
     const float lr = static_cast<float>(a.hp[0]), b1 = static_cast<float>(a.hp[1]);
     const float b2 = static_cast<float>(a.hp[2]), eps = static_cast<float>(a.hp[3]);
     const float wd = static_cast<float>(a.hp[4]);
+    const float omb1 = static_cast<float>(1.0 - a.hp[1]), omb2 = static_cast<float>(1.0 - a.hp[2]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(g, i) * gs;
-        store(m, i, b1 * load(m, i) + (1.f - b1) * gv);
-        store(v, i, b2 * load(v, i) + (1.f - b2) * gv * gv);
+        store(m, i, b1 * load(m, i) + omb1 * gv);
+        store(v, i, b2 * load(v, i) + omb2 * gv * gv);
         float u = load(m, i) / (std::sqrt(load(v, i)) + eps) + wd * pv;
         float np = pv - lr * u;
         store(p, i, np);
@@ -265,10 +268,11 @@ static void segment_reduce(const OptArgs& a, double* out, F&& fn) {
   std::vector<idx_t> seg, lo, hi;
   for (idx_t k = 0; k < a.nseg; ++k) {
     if (a.skip && a.skip[k]) continue;
-    for (idx_t b = a.seg[k]; b < a.seg[k + 1]; b += kChunk) {
+    const idx_t end = seg_end(a, k);
+    for (idx_t b = a.seg[k]; b < end; b += kChunk) {
       seg.push_back(k);
       lo.push_back(b);
-      hi.push_back(b + kChunk < a.seg[k + 1] ? b + kChunk : a.seg[k + 1]);
+      hi.push_back(b + kChunk < end ? b + kChunk : end);
     }
   }
   const idx_t items = static_cast<idx_t>(seg.size());
@@ -312,7 +316,8 @@ static void lamb_stage1(const OptArgs& a) {
     P* __restrict v = static_cast<P*>(a.s[1]);
     const float b1 = static_cast<float>(a.hp[0]), b2 = static_cast<float>(a.hp[1]);
     const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
-    const float b3 = (a.flags & kBeta3) ? static_cast<float>(a.hp[4]) : 1.f - b1;
+    const float b3 = static_cast<float>((a.flags & kBeta3) ? a.hp[4] : 1.0 - a.hp[0]);
+    const float omb2 = static_cast<float>(1.0 - a.hp[1]);
     segment_reduce<2>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float gs = gmul(a, k);
       const LambBC bc = lamb_bc(a, k, a.hp[0], a.hp[1]);
@@ -322,7 +327,7 @@ static void lamb_stage1(const OptArgs& a) {
         float pv = load(p, j);
         float gv = load(g, j) * gs;
         store(m, j, b1 * load(m, j) + b3 * gv);
-        store(v, j, b2 * load(v, j) + (1.f - b2) * gv * gv);
+        store(v, j, b2 * load(v, j) + omb2 * gv * gv);
         float u = load(m, j) * bc.m / (std::sqrt(load(v, j) * bc.v) + eps) + wd * pv;
         acc.v[0][l] += static_cast<double>(pv) * pv;
         acc.v[1][l] += static_cast<double>(u) * u;
@@ -380,7 +385,7 @@ static void row_dots(const OptArgs& a) {
 
 // AdamP's per-element perturbation from the updated moments.
 struct AdamPScalars {
-  float b1, b2, eps, step_size, bc2_sqrt, gs;
+  float b1, b2, omb1, omb2, eps, step_size, bc2_sqrt, gs;
   bool nesterov;
 };
 
@@ -389,6 +394,8 @@ inline AdamPScalars adamp_scalars(const OptArgs& a, idx_t k) {
   AdamPScalars s;
   s.b1 = static_cast<float>(a.hp[1]);
   s.b2 = static_cast<float>(a.hp[2]);
+  s.omb1 = static_cast<float>(1.0 - a.hp[1]);
+  s.omb2 = static_cast<float>(1.0 - a.hp[2]);
   s.eps = static_cast<float>(a.hp[3]);
   s.step_size = static_cast<float>(a.hp[0] / (1.0 - std::pow(a.hp[1], t)));
   s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(a.hp[2], t)));
@@ -412,11 +419,11 @@ static void adamp_stage_a(const OptArgs& a) {
         float gv = load(g, j) * s.gs;
         // round the moments through the storage dtype, as stage B stores them
         P mt, vt;
-        store(&mt, 0, s.b1 * load(m, j) + (1.f - s.b1) * gv);
-        store(&vt, 0, s.b2 * load(v, j) + (1.f - s.b2) * gv * gv);
+        store(&mt, 0, s.b1 * load(m, j) + s.omb1 * gv);
+        store(&vt, 0, s.b2 * load(v, j) + s.omb2 * gv * gv);
         float mv = load(&mt, 0), vv = load(&vt, 0);
         float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
-        float pert = (s.nesterov ? s.b1 * mv + (1.f - s.b1) * gv : mv) / denom;
+        float pert = (s.nesterov ? s.b1 * mv + s.omb1 * gv : mv) / denom;
         acc.v[0][l] += static_cast<double>(load(p, j) * pn) * pert;
       };
       for (; i + kL <= hi; i += kL)
@@ -441,11 +448,11 @@ static void adamp_stage_b(const OptArgs& a) {
       const float decay = static_cast<float>(1.0 - lr * wd * wdr);
       for (idx_t i = lo; i < hi; ++i) {
         float gv = load(g, i) * s.gs;
-        store(m, i, s.b1 * load(m, i) + (1.f - s.b1) * gv);
-        store(v, i, s.b2 * load(v, i) + (1.f - s.b2) * gv * gv);
+        store(m, i, s.b1 * load(m, i) + s.omb1 * gv);
+        store(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
         float mv = load(m, i), vv = load(v, i);
         float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
-        float pert = (s.nesterov ? s.b1 * mv + (1.f - s.b1) * gv : mv) / denom;
+        float pert = (s.nesterov ? s.b1 * mv + s.omb1 * gv : mv) / denom;
         float pv = load(p, i);
         pert -= pv * pn * coef;
         float np = pv * decay - s.step_size * pert;

@@ -641,8 +641,8 @@ def test_thread_count_setting():
 # ---------------------------------------------------------------------------------------------------------------
 # optimizer kernels: argument validation (their math is tested through apex.optimizers)
 # ---------------------------------------------------------------------------------------------------------------
-OPT_KERNELS = ("sgd_step", "adam_step", "adadelta_step", "rmsprop_step", "rmsprop_tf_step", "bert_adam_step",
-               "lamb_stage1", "lamb_stage2", "row_dots", "adamp_stage_a", "adamp_stage_b")
+# every optimizer kernel the module binds (they share one argument check), found by name
+OPT_KERNELS = sorted(n for n in dir(apex_C) if n.endswith("_step") or "_stage" in n or n == "row_dots")
 VALID_COMBOS = [  # (param, grad, out copy or None)
     (F32, F32, None), (F32, F16, None), (F32, BF16, None), (F32, F32, F16), (F32, F32, BF16),
     (F32, F16, F16), (F32, BF16, BF16), (F16, F16, None), (BF16, BF16, None),
@@ -699,24 +699,30 @@ def test_optimizer_argument_errors(kernel):
         fn(a)
 
 
-@pytest.mark.parametrize(
-    ("kernel", "missing", "text"),
-    [("adam_step", "steps", "steps"), ("adamp_stage_a", "steps", "steps"), ("adamp_stage_b", "steps", "steps"),
-     ("lamb_stage1", "seg_out", "seg_out"), ("row_dots", "seg_out", "seg_out"),
-     ("adamp_stage_a", "seg_out", "seg_out")],
-)
-def test_optimizer_required_per_segment_inputs(kernel, missing, text):
+REQUIRED_INPUTS = [
+    (kernel, missing)
+    for kernel, missing in [("adam_step", "steps"), ("adamp_stage_a", "steps"), ("adamp_stage_b", "steps"),
+                            ("adagrad_step", "steps"), ("lamb_stage1", "seg_out"), ("row_dots", "seg_out"),
+                            ("adamp_stage_a", "seg_out")]
+    if hasattr(apex_C, kernel)
+]
+
+
+@pytest.mark.parametrize(("kernel", "missing"), REQUIRED_INPUTS)
+def test_optimizer_required_per_segment_inputs(kernel, missing):
     p, g = np.zeros(4, np.float32), np.ones(4, np.float32)
+    states = [np.zeros(4, np.float32) for _ in range(3)]
     seg = np.array([0, 4], np.int64)
     steps = np.ones(1, np.float32)
     seg_out = np.zeros(4, np.float64)
     a = apex_C.OptArgs()
     a.p, a.g, a.seg, a.nseg = p.ctypes.data, g.ctypes.data, seg.ctypes.data, 1
+    a.s0, a.s1, a.s2 = (st.ctypes.data for st in states)  # only the input under test is missing
     a.steps, a.seg_out = steps.ctypes.data, seg_out.ctypes.data
     setattr(a, missing, 0)
-    with pytest.raises(ValueError, match=text):
+    with pytest.raises(ValueError, match=missing):
         getattr(apex_C, kernel)(a)
-    assert not p.any()
+    assert not p.any() and not any(st.any() for st in states)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -61,10 +61,13 @@ def _points_at(t: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
 class _Low:
     """Model-side (low-precision) twin of a master grad buffer (O2)."""
 
-    def __init__(self, flat: torch.Tensor, slots: List[int], views: Dict[int, torch.Tensor]):
+    def __init__(self, flat: torch.Tensor, slots: List[int], views: Dict[int, torch.Tensor],
+                 models: List[torch.Tensor]):
         self.flat = flat
         self.slots = slots
         self.views = views
+        self.models = models  # aligned with slots
+        self.expected = [m.grad if m.grad is views[i] else None for m, i in zip(models, slots)]
 
 
 class _Buffer:
@@ -73,7 +76,8 @@ class _Buffer:
         self.flat = flat
         self.params = params
         self.offsets = offsets
-        self.views = views  # the tensor each p.grad should be (None: not known yet)
+        self.views = views  # the tensor each p.grad is expected to be (None: no grad)
+        self.slot_views: Optional[List[torch.Tensor]] = None  # amp-owned: the view to bind for each slot
         self.owner = owner  # "amp" or "optimizer"
         self.models: List[Optional[torch.Tensor]] = [None] * len(params)
         self.lows: Dict[torch.dtype, _Low] = {}
@@ -132,6 +136,7 @@ class CombinedGrads:
         self.folded = False  # last exit left the grads scaled for the optimizer to unscale
         self.low_dirty = False  # O2: model grads were consumed by an exit; zero them before the next backward
         self.low_pending: Optional[float] = None  # O2: scale the model grads carry
+        self.ever_built = False
 
     # ------------------------------------------------------------ structure
     @property
@@ -162,6 +167,7 @@ class CombinedGrads:
         if self.low_pending is None:
             self.low_pending = scale  # first build: the model grads are this backward's
         self.buffers = buffers
+        self.ever_built = True
 
     def _adopt_optimizer_buffers(self, model_of) -> List[_Buffer]:
         opt = self.optimizer
@@ -207,15 +213,17 @@ class CombinedGrads:
             for ps in kinds.values():
                 offsets, total = plan_layout(ps)
                 flat = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
-                views = [_slot(flat, p, off) for p, off in zip(ps, offsets)]
-                for p, v in zip(ps, views):
+                slot_views = [_slot(flat, p, off) for p, off in zip(ps, offsets)]
+                for p, v in zip(ps, slot_views):
                     g = p.grad
                     if g is not None:
                         v.copy_(g)
                         p.grad = v
                     elif id(p) in model_of and model_of[id(p)].grad is not None:
                         p.grad = v  # a master whose grad the exit pass is about to write
-                buffers.append(_Buffer(flat, ps, offsets, views, "amp"))
+                b = _Buffer(flat, ps, offsets, [p.grad for p in ps], "amp")
+                b.slot_views = slot_views
+                buffers.append(b)
         return buffers
 
     def _attach_lows(self, b: _Buffer, model_of) -> None:
@@ -235,7 +243,7 @@ class CombinedGrads:
                     v.copy_(model.grad)
                     model.grad = v
                 views[i] = v
-            b.lows[dtype] = _Low(flat, slots, views)
+            b.lows[dtype] = _Low(flat, slots, views, [b.models[i] for i in slots])
         b.finish_layout()
 
     # ------------------------------------------------------------ checks
@@ -259,45 +267,84 @@ class CombinedGrads:
                     slot.copy_(v)
                     v.data = slot
 
+    def _optimizer_grads_in_place(self) -> bool:
+        """Every grad of an apex optimizer is still the view object it was (identity only: cheap)."""
+        if self.optimizer.recombine_count != self.recombine_seen:
+            return False
+        for b in self.buffers:
+            if not all(map(operator.is_, map(_get_grad, b.params), b.views)):
+                return False
+        return True
+
     def _sync_main_at_exit(self, b: _Buffer) -> None:
         grads = list(map(_get_grad, b.params))
         if all(map(operator.is_, grads, b.views)):
             return
         for i, g in enumerate(grads):
-            v = b.views[i]
-            if g is v:
+            if g is b.views[i]:
                 continue
             if g is None:
-                b.zero_slot(i)  # no grad this time: keep the whole-buffer check clean of stale values
+                b.zero_slot(i)  # no grad this time: keep the whole-buffer pass clean of stale values
+                b.views[i] = None
             elif b.owner == "optimizer":
                 b.views[i] = g  # the optimizer adopted it into its slot
             else:
-                v.copy_(g)
-                b.params[i].grad = v
+                v = b.slot_views[i]
+                if v is not g:
+                    v.copy_(g)
+                    b.params[i].grad = v
+                b.views[i] = v
 
     def _sync_lows(self, b: _Buffer, before_backward: bool) -> None:
+        """Model grads (O2) back into their slots; a model grad that appears binds its master's grad too."""
+        unbound_masters = []
         for low in b.lows.values():
-            for i in low.slots:
-                model, v = b.models[i], low.views[i]
+            if all(map(operator.is_, map(_get_grad, low.models), low.expected)):
+                continue
+            for k, i in enumerate(low.slots):
+                model, v = low.models[k], low.views[i]
                 g = model.grad
-                if g is v:
+                if g is low.expected[k]:
                     continue
                 if g is None:
                     v.zero_()
-                    if before_backward:
+                    if before_backward:  # dropped by zero_grad(set_to_none=True): keep the slot bound
                         model.grad = v
-                else:
+                    else:
+                        low.expected[k] = None
+                    continue
+                if g is not v:
                     v.copy_(g)
                     model.grad = v
+                low.expected[k] = v
+                if b.params[i].grad is None:
+                    unbound_masters.append(i)
+        if unbound_masters:
+            self._bind_masters(b, unbound_masters)
+
+    def _bind_masters(self, b: _Buffer, slots: List[int]) -> None:
+        """Masters whose model param got its first gradient: give them a grad in the master buffer."""
+        if b.owner == "amp":
+            for i in slots:
+                b.params[i].grad = b.views[i] = b.slot_views[i]
+            return
+        for i in slots:
+            b.params[i].grad = torch.zeros_like(b.params[i])
+        self.optimizer.combined_grad_buffers()  # the optimizer adopts them into its buffer
+        self.recombine_seen = self.optimizer.recombine_count
+        for i in slots:
+            b.views[i] = b.params[i].grad
 
     # ------------------------------------------------------------ per step
     def prepare(self, scale: float) -> None:
         """Before a backward whose loss is multiplied by ``scale``."""
-        if self.buffers is None:
-            return
+        if self.buffers is None and not self.ever_built:
+            return  # the first backward's fresh grads are combined at its exit
         with torch.no_grad():
-            if self.stash.ours and self.optimizer.recombine_count != self.recombine_seen:
-                self._build(scale)  # the optimizer re-combined (load_state_dict, user rebinding): map it again
+            if self.buffers is None or (self.stash.ours and self.optimizer.recombine_count != self.recombine_seen):
+                # New param group, loaded state_dict, or the optimizer re-combined: map the grads again now,
+                # so grads accumulated so far keep their known scale.
+                self._build(scale)
             discard = self.discard or self.stash.skip_pending is not None
             low_dirty = self.low_dirty or discard
             for b in self.buffers:
@@ -345,7 +392,9 @@ class CombinedGrads:
             if self.buffers is None:
                 self._build(scale)
             else:
-                if self.stash.ours:
+                in_place = self.stash.ours and self._optimizer_grads_in_place()
+                if self.stash.ours and not in_place:
+                    # Fresh grads (after set_to_none) or a re-combine: the optimizer adopts them into its buffers.
                     flats = self.optimizer.combined_grad_buffers()
                     self.recombine_seen = self.optimizer.recombine_count
                     if len(flats) != len(self.buffers) or any(f is not b.flat for f, b in zip(flats, self.buffers)):
@@ -353,8 +402,10 @@ class CombinedGrads:
                 for b in self.buffers:
                     if self.check_full and not self._views_valid(b):
                         self._heal_pointers(b)
-                    self._sync_main_at_exit(b)
-                    self._sync_lows(b, before_backward=False)
+                    if not in_place:
+                        self._sync_main_at_exit(b)
+                    if b.lows:
+                        self._sync_lows(b, before_backward=False)
             hook = self.stash.session.ddp
             if hook is not None:
                 hook.before_unscale(self)

@@ -106,6 +106,7 @@ class AmpStash:
             optimizer, "apex_grad_scale"
         )
         self.attached = False  # master -> model copy done inside the optimizer's step
+        self.attach_checked = False  # the first real step verified that the optimizer really copies
         self.combined: Optional[CombinedGrads] = None
         self.fold = False
         self.patches: List[InstancePatch] = []
@@ -163,6 +164,7 @@ class AmpStash:
         if self.ours and self.pairs:
             self.optimizer.attach_model_params(list(self.pairs))
             self.attached = True
+            self.attach_checked = False
 
     def sync_masters_once(self) -> None:
         """Before the first backward: masters follow model weights loaded after amp.initialize.
@@ -176,6 +178,23 @@ class AmpStash:
             for (master, model), version in zip(self.pairs, self.model_versions):
                 if model._version != version:
                     master.copy_(model)
+
+    def check_attached_copy(self) -> None:
+        """Once, after the first real step: did the optimizer copy every master into its model param?
+
+        A protocol implementation that misses some pairs would otherwise train the masters while the model
+        keeps its old weights, silently. amp then falls back to copying itself.
+        """
+        self.attach_checked = True
+        with torch.no_grad():
+            missed = sum(not torch.equal(model, master.to(model.dtype)) for master, model in self.pairs)
+        if missed:
+            logger.warning(
+                "apex.amp: %s.attach_model_params() did not update %d of %d model params after step(); "
+                "amp copies the master weights itself from now on", type(self.optimizer).__name__, missed,
+                len(self.pairs),
+            )
+            self.attached = False
 
     def copy_masters_to_model(self) -> None:
         if not self.pairs or self.attached:
@@ -288,6 +307,8 @@ class AmpStash:
                     opt.apex_grad_scale = None
                 else:
                     self._clear_torch_scale()
+        if self.attached and not self.attach_checked:
+            self.check_attached_copy()
         self.copy_masters_to_model()
         if self.combined is not None:
             self.combined.after_step(unscaled_in_place=fused_torch)

@@ -237,17 +237,17 @@ def initialize(
               device_type)
     maybe_log("Processed optimization options:\n%s", props.describe())
 
+    autocast = bool(props.patch_torch_functions)  # O1 (also with cast_model_type=torch.float32)
     if props.cast_model_type:
         for model in model_list:
             convert_network(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
         output_dtype = cast_model_outputs if cast_model_outputs is not None else torch.float32
         for model in model_list:
             session.model_patches.append(patch_forward(model, session, props.cast_model_type, output_dtype,
-                                                       autocast=False))
-    elif props.patch_torch_functions or cast_model_outputs is not None:
+                                                       autocast=autocast))
+    elif autocast or cast_model_outputs is not None:
         for model in model_list:
-            session.model_patches.append(patch_forward(model, session, None, cast_model_outputs,
-                                                       autocast=bool(props.patch_torch_functions)))
+            session.model_patches.append(patch_forward(model, session, None, cast_model_outputs, autocast=autocast))
     for opt in opt_list:
         process_optimizer(opt, session)
     if props.combine_grad:

@@ -30,6 +30,10 @@ from .. import _core
 from ..contrib.combine_tensors import combine_tensors, plan_layout
 
 _get_grad = operator.attrgetter("grad")
+_get_layout = operator.attrgetter("layout")
+_get_dtype = operator.attrgetter("dtype")
+_get_device = operator.attrgetter("device")
+_get_shape = operator.attrgetter("shape")
 _data_ptr = torch.Tensor.data_ptr
 _is = operator.is_
 
@@ -37,10 +41,6 @@ _is = operator.is_
 def view_like(flat: torch.Tensor, offset: int, ref: torch.Tensor) -> torch.Tensor:
     """A view of `flat` at element `offset` with `ref`'s shape and strides."""
     return torch.as_strided(flat, ref.shape, ref.stride(), flat.storage_offset() + offset)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def check_grad(k: int, p: torch.Tensor, g: torch.Tensor) -> None:
@@ -185,9 +185,10 @@ class FlatSet:
         """Copies validated foreign grads into their slots and rebinds ``p.grad`` to the slot views."""
         if not todo:
             return
-        key = _storage_key(self.flat_g)
+        lo = self.flat_g.data_ptr()
+        hi = lo + self.flat_g.numel() * self.flat_g.element_size()
         # a grad that is itself (a view of) one of our slots may be overwritten by another copy: read it first
-        src = [g.clone() if _storage_key(g) == key else g for _, g in todo]
+        src = [g.clone() if lo <= g.data_ptr() < hi else g for _, g in todo]
         for k, g in todo:
             if g is self.grad_views[k]:  # our view object, whose storage was swapped (p.grad.data = ...)
                 self.grad_views[k] = view_like(self.flat_g, self.offsets[k], self.params[k])
@@ -242,14 +243,23 @@ class FlatSet:
         return list(map(_data_ptr, self._bound)) == self._bound_ptrs
 
     def pending_grads(self) -> List[Tuple[int, torch.Tensor]]:
-        """(k, grad) for every grad that does not live at its slot, validated; changes nothing."""
-        todo = []
-        for k, (p, g) in enumerate(zip(self.params, map(_get_grad, self.params))):
-            if g is None or (g is self.grad_views[k] and g.data_ptr() == self.grad_ptrs[k]):
-                continue
-            check_grad(k, p, g)
-            todo.append((k, g))
-        return todo
+        """(k, grad) for every grad that does not live at its slot, validated; changes nothing.
+
+        Validation is one map() per property over all grads (the zero_grad(set_to_none=True)
+        pattern adopts every grad at every step); the per-grad check only runs to name a culprit.
+        """
+        live = [(k, g) for k, g in enumerate(map(_get_grad, self.params)) if g is not None]
+        gs = [g for _, g in live]
+        if (
+            set(map(_get_layout, gs)) - {torch.strided}
+            or set(map(_get_dtype, gs)) - {self.dtype}
+            or set(map(_get_device, gs)) - {self.device}
+            or list(map(_get_shape, gs)) != [self.params[k].shape for k, _ in live]
+        ):
+            for k, g in live:
+                check_grad(k, self.params[k], g)
+        views, ptrs = self.grad_views, self.grad_ptrs
+        return [(k, g) for k, g in live if g is not views[k] or g.data_ptr() != ptrs[k]]
 
     def sync_grads(self) -> int:
         """Re-binds grads that are not our views (values copied in); returns how many were adopted.

@@ -18,16 +18,17 @@ bias correction.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from itertools import chain
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._base import CombinedOptimizer, _check_range
-from ._flat import FlatSet
+from ._base import CombinedOptimizer, _check_range, _GroupCache
+from ._flat import FlatSet, check_grad
 
 logger = logging.getLogger("apex.optimizers")
 
-__all__ = ["NvidiaCompatMixin", "check_betas", "group_step"]
+__all__ = ["NvidiaCompatMixin", "ShadowParamsMixin", "ShadowSet", "check_betas", "group_step"]
 
 
 def check_betas(betas) -> None:
@@ -93,3 +94,155 @@ class NvidiaCompatMixin:
                 group["step"] = int(max(steps))
                 logger.info("apex: group without 'step' in the loaded state dict: using the params' step %d",
                             group["step"])
+
+
+# ------------------------------------------------------------------ fp32 shadows of low-precision params
+class _StateByModel:
+    """The optimizer state seen through shadow tensors: entries are keyed by the model params."""
+
+    def __init__(self, state, model_of: Dict[int, torch.Tensor]):
+        self._state = state
+        self._model_of = model_of
+
+    def _key(self, p: torch.Tensor) -> torch.Tensor:
+        return self._model_of.get(id(p), p)
+
+    def get(self, p, default=None):
+        return self._state.get(self._key(p), default)
+
+    def __getitem__(self, p):
+        return self._state[self._key(p)]
+
+
+class ShadowSet(FlatSet):
+    """Flat buffers over fp32 shadows of low-precision model params.
+
+    The kernels update the shadows with fp32 grads and fp32 states and write the rounded
+    result into the model params in the same pass (the model params are the set's ``out``
+    copies). States are keyed by the model params, so ``optimizer.state[model_param]`` and
+    ``state_dict()`` look as if the model params were optimized directly.
+    """
+
+    def __init__(self, shadows: List[torch.Tensor], models: List[torch.Tensor], state, names, fill, has_step):
+        self._keyed = _StateByModel(state, {id(s): m for s, m in zip(shadows, models)})
+        super().__init__(shadows, self._keyed, names, fill, has_step)
+        self.attach_out(models)
+
+    def expose_new_states(self, state) -> None:
+        super().expose_new_states(self._keyed)
+
+    def refresh_from_models(self) -> None:
+        """Shadows = the model params' current values (one converting copy over the flat buffers)."""
+        self.flat_p.copy_(self.flat_out)
+
+    def mirror_grads(self) -> None:
+        """Shadow grads = model grads, converted to fp32 in the flat grad buffer; None where the model has none."""
+        dst, src = [], []
+        for k, (shadow, model) in enumerate(zip(self.params, self.out_params)):
+            g = model.grad
+            if g is None:
+                shadow.grad = None
+                continue
+            check_grad(k, model, g)
+            dst.append(self.grad_views[k])
+            src.append(g)
+            if shadow.grad is not self.grad_views[k]:
+                shadow.grad = self.grad_views[k]
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+class ShadowParamsMixin:
+    """Optimizes params of `_shadow_dtypes()` through fp32 shadows (list it before CombinedOptimizer).
+
+    ``_refresh_shadows = True``: the shadows are re-read from the model params before every step,
+    so the result is the model param updated in fp32 and rounded once (NVIDIA FusedAdam with fp16
+    or bf16 params: fp32 moments, no master weights). ``False``: the shadows are master weights,
+    made once from the model params (NVIDIA FusedMixedPrecisionLamb).
+    """
+
+    _refresh_shadows = True
+
+    def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
+        return (torch.float16, torch.bfloat16)
+
+    def _init_shadows(self) -> None:
+        # id(model param) -> (model param, fp32 shadow, model data_ptr when the shadow was made)
+        self._shadows: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def _shadow_for(self, p: torch.Tensor) -> torch.Tensor:
+        rec = self._shadows.get(id(p))
+        if rec is not None and rec[0] is p and rec[2] == p.data_ptr():
+            return rec[1]  # still in sync (masters keep their fp32 value across re-combines)
+        return p.detach().to(torch.float32, copy=True)
+
+    def _build_group(self, gi: int, group: dict) -> List[FlatSet]:
+        low = self._shadow_dtypes()
+        # amp O2 hands fp32 masters and pairs them with its model copies itself
+        if not low or self._model_pairs is not None or all(p.dtype not in low for p in group["params"]):
+            return super()._build_group(gi, group)
+        self._check_params(group["params"])
+        by_kind: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+        for p in group["params"]:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        names = self._state_names(group)
+        sets: List[FlatSet] = []
+        for (dtype, _), ps in by_kind.items():
+            if dtype not in low:
+                sets.append(FlatSet(ps, self.state, names, self._state_fill, self._has_step))
+                continue
+            s = ShadowSet([self._shadow_for(p) for p in ps], ps, self.state, names, self._state_fill,
+                          self._has_step)
+            for shadow, p in zip(s.params, ps):
+                self._shadows[id(p)] = (p, shadow, p.data_ptr())
+            sets.append(s)
+        self._groups[gi] = _GroupCache(group["params"], sets, list(names))
+        self._rebuilt = True
+        return sets
+
+    def _intact_sets(self, gi: int, group: dict) -> Optional[List[FlatSet]]:
+        """The base check compares a group's first set with its first param; a shadow set holds fp32 copies
+        of the group's low-precision params, so it is checked against the params it writes instead."""
+        c = self._groups.get(gi)
+        if c is None or self._force_rebuild or not c.sets or not isinstance(c.sets[0], ShadowSet):
+            return super()._intact_sets(gi, group)
+        ps = group["params"]
+        if ps is not c.params or len(ps) != c.n or [p.data_ptr() for p in ps] != c.ptrs:
+            return None
+        if c.names != self._state_names(group):
+            return None
+        for s in c.sets:
+            if not s.params_intact() or (s.out_params is not None and not s.out_intact()):
+                return None
+        return c.sets
+
+    def _sync_shadows(self) -> None:
+        """Before a step: shadows refreshed (unless they are masters) and their grads mirrored."""
+        for s in self._all_sets():
+            if isinstance(s, ShadowSet):
+                if self._refresh_shadows:
+                    s.refresh_from_models()
+                s.mirror_grads()
+
+    def combined_grad_buffers(self) -> List[torch.Tensor]:
+        if any(isinstance(s, ShadowSet) for s in self._all_sets()):
+            raise RuntimeError(
+                f"{type(self).__name__}: combined grad buffers are fp32 copies for fp16/bf16 params, which amp "
+                "cannot scale in place; expected fp32 params here (amp O2 masters), got low-precision params"
+            )
+        return super().combined_grad_buffers()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts loaded states to the param dtype; the states of shadowed params stay fp32."""
+        saved_state = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict.get("param_groups", [])))
+        super().load_state_dict(state_dict)
+        low = self._shadow_dtypes()
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for old_id, p in zip(saved_ids, params):
+            entry = saved_state.get(old_id)
+            if p.dtype not in low or not entry:
+                continue
+            for name, value in entry.items():
+                if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[p][name] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)

@@ -15,13 +15,15 @@ Cosine similarity is torch's ``F.cosine_similarity(g, p, eps=eps)`` as torch
 2.x computes it: ``g.p / (max(||g||, eps) * max(||p||, eps))`` (each norm
 clamped on its own; the docs' ``max(||g|| ||p||, eps)`` is not what the code does).
 
-CPU executor, per group x dtype, over ROWS of the flat buffers (a 1-D param is
-one row; the zero gap after a slot belongs to its last row and changes no sum):
-``row_dots`` (one pass over grads and params) gives per-row g.p, g.g, p.p; the
-decision per param is a few small torch ops on those; ``adamp_stage_a`` (only
-when some param projects) gives per-row <p_n, d>; ``adamp_stage_b`` updates
-m, v, p. The torch executor runs the same math with torch ops, elementwise on
-flat slices and the projection per param.
+CPU executor, per group x dtype, over ROWS of the flat buffers (a param that
+cannot project is one row; the zero gap after each slot is a row of its own,
+always skipped): ``row_dots`` (one pass over grads and params) gives per-row
+g.p, g.g, p.p; the decision per param is a few small torch ops on those;
+``adamp_stage_a`` (only when some param projects) gives per-row <p_n, d>;
+``adamp_stage_b`` updates m, v, p. The torch executor runs the same math with
+torch ops, elementwise on flat slices and the projection per param (tensor ops
+only, no host sync). Low-precision m, v are stored before d is formed in both
+executors, so d is computed from the stored moments.
 """
 
 from __future__ import annotations
@@ -80,30 +82,37 @@ def _validate_adamp_group(group: dict) -> None:
 
 
 class _RowPlan:
-    """Row layout of one FlatSet and the per-row arrays the AdamP kernels read (built once)."""
+    """Row layout of one FlatSet and the per-row arrays the AdamP kernels read (built once).
+
+    Param k contributes its rows (one row if it cannot project), then one "gap" row for the zero
+    gap up to the next slot. Gap rows are always skipped: with eps=0 their update would be 0/0,
+    and they must not enter any row sum.
+    """
 
     def __init__(self, s: FlatSet):
-        starts, row_param, lens, numels, eligible = [], [], [], [], []
+        starts, row_param, gaps, lens, numels, eligible = [], [], [], [], [], []
         for k, p in enumerate(s.params):
             off, n = s.offsets[k], p.numel()
             proj = p.dim() > 1 and n > 0
             rows = p.shape[0] if proj else 1
-            width = n // rows if proj else max(n, 1)
-            starts.append(off + width * torch.arange(rows, dtype=torch.int64))
-            row_param.append(torch.full((rows,), k, dtype=torch.int64))
-            lens.append(float(width))
+            width = n // rows if proj else n
+            starts += [off + width * torch.arange(rows, dtype=torch.int64), torch.tensor([off + n])]
+            row_param.append(torch.full((rows + 1,), k, dtype=torch.int64))
+            gaps += [False] * rows + [True]
+            lens.append(float(max(width, 1)))
             numels.append(float(max(n, 1)))
             eligible.append(proj)
-        self.nrows = sum(len(r) for r in row_param)
         self.seg = torch.cat([*starts, torch.tensor([s.total], dtype=torch.int64)])
         self.row_param = torch.cat(row_param)
+        self.nrows = len(self.row_param)
+        self.gap_rows = torch.tensor(gaps, dtype=torch.bool)
         self.row_len = torch.tensor(lens, dtype=torch.float64)
         self.numel = torch.tensor(numels, dtype=torch.float64)
         self.eligible = torch.tensor(eligible, dtype=torch.bool)
         self.any_eligible = bool(self.eligible.any())
-        self.ineligible_rows = (~self.eligible).to(torch.uint8)[self.row_param]
+        self.ineligible_rows = (~self.eligible[self.row_param] | self.gap_rows).to(torch.uint8)
         self.steps = torch.zeros(self.nrows, dtype=torch.float32)
-        self.skip = torch.zeros(self.nrows, dtype=torch.uint8)
+        self.skip = self.gap_rows.to(torch.uint8)  # + rows of params without a grad, per step
         self.aux_skip = torch.zeros(self.nrows, dtype=torch.uint8)  # rows row_dots / stage A leave out
         self.dots = torch.zeros(3 * self.nrows, dtype=torch.float64)
         self.coef = torch.zeros(self.nrows, dtype=torch.float64)
@@ -119,6 +128,12 @@ class _RowPlan:
         a.nseg = self.nrows
         a.steps = self.steps.data_ptr()
         self.args = a
+
+    def refresh_skip(self, s: FlatSet) -> None:
+        if s.n_skipped:
+            torch.bitwise_or(self.gap_rows.to(torch.uint8), s.skip[self.row_param], out=self.skip)
+        else:
+            self.skip.copy_(self.gap_rows)
 
 
 class NpuFusedAdamP(CombinedOptimizer):
@@ -159,7 +174,7 @@ class NpuFusedAdamP(CombinedOptimizer):
         if s.n_skipped:
             active &= s.skip == 0
         row_max = torch.full((s.nseg,), -math.inf, dtype=torch.float64)
-        row_max.scatter_reduce_(0, rp, _cos_abs(gp, gg, pp, eps), "amax")
+        row_max.scatter_reduce_(0, rp, _cos_abs(gp, gg, pp, eps).masked_fill_(plan.gap_rows, -math.inf), "amax")
         chan = active & (row_max < delta / plan.row_len.sqrt())
         tot = torch.zeros(s.nseg, 3, dtype=torch.float64).index_add_(0, rp, d)
         layer = active & ~chan & (_cos_abs(tot[:, 0], tot[:, 1], tot[:, 2], eps) < delta / plan.numel.sqrt())
@@ -169,10 +184,10 @@ class NpuFusedAdamP(CombinedOptimizer):
         chan_r, layer_r = chan[rp], layer[rp]
         inv_layer = (1.0 / (tot[:, 2].sqrt() + eps))[rp]
         mul = torch.where(chan_r, 1.0 / (pp.sqrt() + eps), torch.where(layer_r, inv_layer, torch.zeros_like(pp)))
-        plan.mul.copy_(mul)
+        plan.mul.copy_(mul.masked_fill_(plan.gap_rows, 0.0))
         plan.wdr.copy_(torch.where(proj[rp], torch.full_like(pp, group["wd_ratio"]), torch.ones_like(pp)))
         plan.aux_skip.copy_((plan.mul == 0).to(torch.uint8))
-        plan.layer_rows.copy_(layer_r)
+        plan.layer_rows.copy_(layer_r & ~plan.gap_rows)
         return True
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
@@ -185,16 +200,12 @@ class NpuFusedAdamP(CombinedOptimizer):
         a.threads = _core.num_threads()
         a.out, a.odt = s.args.out, s.args.odt
         torch.index_select(s.steps, 0, plan.row_param, out=plan.steps)
-        if s.n_skipped:
-            torch.index_select(s.skip, 0, plan.row_param, out=plan.skip)
+        plan.refresh_skip(s)
         a.seg_mul = a.seg_aux = a.seg_out = 0
         projects = False
         if plan.any_eligible:
             # row dots only over rows of params that may project and have a grad
-            if s.n_skipped:
-                torch.bitwise_or(plan.ineligible_rows, plan.skip, out=plan.aux_skip)
-            else:
-                plan.aux_skip.copy_(plan.ineligible_rows)
+            torch.bitwise_or(plan.ineligible_rows, plan.skip, out=plan.aux_skip)
             a.skip = plan.aux_skip.data_ptr()
             a.seg_out = plan.dots.data_ptr()
             _core.ext.row_dots(a)
@@ -206,7 +217,7 @@ class NpuFusedAdamP(CombinedOptimizer):
             a.seg_out = plan.coef.data_ptr()
             _core.ext.adamp_stage_a(a)
             self._layer_sums(plan, s)
-        a.skip = plan.skip.data_ptr() if s.n_skipped else 0
+        a.skip = plan.skip.data_ptr()
         _core.ext.adamp_stage_b(a)
         a.seg_out = a.seg_mul = a.seg_aux = 0
 

@@ -12,10 +12,12 @@ so ``adam_w_mode=True`` (the default) is torch.optim.AdamW and ``adam_w_mode=Fal
 torch.optim.Adam. Executors: the apex_C ``adam_step`` kernel on CPU (one pass per
 group x dtype), the same math as torch ops on flat slices elsewhere.
 
-Differences from NVIDIA (documented in docs/upstream-compat.md): bf16 params work
-on every device; states are kept in the param dtype (NVIDIA keeps fp32 moments for
-fp16/bf16 params); ``capturable`` / ``master_weights`` (CUDA-graph variants) are
-not available.
+fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
+and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`),
+re-read from the params before every step, with the grads converted into them; the
+kernel writes the rounded params in the same pass. States stay keyed by the params.
+
+``capturable`` / ``master_weights`` (NVIDIA's CUDA-graph variants) are not available.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
-from ._nvidia import NvidiaCompatMixin, check_betas
+from ._nvidia import NvidiaCompatMixin, ShadowParamsMixin, check_betas
 
 __all__ = ["FusedAdam", "nvidia_adam_math"]
 
@@ -63,7 +65,7 @@ def _settler(dtype: torch.dtype):
     return lambda t: t.copy_(t.to(dtype))
 
 
-class FusedAdam(NvidiaCompatMixin, CombinedOptimizer):
+class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
     """Adam / AdamW as ``apex.optimizers.FusedAdam``; drop-in for NVIDIA's class (see the module docstring).
 
     Args: params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
@@ -95,6 +97,7 @@ class FusedAdam(NvidiaCompatMixin, CombinedOptimizer):
         self.set_grad_none = bool(set_grad_none)
         self.capturable = False
         self.master_weights = False
+        self._init_shadows()
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
@@ -116,6 +119,7 @@ class FusedAdam(NvidiaCompatMixin, CombinedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._advance_group_steps()
+        self._sync_shadows()
         super().step()
         return loss
 

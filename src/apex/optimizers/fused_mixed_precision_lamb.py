@@ -28,13 +28,11 @@ masters. The grads are read, never overwritten. Master values are not part of
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from ._base import _GroupCache
-from ._flat import FlatSet, check_grad
+from ._nvidia import ShadowParamsMixin
 from .fused_lamb import FusedLAMB
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -42,36 +40,7 @@ __all__ = ["FusedMixedPrecisionLamb"]
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
-class _StateByModel:
-    """The optimizer state seen through master tensors: entries are keyed by the model params."""
-
-    def __init__(self, state, model_of: Dict[int, torch.Tensor]):
-        self._state = state
-        self._model_of = model_of
-
-    def _key(self, p: torch.Tensor) -> torch.Tensor:
-        return self._model_of.get(id(p), p)
-
-    def get(self, p, default=None):
-        return self._state.get(self._key(p), default)
-
-    def __getitem__(self, p):
-        return self._state[self._key(p)]
-
-
-class _MasterSet(FlatSet):
-    """Flat buffers over the fp32 masters of low-precision params; their state lives under the model params."""
-
-    def __init__(self, masters: List[torch.Tensor], models: List[torch.Tensor], state, names, fill, has_step):
-        self._keyed = _StateByModel(state, {id(m): p for m, p in zip(masters, models)})
-        super().__init__(masters, self._keyed, names, fill, has_step)
-        self.attach_out(models)  # model params: combined too, written by the same kernel pass
-
-    def expose_new_states(self, state) -> None:
-        super().expose_new_states(self._keyed)
-
-
-class FusedMixedPrecisionLamb(FusedLAMB):
+class FusedMixedPrecisionLamb(ShadowParamsMixin, FusedLAMB):
     """LAMB with fp32 master weights for low-precision params, as ``apex.optimizers.FusedMixedPrecisionLamb``.
 
     Args: params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
@@ -83,6 +52,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     """
 
     _step_supports_amp_scaling = True
+    _refresh_shadows = False  # the shadows are master weights
 
     def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
@@ -98,8 +68,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             raise ValueError(f"FusedMixedPrecisionLamb: expected an int step >= 0, got {step!r}")
         self.reduced_precision_dtype = reduced_precision_dtype
         self._initial_step = step
-        # id(model param) -> (model param, fp32 master, model data_ptr when the master was last in sync)
-        self._masters: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._init_shadows()
         self._scaler_inv = 1.0
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=False, adam_w_mode=adam_w_mode,
@@ -124,79 +93,12 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         """NVIDIA's attribute: per group, the fp32 master of each param (None where the param has none)."""
         out = []
         for group in self.param_groups:
-            out.append({"params": [self._masters[id(p)][1] if id(p) in self._masters else None
+            out.append({"params": [self._shadows[id(p)][1] if id(p) in self._shadows else None
                                    for p in group["params"]]})
         return out
 
-    def _master_for(self, p: torch.Tensor) -> torch.Tensor:
-        rec = self._masters.get(id(p))
-        if rec is not None and rec[0] is p and rec[2] == p.data_ptr():
-            return rec[1]
-        return p.detach().to(torch.float32, copy=True)
-
-    @staticmethod
-    def _is_master_set(s: FlatSet) -> bool:
-        return isinstance(s, _MasterSet)
-
-    def _build_group(self, gi: int, group: dict) -> List[FlatSet]:
-        reduced = self.reduced_precision_dtype
-        if reduced is None or all(p.dtype != reduced for p in group["params"]):
-            return super()._build_group(gi, group)
-        self._check_params(group["params"])
-        by_kind: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
-        for p in group["params"]:
-            by_kind.setdefault((p.dtype, p.device), []).append(p)
-        names = self._state_names(group)
-        sets = []
-        for (dtype, _), ps in by_kind.items():
-            if dtype != reduced:
-                sets.append(FlatSet(ps, self.state, names, self._state_fill, self._has_step))
-                continue
-            masters = [self._master_for(p) for p in ps]
-            s = _MasterSet(masters, ps, self.state, names, self._state_fill, self._has_step)
-            for m, p in zip(s.params, ps):
-                self._masters[id(p)] = (p, m, p.data_ptr())
-            sets.append(s)
-        self._groups[gi] = _GroupCache(group["params"], sets, list(names))
-        self._rebuilt = True
-        return sets
-
-    def _intact_sets(self, gi: int, group: dict) -> Optional[List[FlatSet]]:
-        """The base check compares each group's first set with its first param; a master set holds fp32
-        copies of the group's low-precision params, so it is checked against the params it writes."""
-        c = self._groups.get(gi)
-        if c is None or self._force_rebuild or not c.sets or not self._is_master_set(c.sets[0]):
-            return super()._intact_sets(gi, group)
-        ps = group["params"]
-        if ps is not c.params or len(ps) != c.n or [p.data_ptr() for p in ps] != c.ptrs:
-            return None
-        if c.names != self._state_names(group):
-            return None
-        for s in c.sets:
-            if not s.params_intact() or (s.out_params is not None and not s.out_intact()):
-                return None
-        return c.sets
-
-    def _mirror_grads(self) -> None:
-        """Master grads = model grads (converted to fp32 in the master sets' grad buffers)."""
-        for s in self._all_sets():
-            if not self._is_master_set(s):
-                continue
-            models = s.out_params
-            dst, src = [], []
-            for k, (master, model) in enumerate(zip(s.params, models)):
-                g = model.grad
-                if g is None:
-                    master.grad = None
-                    continue
-                check_grad(k, model, g)
-                dst.append(s.grad_views[k])
-                src.append(g)
-            if dst:
-                torch._foreach_copy_(dst, src)
-            for k, master in enumerate(s.params):
-                if models[k].grad is not None and master.grad is not s.grad_views[k]:
-                    master.grad = s.grad_views[k]
+    def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
+        return () if self.reduced_precision_dtype is None else (self.reduced_precision_dtype,)
 
     # ------------------------------------------------------------------ step
     def _grad_scale(self) -> float:
@@ -217,7 +119,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             return loss  # NVIDIA: no update and no step count advance on overflow
         self._scaler_inv = 1.0 if scale is None else 1.0 / scale
         try:
-            self._mirror_grads()
+            self._sync_shadows()
             self._lamb_step()
         finally:
             self._scaler_inv = 1.0
@@ -233,21 +135,3 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         found_inf = getattr(self, "found_inf", None)
         scale = getattr(self, "grad_scale", None)
         return (None if scale is None else float(scale)), bool(found_inf is not None and float(found_inf) != 0)
-
-    # ------------------------------------------------------------------ state dict
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts loaded states to the param dtype; the moments of reduced params stay fp32 here."""
-        saved_state = state_dict.get("state", {})
-        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict.get("param_groups", [])))
-        super().load_state_dict(state_dict)
-        if self.reduced_precision_dtype is None:
-            return
-        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        for old_id, p in zip(saved_ids, params):
-            entry = saved_state.get(old_id)
-            if p.dtype != self.reduced_precision_dtype or not entry:
-                continue
-            for name in self._state_names({}):
-                value = entry.get(name)
-                if isinstance(value, torch.Tensor):
-                    self.state[p][name] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)

@@ -84,12 +84,28 @@ def _global_multiplier(norm: float) -> float:
 
 
 # ------------------------------------------------------------------ fused
-class _SetBuffers:
-    """Per-FlatSet scratch for the kernels: norms (float64 pairs) and trust ratios (float32)."""
+class _KernelPlan:
+    """Kernel arguments of one FlatSet for LAMB, whose segments are the params *without* the zero gaps
+    between slots: segment 2k is param k, segment 2k+1 the gap after it (always skipped). The gaps must
+    stay out of the norms: with eps=0 a gap's update would be 0/0 and poison its param's ||u||."""
 
     def __init__(self, s: FlatSet):
-        self.norms = torch.zeros(2 * s.nseg, dtype=torch.float64)
-        self.ratio = torch.ones(s.nseg, dtype=torch.float32)
+        bounds = []
+        for off, p in zip(s.offsets, s.params):
+            bounds += [off, off + p.numel()]
+        bounds.append(s.total)
+        self.seg = torch.tensor(bounds, dtype=torch.int64)
+        self.skip = torch.tensor([0, 1] * s.nseg, dtype=torch.uint8)
+        self.norms = torch.zeros(4 * s.nseg, dtype=torch.float64)  # (||p||^2, ||u||^2) per segment
+        self.ratio = torch.ones(2 * s.nseg, dtype=torch.float32)
+        a = _core.ext.OptArgs()
+        src = s.args
+        a.p, a.g, a.s0, a.s1 = src.p, src.g, src.s0, src.s1
+        a.pdt, a.gdt, a.sdt = src.pdt, src.gdt, src.sdt
+        a.seg = self.seg.data_ptr()
+        a.nseg = 2 * s.nseg
+        a.skip = self.skip.data_ptr()
+        self.args = a
 
 
 class NpuFusedLamb(CombinedOptimizer):
@@ -105,7 +121,7 @@ class NpuFusedLamb(CombinedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
                         use_global_grad_norm=use_global_grad_norm)
         _validate_lamb_group(defaults)
-        self._bufs: weakref.WeakKeyDictionary[FlatSet, _SetBuffers] = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[FlatSet, _KernelPlan] = weakref.WeakKeyDictionary()
         self._global_mul: Union[float, torch.Tensor] = 1.0
         super().__init__(params, defaults)
 
@@ -139,30 +155,33 @@ class NpuFusedLamb(CombinedOptimizer):
         mul = self._global_mul if group["use_global_grad_norm"] else 1.0
         return self._grad_scale() * mul
 
-    def _buffers(self, s: FlatSet) -> _SetBuffers:
-        b = self._bufs.get(s)
-        if b is None:
-            b = self._bufs[s] = _SetBuffers(s)
-        return b
+    def _plan(self, s: FlatSet) -> _KernelPlan:
+        plan = self._plans.get(s)
+        if plan is None:
+            plan = self._plans[s] = _KernelPlan(s)
+        return plan
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         b1, b2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
-        buf = self._buffers(s)
-        a = self._prepare_args(s, [b1, b2, eps, wd])
+        plan = self._plan(s)
+        plan.skip[0::2].copy_(s.skip)  # params without a grad; gaps stay skipped
+        a = plan.args
+        a.out, a.odt = s.args.out, s.args.odt  # O2 model copies, written by stage 2
+        a.threads = _core.num_threads()
+        a.flags = 0  # no bias correction
         a.grad_scale = float(self._group_mul(group))
-        a.seg_gmul = 0
-        a.seg_out = buf.norms.data_ptr()
+        a.hp = [b1, b2, eps, wd]
+        a.seg_out = plan.norms.data_ptr()
         _core.ext.lamb_stage1(a)
         if group["adam"]:
             a.seg_mul = 0  # the kernel's default multiplier is 1
         else:
-            sq = buf.norms.view(-1, 2).sqrt()
-            buf.ratio.copy_(lamb_trust_ratio(sq[:, 0], sq[:, 1]))
-            a.seg_mul = buf.ratio.data_ptr()
+            sq = plan.norms.view(-1, 2).sqrt()
+            plan.ratio.copy_(lamb_trust_ratio(sq[:, 0], sq[:, 1]))
+            a.seg_mul = plan.ratio.data_ptr()
         a.hp = [group["lr"], eps, wd]
         _core.ext.lamb_stage2(a)
-        a.seg_out = a.seg_mul = 0  # the buffers are ours; no later call may read them by accident
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         b1, b2 = group["betas"]
@@ -183,15 +202,19 @@ class NpuFusedLamb(CombinedOptimizer):
             self._write_back(v_st, v)
             # u from the stored (possibly rounded) moments, as the kernel does
             u = lamb_direction(p, self._f32(m_st), self._f32(v_st), eps=eps, weight_decay=wd)
-            cuts = [b - lo for b in bounds[k0:k1 + 1]]
-            lengths = [cuts[i + 1] - cuts[i] for i in range(k1 - k0)]
             if group["adam"]:
                 p.add_(u, alpha=-lr)
             else:
-                p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, lengths))))
-                u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, lengths))))
+                # pieces: param k0, gap, param k0+1, gap, ... (norms over the params only, as the kernel)
+                pieces = []
+                for k in range(k0, k1):
+                    n = s.params[k].numel()
+                    pieces += [n, bounds[k + 1] - bounds[k] - n]
+                p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, pieces)[0::2])))
+                u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, pieces)[0::2])))
                 ratio = lamb_trust_ratio(p_norm, u_norm)
-                scale = torch.repeat_interleave(ratio, torch.tensor(lengths, device=p.device), output_size=hi - lo)
+                slots = torch.tensor([bounds[k + 1] - bounds[k] for k in range(k0, k1)], device=p.device)
+                scale = torch.repeat_interleave(ratio, slots, output_size=hi - lo)
                 p.addcmul_(scale, u, value=-lr)
             self._write_back(s.flat_p[lo:hi], p)
 

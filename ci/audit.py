@@ -1,0 +1,191 @@
+"""Per-wheel release audit: `nox -s audit` runs it on every wheel of a release directory.
+
+Checks, each one fatal:
+  policy    `auditwheel show` names a manylinux policy no newer than ci/matrix.toml's manylinux_max (2_28), and
+            every manylinux tag in the file name is no newer either (the wheel was repaired, not just built)
+  elf       ci/check_so.py on every .so: ELF machine == platform tag == module suffix arch, module suffix matches
+            the python tag, torch-free NEEDED, full RELRO + BIND_NOW, NX stack, no TEXTREL, stack canary, no
+            RPATH/RUNPATH, stripped, PyInit_ exported
+  import    the extension imports in an interpreter of the wheel's own Python and arch: natively for x86_64
+            (this machine's interpreters), under qemu in the arm64 test userland for aarch64 where one exists;
+            where none exists the check says so ("not possible here") and does not count as a pass or a failure
+
+    python -m ci.audit dist/release/*.whl [--json audit.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ci import check_so, container, matrix
+
+log = logging.getLogger("ci.audit")
+
+WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
+MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
+LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+IMPORT_PROBE = ("import sys; sys.path.insert(0, sys.argv[1]); import apex_C; "
+                "print(apex_C.__file__.rsplit('/', 1)[-1], apex_C.simd_level(), apex_C.supported_simd_levels())")
+
+
+class AuditFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class WheelAudit:
+    wheel: str
+    size: int
+    sha256: str
+    python: str
+    arch: str
+    policy: str = ""
+    checks: dict = field(default_factory=dict)  # name -> {"ok": bool|None, "detail": str}
+
+    @property
+    def ok(self) -> bool:
+        return all(c["ok"] is not False for c in self.checks.values()) and bool(self.checks)
+
+    def add(self, name: str, ok: bool | None, detail: str) -> None:
+        self.checks[name] = {"ok": ok, "detail": detail}
+
+
+def glibc_of(tag: str) -> tuple[int, int]:
+    """(major, minor) glibc of a manylinux platform tag (PEP 600 or a legacy alias)."""
+    m = MANYLINUX.match(tag)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    for legacy, version in LEGACY.items():
+        if tag.startswith(legacy + "_"):
+            return version
+    raise AuditFailure(f"{tag!r} is not a manylinux platform tag")
+
+
+def check_policy(a: WheelAudit, wheel: Path, limit: str) -> None:
+    cap = glibc_of(limit + "_x")
+    out = subprocess.run(["auditwheel", "show", str(wheel)], capture_output=True, text=True)
+    text = " ".join((out.stdout + out.stderr).split())
+    found = re.search(r'consistent with the following platform tag: "([^"]+)"', text)
+    if out.returncode != 0 or not found:
+        a.add("policy", False, f"auditwheel show failed (rc {out.returncode}): {text[-300:]}")
+        return
+    a.policy = found.group(1)
+    tags = WHEEL_NAME.match(wheel.name).group("plat").split(".")
+    bad = [t for t in tags if not t.startswith("manylinux") or glibc_of(t) > cap]
+    policy_ok = glibc_of(a.policy) <= cap
+    a.add("policy", policy_ok and not bad,
+          f"auditwheel: {a.policy}; file tags {'.'.join(tags)}; limit {limit}"
+          + (f"; tags over the limit or not manylinux: {bad}" if bad else ""))
+
+
+def check_elf(a: WheelAudit, wheel: Path) -> None:
+    reports = check_so.check_wheel(str(wheel))
+    fails = [f"{r.path.split('!')[-1]}: {f.check} ({f.detail})" for r in reports for f in r.failures]
+    notes = [f"{f.check}: {f.detail}" for r in reports for f in r.findings if f.check in ("machine", "suffix")]
+    a.add("elf", not fails, "; ".join(fails) if fails else f"{len(reports)} .so hardened; " + "; ".join(notes))
+
+
+def _host_interpreter(version: str) -> str | None:
+    try:
+        return str(container.pyenv_interpreter(version) / "bin" / f"python{version}")
+    except container.ContainerError:
+        return shutil.which(f"python{version}")
+
+
+def check_import(a: WheelAudit, wheel: Path, engine: container.Engine | None, userlands: dict) -> None:
+    """Import apex_C from the unpacked wheel in an interpreter of the wheel's Python and arch."""
+    with tempfile.TemporaryDirectory(prefix="audit-import-") as tmp:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(tmp)
+        Path(tmp).chmod(0o755)
+        if a.arch == "x86_64":
+            interp = _host_interpreter(a.python)
+            if not interp:
+                a.add("import", None, f"not possible here: no CPython {a.python} on this machine")
+                return
+            cmd = [interp, "-c", IMPORT_PROBE, tmp]
+            where = f"native, {interp}"
+        else:
+            suite = userlands.get(a.python)
+            if not suite or engine is None:
+                a.add("import", None, f"not possible here: no arm64 CPython {a.python} userland (qemu) on this machine")
+                return
+            image = container.arm64_userland(suite, engine)["image"]
+            cmd = engine.run_cmd("--network=none", "--arch=arm64", "-v", f"{tmp}:/w:ro", image,
+                                 "python3", "-c", IMPORT_PROBE, "/w")
+            where = f"qemu-aarch64, Debian {suite} python3"
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        detail = (out.stdout.strip() or out.stderr.strip()[-400:])
+        a.add("import", out.returncode == 0, f"{where}: {detail}")
+
+
+def audit_wheel(wheel: Path, m: matrix.Matrix, engine: container.Engine | None, imports: bool = True) -> WheelAudit:
+    name = WHEEL_NAME.match(wheel.name)
+    if not name:
+        raise AuditFailure(f"{wheel.name}: not a wheel file name (name-version-python-abi-platform.whl)")
+    py = name.group("py")
+    arch = next((x for x in m.arches if name.group("plat").endswith("_" + x)), "?")
+    data = wheel.read_bytes()
+    a = WheelAudit(wheel.name, len(data), hashlib.sha256(data).hexdigest(), f"{py[2]}.{py[3:]}", arch)
+    check_policy(a, wheel, m.manylinux_max)
+    check_elf(a, wheel)
+    if imports:
+        check_import(a, wheel, engine, m.local.get("arm64_userlands", {}))
+    return a
+
+
+def audit(wheels: list[Path], imports: bool = True) -> list[WheelAudit]:
+    m = matrix.load()
+    engine = None
+    if imports and any(w.name.endswith("_aarch64.whl") for w in wheels):
+        container.ensure_binfmt("aarch64")
+        engine = container.detect_engine()
+    return [audit_wheel(w, m, engine, imports) for w in wheels]
+
+
+def format_table(results: list[WheelAudit]) -> str:
+    lines = []
+    for a in results:
+        lines.append(f"{'PASS' if a.ok else 'FAIL'}  {a.wheel}  ({a.size / 1e6:.2f} MB, policy {a.policy or '?'})")
+        for name, c in a.checks.items():
+            mark = {True: "ok  ", False: "FAIL", None: "n/a "}[c["ok"]]
+            lines.append(f"   {mark} {name:7} {c['detail']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("wheels", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--no-import", action="store_true", help="skip the import check")
+    args = ap.parse_args(argv)
+    try:
+        results = audit(args.wheels, imports=not args.no_import)
+    except (AuditFailure, check_so.AuditError, container.ContainerError) as e:
+        log.error("audit: error: %s", e)
+        return 2
+    print(format_table(results))
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(a), "ok": a.ok} for a in results], indent=1))
+    failed = [a.wheel for a in results if not a.ok]
+    if failed:
+        log.error("audit: %d of %d wheels failed: %s", len(failed), len(results), ", ".join(failed))
+        return 1
+    log.info("audit: %d wheels passed", len(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
