@@ -103,7 +103,8 @@ def _host_interpreter(version: str) -> str | None:
         return shutil.which(f"python{version}")
 
 
-def check_import(a: WheelAudit, wheel: Path, engine: container.Engine | None, userlands: dict) -> None:
+def check_import(a: WheelAudit, wheel: Path, engine: container.Engine | None, userlands: dict,
+                 base: str = "local") -> None:
     """Import apex_C from the unpacked wheel in an interpreter of the wheel's Python and arch."""
     with tempfile.TemporaryDirectory(prefix="audit-import-") as tmp:
         with zipfile.ZipFile(wheel) as zf:
@@ -116,21 +117,28 @@ def check_import(a: WheelAudit, wheel: Path, engine: container.Engine | None, us
                 return
             cmd = [interp, "-c", IMPORT_PROBE, tmp]
             where = f"native, {interp}"
+        elif base == "public" and engine is not None:
+            # the manylinux aarch64 image carries every CPython under /opt/python
+            image = matrix.load().arch("aarch64")["manylinux_image"]
+            tag = "cp" + a.python.replace(".", "")
+            cmd = engine.run_cmd("--network=none", "--platform=linux/arm64", "-v", f"{tmp}:/w:ro", image,
+                                 f"/opt/python/{tag}-{tag}/bin/python{a.python}", "-c", IMPORT_PROBE, "/w")
+            where = "qemu-aarch64, manylinux_2_28_aarch64"
         else:
             suite = userlands.get(a.python)
             if not suite or engine is None:
                 a.add("import", None, f"not possible here: no arm64 CPython {a.python} userland (qemu) on this machine")
                 return
             image = container.arm64_userland(suite, engine)["image"]
-            cmd = engine.run_cmd("--network=none", "--arch=arm64", "-v", f"{tmp}:/w:ro", image,
-                                 "python3", "-c", IMPORT_PROBE, "/w")
+            cmd = engine.run_cmd("--network=none", "-v", f"{tmp}:/w:ro", image, "python3", "-c", IMPORT_PROBE, "/w")
             where = f"qemu-aarch64, Debian {suite} python3"
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         detail = (out.stdout.strip() or out.stderr.strip()[-400:])
         a.add("import", out.returncode == 0, f"{where}: {detail}")
 
 
-def audit_wheel(wheel: Path, m: matrix.Matrix, engine: container.Engine | None, imports: bool = True) -> WheelAudit:
+def audit_wheel(wheel: Path, m: matrix.Matrix, engine: container.Engine | None, imports: bool = True,
+                base: str = "local") -> WheelAudit:
     name = WHEEL_NAME.match(wheel.name)
     if not name:
         raise AuditFailure(f"{wheel.name}: not a wheel file name (name-version-python-abi-platform.whl)")
@@ -141,17 +149,19 @@ def audit_wheel(wheel: Path, m: matrix.Matrix, engine: container.Engine | None, 
     check_policy(a, wheel, m.manylinux_max)
     check_elf(a, wheel)
     if imports:
-        check_import(a, wheel, engine, m.local.get("arm64_userlands", {}))
+        check_import(a, wheel, engine, m.local.get("arm64_userlands", {}), base)
     return a
 
 
-def audit(wheels: list[Path], imports: bool = True) -> list[WheelAudit]:
+def audit(wheels: list[Path], imports: bool = True, base: str = "auto") -> list[WheelAudit]:
     m = matrix.load()
     engine = None
+    if base == "auto":
+        base = "public" if container.registry_reachable() else "local"
     if imports and any(w.name.endswith("_aarch64.whl") for w in wheels):
         container.ensure_binfmt("aarch64")
         engine = container.detect_engine()
-    return [audit_wheel(w, m, engine, imports) for w in wheels]
+    return [audit_wheel(w, m, engine, imports, base) for w in wheels]
 
 
 def format_table(results: list[WheelAudit]) -> str:
@@ -170,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("wheels", nargs="+", type=Path)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--no-import", action="store_true", help="skip the import check")
+    ap.add_argument("--base", choices=("auto", "public", "local"), default="auto",
+                    help="where aarch64 interpreters come from: the manylinux image or the local Debian userlands")
     args = ap.parse_args(argv)
     try:
-        results = audit(args.wheels, imports=not args.no_import)
+        results = audit(args.wheels, imports=not args.no_import, base=args.base)
     except (AuditFailure, check_so.AuditError, container.ContainerError) as e:
         log.error("audit: error: %s", e)
         return 2

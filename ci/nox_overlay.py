@@ -59,7 +59,7 @@ def overlay(session: nox.Session) -> None:
         args += ["--out", str(ROOT / "dist" / "overlay")]
     if not re.fullmatch(r"torch==[0-9][0-9A-Za-z.+]*", TORCH):
         session.error(f"APEX_TORCH_SPEC must pin one torch version (torch==X.Y.Z), got {TORCH!r}")
-    session.install("pybind11>=2.10", "setuptools>=64")  # to compile apex_C when --ext is not given
+    session.install("pybind11>=2.10", "setuptools>=64", "numpy")  # apex_C build; numpy keeps torch quiet
     out = session.run("python", str(ROOT / "patch" / "overlay.py"), *args, silent=True)
     session.log(out.strip())
     wheel = out.strip().splitlines()[-1]

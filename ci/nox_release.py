@@ -6,6 +6,7 @@
   nox -s audit [-- WHEEL ...]                     per-wheel audit (ci/audit.py) of dist/release/*.whl
   nox -s reproducible [-- --python 3.11 --arch x86_64]   two cold container builds -> byte-identical wheel
   nox -s torch-versions                           one wheel, every torch version its cell lists (outside CI)
+  nox -s runtime-image                            docker/Dockerfile.runtime (CPU): suite inside the image, then runtime
 
 Options every container session takes (after --): --base auto|public|local (APEX_BASE; auto = the public manylinux
 image when quay.io answers, else the locally bootstrapped Debian image), --keep-going (matrix/release: finish every
@@ -41,7 +42,7 @@ RELEASE = ROOT / "dist" / "release"
 REPORTS = ROOT / ".cache" / "release" / "reports"
 DOCKERFILE = ROOT / "docker" / "Dockerfile.wheel"
 HOST_PYTHON = "3.11"  # these sessions drive engines and tools; they need tomllib
-__all__ = ["audit", "docker", "matrix_session", "release", "reproducible", "torch_versions"]
+__all__ = ["audit", "docker", "matrix_session", "release", "reproducible", "runtime_image", "torch_versions"]
 
 
 # --------------------------------------------------------------------------------------------------------- options
@@ -192,16 +193,23 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
               "-v", f"{REPORTS}:/out"]
     cmd_args = ["--cell", cell.name, "--wheel-dir", "/dist", "--wheelhouse", "/wheelhouse", "--tests", "/src/tests",
                 "--suite", suite, "--python", python, "--report", f"/out/{cell.name}.json"]
-    env = []
+    env, network = [], ["--network=none"]
     if suite == "full":
-        pip_mounts, pip_env = container.pip_config_mounts()
-        mounts += pip_mounts
-        for k, v in pip_env.items():
-            env += ["-e", f"{k}={v}"]
         cmd_args += ["--torch", cell.torch]
+        if imgs.kind == "local":
+            # torch from this host's pip find-links folder, with the host's pip configuration: still no network
+            pip_mounts, pip_env = container.pip_config_mounts()
+            mounts += pip_mounts
+            env += [f"--env={k}={v}" for k, v in pip_env.items()]
+        else:
+            # public CI: the pinned CPU torch from the PyTorch CPU index (the only network access of a test)
+            network = []
+            env += [f"--env=PIP_INDEX_URL={matrix.load().variant('cpu')['torch_index']}",
+                    "--env=PIP_EXTRA_INDEX_URL=https://pypi.org/simple"]
+            cmd_args.append("--index")
     start = time.monotonic()
-    session.run(*engine.run_cmd("--network=none", *extra, *mounts, *env, image, python, "/src/test_cell.py",
-                                *cmd_args), external=True, success_codes=[0, 1])
+    session.run(*engine.run_cmd(*network, *extra, *mounts, *env, image, python, "/src/test_cell.py", *cmd_args),
+                external=True, success_codes=[0, 1])
     if not report.exists():
         session.error(f"{cell.name}: the test container wrote no report ({report}): it did not run")
     result = json.loads(report.read_text())
@@ -216,10 +224,11 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
     return result
 
 
-def audit_wheels(session: nox.Session, wheels: list[Path], out: Path) -> list[dict]:
+def audit_wheels(session: nox.Session, wheels: list[Path], out: Path, base: str) -> list[dict]:
     """ci/audit.py in the session's environment (auditwheel); returns its per-wheel results."""
     out.unlink(missing_ok=True)
-    session.run("python", "-m", "ci.audit", *map(str, wheels), "--json", str(out), success_codes=[0, 1])
+    session.run("python", "-m", "ci.audit", *map(str, wheels), "--json", str(out), f"--base={base}",
+                success_codes=[0, 1])
     if not out.exists():
         session.error(f"audit wrote no results for {[w.name for w in wheels]}")
     return json.loads(out.read_text())
@@ -249,7 +258,7 @@ def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell]) -> 
             row.update(wheel=wheel.name, size=wheel.stat().st_size, build_s=round(time.monotonic() - start))
             audit_json = REPORTS / f"{cell.name}.audit.json"
             REPORTS.mkdir(parents=True, exist_ok=True)
-            audited = audit_wheels(session, [wheel], audit_json)[0]
+            audited = audit_wheels(session, [wheel], audit_json, imgs.kind)[0]
             row.update(policy=audited["policy"], audit="passed" if audited["ok"] else "FAILED",
                        import_check=audited["checks"].get("import", {}).get("detail", ""))
             start = time.monotonic()
@@ -316,13 +325,16 @@ def matrix_session(session: nox.Session) -> None:
 
 @nox.session(python=HOST_PYTHON, default=False)
 def audit(session: nox.Session) -> None:
-    """ci/audit.py on every wheel of dist/release (or the wheels given after --)."""
+    """ci/audit.py on every wheel of dist/release (or the wheels given after --) [--base auto|public|local]."""
     install_tools(session)
-    wheels = [Path(p) for p in session.posargs] or sorted(RELEASE.glob("*.whl"))
+    args = list(session.posargs)
+    base = _pop(args, "--base", os.environ.get("APEX_BASE", "auto"))
+    wheels = [Path(p) for p in args] or sorted(RELEASE.glob("*.whl"))
     if not wheels:
         session.error(f"audit: no wheels in {RELEASE}: run `nox -s matrix` (or `nox -s docker`) first")
     REPORTS.mkdir(parents=True, exist_ok=True)
-    session.run("python", "-m", "ci.audit", *map(str, wheels), "--json", str(REPORTS / "audit.json"))
+    session.run("python", "-m", "ci.audit", *map(str, wheels), "--json", str(REPORTS / "audit.json"),
+                f"--base={base}")
 
 
 @nox.session(python=HOST_PYTHON, default=False)
@@ -338,7 +350,7 @@ def release(session: nox.Session) -> None:
         if missing:
             session.error(f"release --no-build: no wheel in {RELEASE} for {missing}")
         session.run("python", "-m", "ci.audit", *map(str, sorted(RELEASE.glob("*.whl"))),
-                    "--json", str(REPORTS / "audit.json"))
+                    "--json", str(REPORTS / "audit.json"), f"--base={opts.base}")
     else:
         run_cells(session, opts, m.cells())
     epoch = source_date_epoch()
@@ -423,3 +435,43 @@ def torch_versions(session: nox.Session) -> None:
                     f"{c.get('failures', 0)} failures, {c.get('skipped', 0)} skipped) with {r.get('wheel')}")
     if not all(r.get("passed") for r in results.values()):
         session.error("torch-versions: a torch version failed")
+
+
+def _torch_find_links(version: str) -> str:
+    """The local find-links folder of pip's configuration that holds torch==version (offline runtime image)."""
+    mounts, _ = container.pip_config_mounts()
+    for path in mounts[1::2]:
+        folder = path.split(":")[0]
+        if Path(folder).is_dir() and list(Path(folder).glob(f"torch-{version}-*.whl")):
+            return folder
+    raise SystemExit(f"no local find-links folder of pip's configuration holds torch {version}: use --base public")
+
+
+@nox.session(name="runtime-image", python=HOST_PYTHON, default=False)
+def runtime_image(session: nox.Session) -> None:
+    """docker/Dockerfile.runtime (CPU): target `test` (the full suite runs inside the image build), then `runtime`."""
+    opts = parse(session, with_cell=False)
+    engine = container.detect_engine()
+    variant = matrix.load().variant("cpu")
+    cell = matrix.load().cell(variant["python"], platform.machine())
+    if not list(RELEASE.glob(f"apex-*-{cell.tag}-{cell.tag}-*_{cell.arch}.whl")):
+        session.error(f"runtime-image: no {cell.name} wheel in {RELEASE}: run `nox -s docker` first")
+    wheelhouse.ensure([cell])
+    imgs = images(session, engine, opts.base)
+    args = ["-f", str(ROOT / "docker" / "Dockerfile.runtime"), f"--build-arg=TORCH_VERSION={variant['torch']}"]
+    if imgs.kind == "local":
+        if engine.name != "podman":
+            session.error("runtime-image --base local mounts pip's find-links folder at build time (podman -v); "
+                          "with docker use --base public")
+        links = _torch_find_links(variant["torch"])
+        args += ["--network=none", f"--build-arg=BASE_IMAGE={imgs.build}", f"--volume={links}:{links}:ro",
+                 f"--build-arg=PYTHON=/opt/python/{cell.tag}-{cell.tag}/bin/python{cell.python}",
+                 f"--build-arg=TORCH_FIND_LINKS={links}"]
+    start = time.monotonic()
+    session.run(*engine.build_cmd(*args, "--target=test", "--tag=localhost/apex-runtime:cpu-test", str(ROOT)),
+                external=True)
+    session.run(*engine.build_cmd(*args, "--target=runtime", "--tag=localhost/apex-runtime:cpu", str(ROOT)),
+                external=True)
+    session.run(*engine.run_cmd("--network=none", "localhost/apex-runtime:cpu"), external=True)
+    session.log(f"runtime-image: localhost/apex-runtime:cpu built and its suite passed in the image "
+                f"({time.monotonic() - start:.0f} s)")

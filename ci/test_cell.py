@@ -2,6 +2,7 @@
 
     python ci/test_cell.py --cell cp311-x86_64 --wheel-dir dist --wheelhouse W --tests tests \
         [--suite kernels|full] [--torch 2.13.0] [--python /opt/python/cp311-cp311/bin/python] [--report r.json]
+    python ci/test_cell.py --cell cp311-x86_64 --installed --python /opt/apex/bin/python --tests tests --suite full
 
 Steps: check that the interpreter is the cell's Python on the cell's architecture (a wrong interpreter is an error,
 never a silent substitute); create a venv; install numpy + pytest from the offline wheelhouse, then the wheel with
@@ -9,6 +10,7 @@ never a silent substitute); create a venv; install numpy + pytest from the offli
 out of the source tree and run them against the installed copy with APEX_REQUIRE_EXT=1, so a wheel whose extension
 does not load fails instead of passing on the torch fallback; check that apex_C was imported from the venv.
 
+--installed tests the apex already installed in that interpreter's environment instead (a runtime image).
 Suites: "kernels" = tests/kernels (numpy + apex_C only, no torch); "full" = the whole suite with --device cpu.
 Standard library only, Python >= 3.8: it runs under each cell's own interpreter, arm64 ones under qemu.
 """
@@ -81,31 +83,44 @@ def sha256(path: Path) -> str:
 
 
 def test_cell(args) -> dict:
-    tag, _, arch = args.cell.partition("-")
     ident = interpreter_identity(args.python)
+    if args.cell == "auto":
+        args.cell = f"{ident['tag']}-{ident['machine']}"
+    tag, _, arch = args.cell.partition("-")
     if ident["tag"] != tag or ident["machine"] != arch:
         raise CellTestError(f"cell {args.cell} needs a {tag} interpreter on {arch}; {args.python} is "
                             f"{ident['tag']} on {ident['machine']}")
-    wheel = find_wheel(args.wheel_dir, tag, arch)
     t0 = time.monotonic()
-    report = {"cell": args.cell, "wheel": wheel.name, "wheel_sha256": sha256(wheel), "interpreter": ident,
-              "suite": args.suite, "torch": args.torch, "passed": False, **where_am_i()}
+    report = {"cell": args.cell, "interpreter": ident, "suite": args.suite, "torch": args.torch, "passed": False,
+              **where_am_i()}
     with tempfile.TemporaryDirectory(prefix="apex-cell-") as tmp:
         tmp = Path(tmp)
-        venv = tmp / "venv"
-        _run([args.python, "-m", "venv", venv])
-        py = venv / "bin" / "python"
-        pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-        if not args.index:
-            pip.append("--no-index")
+        pip_opts = ["--disable-pip-version-check", "--no-input"] + ([] if args.index else ["--no-index"])
         for wh in args.wheelhouse:
-            pip += ["--find-links", wh]
-        _run([*pip, "numpy", "pytest"])
-        _run([*pip, "--no-deps", wheel])
-        if args.torch:
-            # --no-index keeps pip off the network; torch itself comes from the find-links folder named in pip's
-            # configuration (bind-mounted from the host), its pure-Python dependencies from the wheelhouse.
-            _run([*pip, f"torch=={args.torch}"])
+            pip_opts += ["--find-links", wh]
+        if args.installed:
+            # an environment that already holds apex (a runtime image): add the test tools, test what is there
+            venv = Path(subprocess.run([args.python, "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                                       text=True, check=True).stdout.strip())
+            py = Path(args.python)
+            # the test tools go to a private folder on PYTHONPATH: the environment under test stays as shipped
+            # (and may belong to another user than the one running the tests)
+            tools = tmp / "test-tools"
+            _run([py, "-m", "pip", "install", *pip_opts, "--target", tools, "pytest"])
+            report["wheel"] = "preinstalled"
+        else:
+            wheel = find_wheel(args.wheel_dir, tag, arch)
+            report.update(wheel=wheel.name, wheel_sha256=sha256(wheel))
+            venv = tmp / "venv"
+            _run([args.python, "-m", "venv", venv])
+            py = venv / "bin" / "python"
+            pip = [py, "-m", "pip", "install", *pip_opts]
+            _run([*pip, "numpy", "pytest"])
+            _run([*pip, "--no-deps", wheel])
+            if args.torch:
+                # --no-index keeps pip off the network; torch itself comes from the find-links folder named in
+                # pip's configuration (bind-mounted from the host), its pure-Python dependencies from the wheelhouse.
+                _run([*pip, f"torch=={args.torch}"])
         where = subprocess.run([py, "-c", "import apex_C, numpy; print(apex_C.__file__); print(numpy.__version__)"],
                                capture_output=True, text=True, check=True, cwd=tmp).stdout.split()
         report["apex_C"], report["numpy"] = where[0], where[1]
@@ -118,6 +133,8 @@ def test_cell(args) -> dict:
         junit = tmp / "junit.xml"
         env = dict(os.environ, APEX_REQUIRE_EXT="1", PYTHONDONTWRITEBYTECODE="1")
         env.pop("PYTHONPATH", None)
+        if args.installed:
+            env["PYTHONPATH"] = str(tools)
         rc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp,
                              f"--junitxml={junit}", *target, *args.pytest_args], cwd=tmp, env=env).returncode
         report["pytest_rc"] = rc
@@ -130,8 +147,10 @@ def test_cell(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cell", required=True, help="e.g. cp311-x86_64")
-    ap.add_argument("--wheel-dir", type=Path, required=True)
+    ap.add_argument("--cell", default="auto", help="e.g. cp311-x86_64 (default: the interpreter's own)")
+    ap.add_argument("--wheel-dir", type=Path)
+    ap.add_argument("--installed", action="store_true",
+                    help="test the apex already installed in --python's environment (no venv, no wheel install)")
     ap.add_argument("--wheelhouse", action="append", default=[], help="offline wheels (numpy, pytest, torch deps)")
     ap.add_argument("--tests", type=Path, required=True, help="the repository's tests/ directory")
     ap.add_argument("--suite", choices=("kernels", "full"), default="kernels")
@@ -142,8 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--report", type=Path)
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args(argv)
-    if args.suite == "full" and not args.torch:
+    if args.suite == "full" and not (args.torch or args.installed):
         ap.error("--suite full needs --torch VERSION")
+    if not (args.installed or args.wheel_dir):
+        ap.error("give --wheel-dir (install a built wheel) or --installed")
     try:
         report = test_cell(args)
     except (CellTestError, subprocess.CalledProcessError) as e:

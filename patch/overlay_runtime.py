@@ -27,7 +27,7 @@ from typing import Dict, List, Set
 logger = logging.getLogger("apex.overlay")
 
 # module-level dunders that are ours to keep (upstream's init must not replace our lazy loader or version)
-_OUR_DUNDERS = ("__getattr__", "__dir__", "__version__")
+_OUR_DUNDERS = ("__getattr__", "__dir__", "__version__", "__build_variant__")
 
 #: one entry per upstream statement: package, line, status ("ran", "skipped", "failed"), error
 REPORT: List[Dict[str, object]] = []

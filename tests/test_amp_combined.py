@@ -495,3 +495,25 @@ def test_attached_copy_is_verified_once(caplog):
     assert "did not update 4 of 4 model params" in caplog.text and not o._amp_stash.attached
     for master, model_p in zip(amp.master_params(o), m.parameters()):
         assert torch.equal(master.to(LOW), model_p)
+
+
+@pytest.mark.parametrize("kind", ["torch", "apex"])
+def test_o2_param_first_used_later(kind):
+    """A branch unused in the first iteration (no slot bound yet) and used in the second: its master gets
+    the gradient, exactly as without combine_grad."""
+    results = []
+    for combine in (False, True):
+        m = TwoBranch()
+        o = apex_adam(m.parameters()) if kind == "apex" else torch.optim.Adam(m.parameters(), lr=0.01)
+        amp.initialize(m, o, opt_level="O2", combine_grad=combine or None, verbosity=0)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+        for use_b in (False, True):
+            o.zero_grad()
+            with amp.scale_loss(m(x, use_b).float().pow(2).sum(), o) as scaled:
+                scaled.backward()
+            o.step()
+        results.append([p.detach().clone() for p in m.parameters()])
+        amp.deinitialize()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(results[1][2], TwoBranch().b.weight.to(LOW))  # b was trained

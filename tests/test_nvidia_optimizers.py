@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import random
 import warnings
 from typing import Dict, List, Optional, Sequence
@@ -231,6 +230,20 @@ def test_set_grad_none(device, cls):
     assert all(float(p.grad.abs().sum()) == 0 for p in params)
     opt.zero_grad(set_to_none=True)  # an explicit argument wins
     assert all(p.grad is None for p in params)
+
+
+def test_set_grad_none_false_low_precision_params(device):
+    """FusedAdam's fp16/bf16 params run through fp32 shadows: zero_grad must zero the params' own grads."""
+    params = make_params([(4,), (2, 3)], device, dtype=torch.bfloat16)
+    opt = FusedAdam(params, lr=1e-2, set_grad_none=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    grads = [p.grad for p in params]
+    opt.zero_grad()
+    assert all(p.grad is g and float(g.abs().sum()) == 0 for p, g in zip(params, grads))
+    opt.step()  # zero grads: a normal update (only the decoupled decay, here 0, and the moments' decay)
+    assert opt.param_groups[0]["step"] == 2
 
 
 def test_fused_adam_state_dict_resume_and_torch_checkpoint(device):
@@ -813,3 +826,25 @@ def test_fused_adam_low_precision_params_fp32_moments(device, executor, dtype):
     again = FusedAdam(clone_params(params), lr=hp["lr"])
     again.load_state_dict(saved)
     assert all(v.dtype == torch.float32 for st in again.state.values() for v in st.values())
+
+
+@pytest.mark.devices("cpu")
+def test_mixed_precision_lamb_grad_scaler_keyword():
+    """NVIDIA's contract: step(grad_scaler=scaler) checks for inf itself, records it for scaler.update()."""
+    model = torch.nn.Linear(5, 2).to(torch.float16)
+    opt = FusedMixedPrecisionLamb(model.parameters(), lr=1e-2, reduced_precision_dtype=torch.float16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    x = torch.randn(4, 5).to(torch.float16)
+    scaler.scale(model(x).float().sum()).backward()
+    model.bias.grad[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(grad_scaler=scaler)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scaler.get_scale() == 4.0 and opt.param_groups[0]["step"].tolist() == [0]
+    opt.zero_grad()
+    scaler.scale(model(x).float().sum()).backward()
+    opt.step(grad_scaler=scaler)
+    scaler.update()
+    assert opt.param_groups[0]["step"].tolist() == [1]
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

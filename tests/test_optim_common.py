@@ -252,6 +252,28 @@ def test_mixed_dtypes_in_one_group():
     assert assert_shared(ours) == 4
 
 
+@pytest.mark.parametrize("executor", ["auto", "torch", "torch_ops"])
+def test_padding_between_slots_stays_zero(executor, device):
+    """eps=0 makes 0/0 = NaN out of the zero padding between slots: no executor may leave it there
+    (norms and non-finite checks run over whole flat buffers)."""
+    gen = torch.Generator().manual_seed(0)
+    params = make_params([(5, 3), (7,), (33,)], torch.float32, device, gen)
+    opt = NpuFusedAdam(params, lr=0.01, eps=0.0)
+    opt.executor = executor
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        opt.step()
+    (s,) = opt._groups[0].sets
+    mask = torch.ones(s.total, dtype=torch.bool)
+    for off, p in zip(s.offsets, s.params):
+        mask[off:off + p.numel()] = False
+    assert mask.any()
+    for name, flat in [("param", s.flat_p), *s.flat_s.items()]:
+        assert torch.equal(flat.cpu()[mask], torch.zeros(int(mask.sum()))), f"{executor}: {name} padding"
+        assert torch.isfinite(flat).all(), name
+
+
 def test_no_grads_at_all_changes_nothing():
     p = torch.nn.Parameter(torch.randn(3))
     before = p.detach().clone()

@@ -70,40 +70,40 @@ UPSTREAM_FILES = {
         """,
     "apex/optimizers/__init__.py": """\
         from .fused_adam import FusedAdam
-        from .fused_lars import FusedLARS
+        from .upstream_lars import UpstreamLARS
 
-        __all__ = ["FusedAdam", "FusedLARS"]
+        __all__ = ["FusedAdam", "UpstreamLARS"]
         """,
     "apex/optimizers/fused_adam.py": "UPSTREAM_FUSED_ADAM = True\n\nclass FusedAdam:\n    pass\n",
-    "apex/optimizers/fused_lars.py": """\
+    "apex/optimizers/upstream_lars.py": """\
         import torch
 
 
-        class FusedLARS(torch.optim.SGD):
+        class UpstreamLARS(torch.optim.SGD):
             upstream_only = True
         """,
-    "apex/normalization/__init__.py": "from .fused_layer_norm import FusedLayerNorm\n",
-    "apex/normalization/fused_layer_norm.py": """\
+    "apex/normalization/__init__.py": "from .upstream_layer_norm import UpstreamLayerNorm\n",
+    "apex/normalization/upstream_layer_norm.py": """\
         import torch
 
 
-        class FusedLayerNorm(torch.nn.LayerNorm):
+        class UpstreamLayerNorm(torch.nn.LayerNorm):
             upstream_only = True
         """,
     "apex/parallel/__init__.py": """\
         from .LARC import LARC
-        from .distributed import Reducer
+        from .upstream_helper import UpstreamHelper
         """,
     "apex/parallel/LARC.py": "class LARC:\n    upstream = True\n",
-    "apex/parallel/distributed.py": "class Reducer:\n    upstream_only = True\n",
+    "apex/parallel/upstream_helper.py": "class UpstreamHelper:\n    upstream_only = True\n",
     "apex/contrib/__init__.py": "",
     "apex/contrib/focal_loss/__init__.py": "UPSTREAM_CONTRIB = True\n",
 }
 
 OLD_AMP_FILES = {  # releases up to 25.05 still shipped amp
-    "apex/amp/__init__.py": "from .frontend import initialize\nfrom .opt import OptimWrapper\n",
+    "apex/amp/__init__.py": "from .frontend import initialize\nfrom .upstream_opt import OptimWrapper\n",
     "apex/amp/frontend.py": "def initialize(*args, **kwargs):\n    return 'upstream amp'\n",
-    "apex/amp/opt.py": "class OptimWrapper:\n    upstream_only = True\n",
+    "apex/amp/upstream_opt.py": "class OptimWrapper:\n    upstream_only = True\n",
 }
 
 
@@ -171,8 +171,8 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
         names = set(zf.namelist())
         data = {n: zf.read(n) for n in names}
     # upstream-only files are kept, as they are
-    for rel in ("apex/optimizers/fused_lars.py", "apex/normalization/fused_layer_norm.py",
-                "apex/parallel/distributed.py", "apex/contrib/focal_loss/__init__.py"):
+    for rel in ("apex/optimizers/upstream_lars.py", "apex/normalization/upstream_layer_norm.py",
+                "apex/parallel/upstream_helper.py", "apex/contrib/focal_loss/__init__.py"):
         assert data[rel] == (tmp_path / "upstream" / rel).read_bytes()
     # ours win on conflicting modules, and all of ours is there
     for path in ours_src.rglob("*.py"):
@@ -185,13 +185,18 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
         assert data[rel] == path.read_bytes(), rel
     assert data["apex/optimizers/fused_adam.py"] == (ours_src / "optimizers" / "fused_adam.py").read_bytes()
     assert data["apex/parallel/LARC.py"] == (ours_src / "parallel" / "LARC.py").read_bytes()
-    # package inits both sides have: ours + the runner; upstream's kept beside
-    for pkg in ("apex", "apex/optimizers", "apex/parallel", "apex/contrib") + (("apex/amp",) if with_amp else ()):
-        merged = data[f"{pkg}/__init__.py"].decode()
-        assert merged.startswith((ours_src.parent / f"{pkg}/__init__.py").read_text().rstrip("\n"))
+    # package inits both sides have: ours + the runner; upstream's kept beside; others as they are
+    for up_init in sorted((tmp_path / "upstream").rglob("__init__.py")):
+        rel = up_init.relative_to(tmp_path / "upstream").as_posix()
+        kept = rel[: -len("__init__.py")] + "_upstream_init.py"
+        ours_init = ours_src.parent / rel
+        if not ours_init.is_file():
+            assert data[rel] == up_init.read_bytes() and kept not in names, rel
+            continue
+        merged = data[rel].decode()
+        assert merged.startswith(ours_init.read_text().rstrip("\n")), rel
         assert "_run_upstream_init(globals())" in merged
-        assert data[f"{pkg}/_upstream_init.py"] == (tmp_path / "upstream" / f"{pkg}/__init__.py").read_bytes()
-    assert "apex/normalization/_upstream_init.py" not in names  # no conflict there: upstream's init as is
+        assert data[kept] == up_init.read_bytes()
     assert data["apex/_overlay.py"] == (ROOT / "patch" / "overlay_runtime.py").read_bytes()
     # our core; upstream binaries are left out by default
     assert Path(our_ext).name in names and data[Path(our_ext).name] == Path(our_ext).read_bytes()
@@ -217,7 +222,7 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
     files = manifest["files"]
     assert files["apex/optimizers/fused_adam.py"]["origin"] == "ours"
     assert files["apex/optimizers/fused_adam.py"]["replaces_upstream"] is True
-    assert files["apex/optimizers/fused_lars.py"]["origin"] == "upstream"
+    assert files["apex/optimizers/upstream_lars.py"]["origin"] == "upstream"
     assert files["apex/__init__.py"]["origin"] == "merged"
     assert files["apex/amp/frontend.py"]["origin"] == "ours"
     assert files["apex/amp/frontend.py"]["replaces_upstream"] is with_amp
@@ -228,7 +233,7 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
     for rel, entry in files.items():
         assert entry["sha256"] == hashlib.sha256(data[rel]).hexdigest(), rel
     if with_amp:
-        assert data["apex/amp/opt.py"] == (tmp_path / "upstream" / "apex/amp/opt.py").read_bytes()
+        assert data["apex/amp/upstream_opt.py"] == (tmp_path / "upstream" / "apex/amp/upstream_opt.py").read_bytes()
 
 
 def test_patch_reproduces_the_merged_sources(tmp_path, our_ext):
@@ -260,21 +265,22 @@ def test_merged_wheel_imports(tmp_path, our_ext, with_amp):
     out = run_python(f"""
         import json, apex, torch
         from apex import _overlay
-        from apex.optimizers import FusedAdam, FusedLARS, CombinedOptimizer
-        from apex.normalization import FusedLayerNorm
-        from apex.parallel import LARC, Reducer
+        from apex.optimizers import FusedAdam, UpstreamLARS, CombinedOptimizer
+        from apex.normalization import UpstreamLayerNorm
+        from apex.parallel import LARC, UpstreamHelper
         from apex.contrib.combine_tensors import combine_tensors
         from apex import amp
         import apex_C
         assert apex.__file__.startswith({str(site)!r}), apex.__file__
         assert apex_C.__file__.startswith({str(site)!r}), apex_C.__file__
         assert apex.__version__ == {result["version"]!r}
+        assert apex.__build_variant__ == "overlay on NVIDIA Apex 0.1"
         assert issubclass(FusedAdam, CombinedOptimizer)          # ours won
-        assert FusedLARS.upstream_only and FusedLayerNorm.upstream_only and Reducer.upstream_only  # upstream kept
+        assert UpstreamLARS.upstream_only and UpstreamLayerNorm.upstream_only and UpstreamHelper.upstream_only
         assert not hasattr(LARC, "upstream") and issubclass(LARC, torch.optim.Optimizer)            # ours won
         assert apex.UPSTREAM_MARK == "upstream init ran"           # upstream's init ran after the failing import
         assert apex.check_cudnn_version_and_warn("x", 1) in (True, False)
-        assert "FusedLARS" in apex.optimizers.__all__ and "FusedAdam" in apex.optimizers.__all__
+        assert "UpstreamLARS" in apex.optimizers.__all__ and "FusedAdam" in apex.optimizers.__all__
         assert amp.initialize.__module__ == "apex.amp.frontend" and "upstream" not in repr(amp.initialize)
         assert hasattr(amp, "OptimWrapper") == {with_amp!r}         # upstream-only amp names still there
         failed = [r for r in _overlay.REPORT if r["status"] == "failed"]

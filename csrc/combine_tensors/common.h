@@ -39,13 +39,16 @@ inline std::uint32_t f32_to_bits(float f) {
 inline float half_to_f32(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   const std::uint32_t em = h & 0x7fffu;
-  // Shift exponent+mantissa into float position and rebias by multiplying
-  // with 2^112: this also normalises half subnormals exactly.
-  const std::uint32_t shifted = em << 13;
-  const float scaled = bits_to_f32(shifted) * 5.192296858534828e+33f;  // 2^112
-  const std::uint32_t normal = f32_to_bits(scaled);
-  const std::uint32_t special = shifted | 0x7f800000u;  // inf / nan keep payload
-  const std::uint32_t out = (em >= 0x7c00u) ? special : normal;
+  // Normal halves: move exponent+mantissa into float position and rebias the
+  // exponent (15 -> 127) with an integer add.
+  const std::uint32_t normal = (em << 13) + 0x38000000u;
+  // Subnormal halves are em * 2^-24, computed as (0.5 + em * 2^-24) - 0.5: every
+  // operand is a normal float, so the value survives flush-denormal modes
+  // (DAZ/FTZ, e.g. torch.set_flush_denormal(True)).
+  const std::uint32_t sub = f32_to_bits(bits_to_f32(0x3f000000u | em) - 0.5f);
+  const std::uint32_t special = (em << 13) | 0x7f800000u;  // inf / nan keep payload
+  std::uint32_t out = (em < 0x0400u) ? sub : normal;
+  out = (em >= 0x7c00u) ? special : out;
   return bits_to_f32(out | sign);
 }
 
@@ -92,7 +95,7 @@ inline bool nonfinite_bits(float v) { return (f32_to_bits(v) & 0x7f800000u) == 0
 // Threading: std::thread per call, no persistent pool. Nothing survives a
 // call, so a fork (DataLoader workers) never inherits dead pool threads.
 // ---------------------------------------------------------------------------
-constexpr idx_t kMinPerThread = 1 << 15;  // below this, threads cost more than they save
+constexpr idx_t kMinPerThread = 1 << 16;  // below this, threads cost more than they save
 constexpr idx_t kChunk = 1 << 14;         // reduction chunk: fixed, so sums do not depend on threads
 
 int default_threads();

@@ -110,8 +110,10 @@ static void fill(void* dst, int dt, idx_t n, float value, int threads) {
   with_type(dt, [&](auto* t) {
     using T = std::remove_pointer_t<decltype(t)>;
     T* p = static_cast<T*>(dst);
+    T v;  // convert once, then replicate the stored bits
+    store(&v, 0, value);
     parallel_for(n, threads, [&](idx_t b, idx_t e) {
-      for (idx_t i = b; i < e; ++i) store(p, i, value);
+      for (idx_t i = b; i < e; ++i) p[i] = v;
     });
   });
 }

@@ -38,6 +38,20 @@ void check_buffer(std::uintptr_t ptr, idx_t n, int dt, const char* what) {
                           std::to_string(dtype_size(dt)));
 }
 
+// Elementwise kernels may run in place (same start, same dtype) but never on
+// shifted or differently-typed views of one memory range: the threads would
+// read what another already wrote.
+void check_overlap(std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, const char* what) {
+  if (n <= 0) return;
+  const std::uintptr_t send = src + static_cast<std::uintptr_t>(n) * dtype_size(sdt);
+  const std::uintptr_t dend = dst + static_cast<std::uintptr_t>(n) * dtype_size(ddt);
+  if (src == dst && sdt == ddt) return;
+  if (src == dst)
+    throw py::value_error(std::string(what) + ": an in-place call needs the same dtype on both sides");
+  if (src < dend && dst < send)
+    throw py::value_error(std::string(what) + ": src and dst overlap partially; expected identical or disjoint buffers");
+}
+
 template <class T>
 T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
@@ -130,7 +144,7 @@ PYBIND11_MODULE(apex_C, m) {
       [](std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, float scale, bool check, int threads) {
         check_buffer(src, n, sdt, "scale_ src");
         check_buffer(dst, n, ddt, "scale_ dst");
-        if (src == dst && sdt != ddt) throw py::value_error("scale_: in-place call needs the same dtype on both sides");
+        check_overlap(src, sdt, dst, ddt, n, "scale_");
         py::gil_scoped_release nogil;
         return K().scale(as_ptr<const void>(src), sdt, as_ptr<void>(dst), ddt, n, scale, check, threads);
       },
@@ -142,6 +156,7 @@ PYBIND11_MODULE(apex_C, m) {
       [](std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, float scale, bool check, int threads) {
         check_buffer(src, n, sdt, "axpy_ src");
         check_buffer(dst, n, ddt, "axpy_ dst");
+        check_overlap(src, sdt, dst, ddt, n, "axpy_");
         py::gil_scoped_release nogil;
         return K().axpy(as_ptr<const void>(src), sdt, as_ptr<void>(dst), ddt, n, scale, check, threads);
       },
@@ -153,6 +168,7 @@ PYBIND11_MODULE(apex_C, m) {
       [](std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, int threads) {
         check_buffer(src, n, sdt, "copy_ src");
         check_buffer(dst, n, ddt, "copy_ dst");
+        check_overlap(src, sdt, dst, ddt, n, "copy_");
         if (src == dst) return;
         py::gil_scoped_release nogil;
         K().scale(as_ptr<const void>(src), sdt, as_ptr<void>(dst), ddt, n, 1.0f, false, threads);

@@ -54,7 +54,7 @@ static void sgd(const OptArgs& a) {
     APEX_TYPES(pt, gt, ot);
     P* __restrict buf = static_cast<P*>(a.s[0]);
     const float lr = static_cast<float>(a.hp[0]), mom = static_cast<float>(a.hp[1]);
-    const float damp = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
+    const float wd = static_cast<float>(a.hp[3]);
     const bool nesterov = a.flags & kNesterov;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);

@@ -45,6 +45,8 @@ def _load():
 
         return apex_C, None
     except ImportError as exc:  # missing or unloadable .so
+        if "SIMD level" in str(exc):  # APEX_SIMD names a level this CPU lacks: a user error, not a fallback
+            raise
         return None, exc
 
 

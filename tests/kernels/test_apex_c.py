@@ -556,10 +556,6 @@ def test_bad_arguments_raise_value_error(level):
     assert np.array_equal(src, np.arange(64, dtype=np.float32))
 
 
-OVERLAP_FIX = "apex_C binding lacks overlap checks (patch proposed in the kernel-tests report); remove this mark"
-
-
-@pytest.mark.xfail(strict=True, reason=OVERLAP_FIX)
 def test_partially_overlapping_buffers_rejected(level):
     """Elementwise kernels are safe in place (src == dst) but not on shifted views of one buffer."""
     x = np.arange(100, dtype=np.float32)
@@ -575,7 +571,6 @@ def test_partially_overlapping_buffers_rejected(level):
         assert np.array_equal(x, np.arange(100, dtype=np.float32)), f"{fname} wrote before rejecting"
 
 
-@pytest.mark.xfail(strict=True, reason=OVERLAP_FIX)
 def test_copy_in_place_with_dtype_change_rejected(level):
     x = np.arange(8, dtype=np.float32)
     with pytest.raises(ValueError, match="same dtype"):

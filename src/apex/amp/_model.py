@@ -20,7 +20,7 @@ _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 def check_models(models: List[Any]) -> None:
     for i, model in enumerate(models):
-        if isinstance(model, _PARALLEL_WRAPPERS):
+        if isinstance(model, _PARALLEL_WRAPPERS) or getattr(type(model), "_apex_parallel_wrapper", False):
             raise RuntimeError(
                 f"Incoming model {i} is an instance of {type(model).__module__}.{type(model).__name__}. Parallel "
                 "wrappers should only be applied to the model(s) AFTER the model(s) have been returned from "

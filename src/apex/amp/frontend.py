@@ -64,6 +64,7 @@ class _Session:
         self.model_patches.clear()
         for opt in self.optimizers:
             opt._amp_stash.teardown()
+        _ddp.call(self.ddp, "teardown")
 
 
 def _as_list(value: Any, kind: type, what: str) -> Tuple[List[Any], bool]:

@@ -8,6 +8,7 @@ from typing import Any, List
 import torch
 
 from .. import _device
+from . import _ddp
 from ._amp_state import _amp_state
 from ._casts import disable_casts  # noqa: F401  (upstream exports it from here)
 
@@ -69,8 +70,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     scaler = scalers[loss_id]
     scale = scaler.loss_scale()
     stashes = [opt._amp_stash for opt in optimizers]
+    ddp = session.ddp if session is not None else None  # combine_ddp (apex.amp._ddp)
 
-    if not props.master_weights and not scaler.dynamic and scale == 1.0:
+    if not props.master_weights and not scaler.dynamic and scale == 1.0 and ddp is None:
         # Nothing to unscale and never a skipped step: the grads accumulate as in plain torch.
         yield loss.float()
         return
@@ -80,6 +82,8 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             stash.prepare_backward(scale)  # pending-scale bookkeeping handles delayed and accumulated grads
         elif not delay_unscale and not stash.params_have_scaled_gradients:
             stash.prepare_backward(scale)
+    if ddp is not None:
+        _ddp.call(ddp, "before_backward", [stash.combined for stash in stashes], delay_unscale)
     use_flag = session is not None and session.overflow_flag
     if use_flag:
         _device.npu_clear_overflow_flag()
@@ -100,6 +104,8 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         stash.params_have_scaled_gradients = False
     if use_flag:
         scaler.record_overflow(_device.npu_get_overflow_flag())
+    if ddp is not None:  # every rank skips together
+        scaler.record_overflow(bool(_ddp.call(ddp, "agree_overflow", scaler.has_overflow())))
     should_skip = False if delay_overflow_check else scaler.update_scale()
     if should_skip:
         for stash in stashes:

@@ -247,22 +247,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 self._check_rebuild(group)
                 plans.append((gi, group, None, ()))
             else:
-                stale = [s for s in sets if not s.grads_intact()]
-                for s in stale:
-                    s.pending_grads()  # validation only
+                stale = [(s, s.pending_grads()) for s in sets if not s.grads_intact()]  # validates
                 plans.append((gi, group, sets, stale))
-        out = []
         healed = False
         for gi, group, sets, stale in plans:
             if sets is None:
-                sets = self._build_group(gi, group)
-            for s in stale:
-                healed |= s.sync_grads() > 0
+                self._build_group(gi, group)
+            for s, todo in stale:
+                healed |= s.sync_grads(todo) > 0
         self._force_rebuild = False
         self._count_event(healed)
-        for gi, group, _, _ in plans:
-            out.append((group, self._groups[gi].sets))
-        return out
+        return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
 
     def _all_sets(self) -> List[FlatSet]:
         """Every flat set, (re-)combined where params moved; grads are not synced (see FlatSet.sync_grads)."""
@@ -314,6 +309,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 else:
                     self.last_executor = "torch"
                     self._torch_step(s, group)
+                    s.zero_padding()
                     s.copy_out(fused=False)
                 s.expose_new_states(self.state)
         return loss

@@ -113,6 +113,10 @@ class FlatSet:
         self.offsets, self.total = plan_layout(self.params)
         self.nseg = len(self.params)
         self.has_step = has_step
+        ends = [off + p.numel() for off, p in zip(self.offsets, self.params)]
+        # padding = the alignment gaps between slots; it must stay zero (norms and checks run over whole buffers)
+        self.has_padding = any(e != s for e, s in zip(ends, self.offsets[1:]))
+        self._pad_index: Optional[torch.Tensor] = None
 
         # params: rebound in place, values kept
         self.flat_p = combine_tensors(self.params, require_copy_value=True)
@@ -133,7 +137,7 @@ class FlatSet:
             fill = state_fill.get(name, 0.0)
             flat = torch.full((self.total,), fill, dtype=self.dtype, device=self.device)
             if fill != 0.0:
-                self._zero_padding(flat)
+                self.zero_padding((flat,))
             self.flat_s[name] = flat
             views = [view_like(flat, off, p) for p, off in zip(self.params, self.offsets)]
             self.state_views[name] = views
@@ -147,8 +151,8 @@ class FlatSet:
                 if st is not None:
                     st[name] = views[k]
 
-        seg = [*self.offsets, self.total]
-        self.seg = torch.tensor(seg, dtype=torch.int64)
+        self.seg = torch.tensor([*self.offsets, self.total], dtype=torch.int64)
+        self.seg_end = torch.tensor(ends, dtype=torch.int64)  # kernels stop each slot here: padding untouched
         self.steps = torch.zeros(self.nseg, dtype=torch.float32)
         if has_step:
             for k, p in enumerate(self.params):
@@ -174,12 +178,22 @@ class FlatSet:
         self.out_ptrs: Optional[List[int]] = None
 
     # -- construction helpers -------------------------------------------------
-    def _zero_padding(self, flat: torch.Tensor) -> None:
-        ends = [off + p.numel() for off, p in zip(self.offsets, self.params)]
-        starts = [*self.offsets[1:], self.total]
-        for a, b in zip(ends, starts):
-            if b > a:
-                flat[a:b].zero_()
+    def zero_padding(self, flats: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Re-zeroes the gaps between slots in `flats` (default: the param and state buffers).
+
+        The kernels never write there (``seg_end``); torch executors update whole runs of slots,
+        gaps included, where math on zeros can give NaN (0/0 with eps=0), so they call this after.
+        """
+        if not self.has_padding:
+            return
+        if self._pad_index is None:
+            ends = [off + p.numel() for off, p in zip(self.offsets, self.params)]
+            gaps = [torch.arange(a, b) for a, b in zip(ends, self.offsets[1:]) if b > a]
+            self._pad_index = torch.cat(gaps).to(self.device)
+        if flats is None:
+            flats = (self.flat_p, *self.flat_s.values())
+        for flat in flats:
+            flat.index_fill_(0, self._pad_index, 0)
 
     def _adopt(self, todo: List[Tuple[int, torch.Tensor]]) -> None:
         """Copies validated foreign grads into their slots and rebinds ``p.grad`` to the slot views."""
@@ -208,6 +222,7 @@ class FlatSet:
         a.s1 = self.flat_s[names[1]].data_ptr() if len(names) > 1 else 0
         a.s2 = self.flat_s[names[2]].data_ptr() if len(names) > 2 else 0
         a.seg = self.seg.data_ptr()
+        a.seg_end = self.seg_end.data_ptr()
         a.nseg = self.nseg
         a.steps = self.steps.data_ptr()
         a.first = self.first.data_ptr()
@@ -261,14 +276,16 @@ class FlatSet:
         views, ptrs = self.grad_views, self.grad_ptrs
         return [(k, g) for k, g in live if g is not views[k] or g.data_ptr() != ptrs[k]]
 
-    def sync_grads(self) -> int:
+    def sync_grads(self, todo: Optional[List[Tuple[int, torch.Tensor]]] = None) -> int:
         """Re-binds grads that are not our views (values copied in); returns how many were adopted.
 
-        Raises (sparse, dtype, device or shape mismatch) before anything is changed.
+        Raises (sparse, dtype, device or shape mismatch) before anything is changed. `todo`: what
+        `pending_grads()` returned just before, when nothing can have changed since (saves a pass).
         """
-        if self.grads_intact():
-            return 0
-        todo = self.pending_grads()
+        if todo is None:
+            if self.grads_intact():
+                return 0
+            todo = self.pending_grads()
         self._adopt(todo)
         self.expected_grads = list(map(_get_grad, self.params))
         self._refresh_skip()

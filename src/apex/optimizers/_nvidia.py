@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._base import CombinedOptimizer, _check_range, _GroupCache
+from ._base import _check_range, _GroupCache
 from ._flat import FlatSet, check_grad
 
 logger = logging.getLogger("apex.optimizers")
@@ -75,7 +75,7 @@ class NvidiaCompatMixin:
         """
         if set_to_none is None:
             set_to_none = self.set_grad_none
-        CombinedOptimizer.zero_grad(self, set_to_none=bool(set_to_none))
+        super().zero_grad(set_to_none=bool(set_to_none))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Also accepts torch.optim checkpoints: a group without ``step`` takes the largest per-param step."""
@@ -223,6 +223,22 @@ class ShadowParamsMixin:
                 if self._refresh_shadows:
                     s.refresh_from_models()
                 s.mirror_grads()
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """As the next class in line decides; the model grads of shadowed params are zeroed too (the base class
+        zeroes the flat grad buffers, which here hold the shadows' copies)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for c in self._groups.values():
+            for s in c.sets:
+                if isinstance(s, ShadowSet):
+                    for model in s.out_params:
+                        g = model.grad
+                        if g is not None:
+                            if g.grad_fn is not None:
+                                g.detach_()
+                            else:
+                                g.requires_grad_(False)
+                            g.zero_()
 
     def combined_grad_buffers(self) -> List[torch.Tensor]:
         if any(isinstance(s, ShadowSet) for s in self._all_sets()):

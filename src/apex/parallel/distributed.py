@@ -1,0 +1,340 @@
+"""``apex.parallel.DistributedDataParallel``: upstream apex's DDP on torch.distributed, over flat grad buffers.
+
+Semantics kept from upstream apex: parameters and buffers are broadcast from
+rank 0 at construction; during backward, gradients are all-reduced in buckets of
+``message_size`` elements as soon as a bucket's gradients are complete
+(``delay_allreduce=True``: everything after the backward instead); each bucket is
+divided by ``gradient_predivide_factor`` before the all-reduce and, with
+``gradient_average``, multiplied by ``gradient_predivide_factor / world_size``
+after it; ``allreduce_always_fp32`` reduces a float32 copy of low-precision
+buckets; ``allreduce_trigger_params`` delays every all-reduce until those
+params' grads arrived; ``num_allreduce_streams`` / ``allreduce_communicators``
+spread buckets over several process groups; ``enable_allreduce`` /
+``disable_allreduce`` switch the reduction off (e.g. for gradient accumulation).
+
+How it works here: the gradients of the wrapped module's trainable params are
+kept as views into one flat buffer per dtype x device (layout of
+``apex.contrib.combine_tensors.plan_layout``); a bucket is a range of such a
+buffer and is all-reduced in place, with no flatten/unflatten copies. A grad
+that arrives elsewhere (a fresh tensor after ``zero_grad(set_to_none=True)``) is
+copied into its slot once. When the grads already live in a foreign flat buffer
+with exactly this layout (an apex fused optimizer over ``model.parameters()``,
+with ``zero_grad(set_to_none=False)``), that buffer is adopted and reduced in
+place instead, so DDP and the optimizer share one buffer.
+
+Beyond upstream: ``process_group``; ``no_sync()``; a parameter that gets no
+gradient on some ranks in a pass receives the reduced value there (it still has
+none when no rank produced one); every collective failure, including a rank that
+died or missed the process-group timeout, raises
+``apex.parallel.CollectiveError`` naming the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..contrib.combine_tensors import plan_layout
+from ._comm import agree_layout, broadcast_tensors, flat_dist_call, layout_of, require_initialized, world_size
+from .reducer import BucketedAllReduce, GradSlots, Reducer, dense_view, plan_buckets
+
+__all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
+
+logger = logging.getLogger("apex.parallel")
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class _FlatSet:
+    """Flat grad storage of the trainable params of one dtype x device (in module order)."""
+
+    def __init__(self, params: List[torch.Tensor], positions: List[int]) -> None:
+        self.params = params
+        self.positions = positions
+        self.offsets, self.total = plan_layout(params)
+        p0 = params[0]
+        self.flat = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
+        self.views = [dense_view(self.flat, p, off) for p, off in zip(params, self.offsets)]
+
+    def grads_are_views(self) -> bool:
+        return all(p.grad is v for p, v in zip(self.params, self.views))
+
+    def foreign_flat(self) -> Optional[torch.Tensor]:
+        """The flat buffer the current grads are views of, if it has exactly this layout (else None)."""
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):
+            return None
+        base = grads[0]._base
+        if (base is None or base.dim() != 1 or not base.is_contiguous() or base.numel() != self.total
+                or base.dtype != self.flat.dtype or base.device != self.flat.device):
+            return None
+        start = base.storage_offset()
+        for g, v, off in zip(grads, self.views, self.offsets):
+            if g._base is not base or g.storage_offset() - start != off or g.stride() != v.stride():
+                return None
+        return base
+
+    def adopt(self, base: torch.Tensor) -> None:
+        self.flat = base
+        self.views = [p.grad for p in self.params]
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data-parallel wrapper with upstream apex's arguments (see the module docstring).
+
+    Args:
+        module: the network; its params and buffers are broadcast from rank 0 now.
+        message_size: bucket length in elements (default 10,000,000).
+        delay_allreduce: all-reduce everything after the backward instead of overlapping it.
+        shared_param: removed upstream; must be None.
+        allreduce_trigger_params: params whose grads must all have arrived before any all-reduce starts.
+        retain_allreduce_buffers: accepted for compatibility; the flat buffers always persist
+            (``allreduce_buffers``).
+        allreduce_always_fp32: reduce float32 copies of fp16/bf16 buckets.
+        num_allreduce_streams: number of process groups buckets are spread over (round-robin).
+        allreduce_communicators: the process groups to use for that (default: new groups over all ranks).
+        gradient_average: divide the sum by the world size.
+        gradient_predivide_factor: divide before the all-reduce, multiply by factor / world size after.
+        gradient_average_split_factor: deprecated upstream name of gradient_predivide_factor.
+        prof: profiler ranges (``torch.profiler.record_function``) around bucket all-reduces.
+        process_group: the group to reduce over (default: the default group).
+    """
+
+    _apex_parallel_wrapper = True  # amp.initialize refuses models already wrapped
+
+    def __init__(self, module: torch.nn.Module, message_size: int = 10000000, delay_allreduce: bool = False,
+                 shared_param: Any = None, allreduce_trigger_params: Optional[Sequence[torch.Tensor]] = None,
+                 retain_allreduce_buffers: bool = False, allreduce_always_fp32: bool = False,
+                 num_allreduce_streams: int = 1, allreduce_communicators: Optional[Sequence[Any]] = None,
+                 gradient_average: bool = True, gradient_predivide_factor: float = 1.0,
+                 gradient_average_split_factor: Optional[float] = None, prof: bool = False, *,
+                 process_group: Any = None) -> None:
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"DistributedDataParallel expects a torch.nn.Module, got {type(module).__name__}")
+        if shared_param is not None:
+            raise ValueError(
+                "shared_param is no longer an option of apex.parallel.DistributedDataParallel (upstream removed "
+                "it too): overlapping communication works with shared parameters; to reduce only after the "
+                "backward, pass delay_allreduce=True"
+            )
+        if isinstance(message_size, bool) or not isinstance(message_size, int) or message_size < 1:
+            raise ValueError(f"message_size must be a positive int (elements), got {message_size!r}")
+        if isinstance(num_allreduce_streams, bool) or not isinstance(num_allreduce_streams, int) \
+                or num_allreduce_streams < 1:
+            raise ValueError(f"num_allreduce_streams must be an int >= 1, got {num_allreduce_streams!r}")
+        if gradient_average_split_factor is not None:
+            warnings.warn("gradient_average_split_factor is deprecated; use gradient_predivide_factor",
+                          DeprecationWarning, stacklevel=2)
+            gradient_predivide_factor = gradient_average_split_factor
+        if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
+                or not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+        require_initialized("apex.parallel.DistributedDataParallel")
+
+        self.module = module
+        self.process_group = process_group
+        self.message_size = message_size
+        self.delay_allreduce = bool(delay_allreduce)
+        self.allreduce_always_fp32 = bool(allreduce_always_fp32)
+        self.gradient_average = bool(gradient_average)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.retain_allreduce_buffers = bool(retain_allreduce_buffers)
+        self.prof = bool(prof)
+        self.world_size = world_size(process_group)
+        self._trigger_ids = None
+        if allreduce_trigger_params is not None:
+            self._trigger_ids = frozenset(id(p) for p in allreduce_trigger_params)
+            if not self._trigger_ids:
+                raise ValueError("allreduce_trigger_params must name at least one parameter")
+        self._groups = self._reduce_groups(num_allreduce_streams, allreduce_communicators)
+        self._allreduce_enabled = True
+        self._pass_active = False
+        self._launched_all = False
+        self._missing: List[int] = []
+        self._triggers_seen: set = set()
+        self._hooks: Dict[int, Any] = {}
+        self._sets: List[_FlatSet] = []
+        self._engine: Optional[BucketedAllReduce] = None
+        self._slots: Optional[GradSlots] = None
+        self._slot_of: Dict[int, int] = {}
+        self._signature: Tuple = ()
+
+        with torch.no_grad():
+            state = [(name, t) for name, t in module.state_dict(keep_vars=True).items() if torch.is_tensor(t)]
+            agree_layout(layout_of(state), "apex.parallel.DistributedDataParallel", noun="state_dict entry",
+                         group=process_group, hint=" (same parameters and buffers, in the same order)")
+            broadcast_tensors([t.detach() for _, t in state], 0, process_group,
+                              what="apex.parallel.DistributedDataParallel: broadcasting params and buffers from "
+                                   "rank 0")
+        self._build()
+
+    # ------------------------------------------------------------------ structure
+    def _reduce_groups(self, n: int, communicators: Optional[Sequence[Any]]) -> List[Any]:
+        if communicators is not None:
+            groups = list(communicators)
+            if len(groups) != n:
+                raise ValueError(f"allreduce_communicators has {len(groups)} groups, num_allreduce_streams is {n}")
+            return groups
+        if n == 1:
+            return [self.process_group]
+        ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
+        return [dist.new_group(ranks=ranks) for _ in range(n)]
+
+    def _trainable(self) -> List[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _current_signature(self) -> Tuple:
+        return tuple((id(p), p.requires_grad, p.dtype, p.device) for p in self.module.parameters())
+
+    def _build(self) -> None:
+        """(Re)build flat grad buffers, buckets and hooks for the module's current trainable params."""
+        params = self._trainable()
+        by_kind: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        for j, p in enumerate(params):
+            by_kind.setdefault((p.dtype, p.device), []).append(j)
+        old_grads = {id(p): p.grad for p in params}
+        self._sets = [_FlatSet([params[j] for j in js], js) for js in by_kind.values()]
+        for s in self._sets:  # grads that exist keep their values, now in the flat buffer
+            for p, v in zip(s.params, s.views):
+                g = old_grads[id(p)]
+                if g is not None:
+                    with torch.no_grad():
+                        v.copy_(g)
+                    p.grad = v
+        self._make_engine()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks = {id(p): p.register_post_accumulate_grad_hook(self._on_grad) for p in params}
+        self._signature = self._current_signature()
+
+    def _make_engine(self) -> None:
+        tensors, flats, offsets, views, positions = [], [], [], [], []
+        buckets: List[List[torch.Tensor]] = []
+        slot_buckets: List[List[int]] = []
+        bucket_pos: List[int] = []
+        for s in self._sets:
+            ranges, sb = plan_buckets(s.total, [(off, p.numel()) for p, off in zip(s.params, s.offsets)],
+                                      self.message_size)
+            base = len(buckets)
+            buckets += [[s.flat[lo:hi]] for lo, hi in ranges]
+            bucket_pos += [-1] * len(ranges)
+            for p, off, v, pos, bs in zip(s.params, s.offsets, s.views, s.positions, sb):
+                tensors.append(p)
+                flats.append(s.flat)
+                offsets.append(off)
+                views.append(v)
+                positions.append(pos)
+                slot_buckets.append([base + b for b in bs])
+                for b in bs:
+                    bucket_pos[base + b] = pos if bucket_pos[base + b] < 0 else min(bucket_pos[base + b], pos)
+        # expected arrival: grads of the last params first, so buckets whose earliest param is latest go first
+        order = sorted(range(len(buckets)), key=lambda b: -bucket_pos[b])
+        if self.gradient_average:
+            post = self.gradient_predivide_factor / self.world_size
+        else:
+            post = 1.0
+        self._engine = BucketedAllReduce(buckets, slot_buckets, order, group=self._groups,
+                                         predivide=self.gradient_predivide_factor, postscale=post,
+                                         always_fp32=self.allreduce_always_fp32,
+                                         what="apex.parallel.DistributedDataParallel", profile=self.prof)
+        self._slots = GradSlots(tensors, flats, offsets, views)
+        self._slot_of = {id(t): i for i, t in enumerate(tensors)}
+
+    @property
+    def allreduce_buffers(self) -> List[torch.Tensor]:
+        """The flat gradient buffers buckets are reduced in (one per dtype x device)."""
+        return [s.flat for s in self._sets]
+
+    # ------------------------------------------------------------------ switches
+    def enable_allreduce(self) -> None:
+        self._allreduce_enabled = True
+
+    def disable_allreduce(self) -> None:
+        """Backward passes leave the grads local (they accumulate) until enable_allreduce()."""
+        self._allreduce_enabled = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local grads; the first one outside reduces the sum."""
+        was = self._allreduce_enabled
+        self._allreduce_enabled = False
+        try:
+            yield
+        finally:
+            self._allreduce_enabled = was
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._current_signature() != self._signature:
+            # params were added, frozen/unfrozen or changed dtype/device since the buckets were made
+            with torch.no_grad():
+                agree_layout(layout_of([(n, p) for n, p in self.module.named_parameters() if p.requires_grad]),
+                             "apex.parallel.DistributedDataParallel (rebuilding buckets)", group=self.process_group)
+            self._build()
+        else:
+            self._adopt_foreign_buffers()
+        return self.module(*inputs, **kwargs)
+
+    def _adopt_foreign_buffers(self) -> None:
+        changed = False
+        for s in self._sets:
+            if s.grads_are_views():
+                continue
+            base = s.foreign_flat()
+            if base is not None:
+                s.adopt(base)
+                changed = True
+        if changed:
+            logger.debug("apex.parallel.DistributedDataParallel: reducing in the flat grad buffers the grads live in")
+            self._make_engine()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._allreduce_enabled:
+            return
+        i = self._slot_of.get(id(p))
+        if i is None:
+            return
+        engine = self._engine
+        if not self._pass_active:
+            self._pass_active = True
+            self._triggers_seen = set()
+            self._launched_all = False
+            engine.begin()
+            _queue_callback(self._finish_pass)
+        if self._trigger_ids is None and not self.delay_allreduce:
+            self._slots.bind(i)
+            engine.ready(i)
+            return
+        if self._launched_all:
+            raise RuntimeError(
+                "apex.parallel.DistributedDataParallel: a gradient arrived after all allreduce_trigger_params had "
+                "theirs and the all-reduce had started; the trigger params must be among the last to receive "
+                "gradients (e.g. the first layer's)"
+            )
+        self._slots.bind(i)
+        engine.seen()[i] = 1
+        if self._trigger_ids is not None and id(p) in self._trigger_ids:
+            self._triggers_seen.add(id(p))
+            if len(self._triggers_seen) == len(self._trigger_ids):
+                self._missing = self._slots.settle(engine.seen())
+                engine.launch_all()
+                self._launched_all = True
+
+    def _finish_pass(self) -> None:
+        """End of the backward pass: launch what is left, wait, agree on which params got grads."""
+        engine = self._engine
+        try:
+            if engine.active:
+                missing = self._missing if self._launched_all else self._slots.settle(engine.seen())
+                engine.finish()
+                self._slots.agree_usage(missing, self.process_group, "apex.parallel.DistributedDataParallel")
+        finally:
+            self._pass_active = False
+            engine.abandon()
+

@@ -1,0 +1,237 @@
+"""Synchronized batch normalization: statistics over the whole distributed batch (upstream apex's API).
+
+``SyncBatchNorm`` is a ``torch.nn.SyncBatchNorm`` (so code that checks for
+torch's class accepts it) with upstream apex's extra arguments. In training with
+more than one rank it normalizes with the mean and variance of the batch over
+all ranks of its process group:
+
+* on devices torch's SyncBatchNorm supports (cuda, npu through torch_npu's
+  privateuse1 backend, xpu, hpu) it delegates to torch's implementation;
+* elsewhere (cpu with gloo, which torch's refuses) it runs `_SyncBatchNormCPU`:
+  each rank computes its count, mean and variance (two-pass, in float32 or
+  float64), the per-channel sums and sums of squares are all-reduced in float64
+  (one collective), and the backward all-reduces the per-channel sums of
+  ``dy`` and ``dy * x_hat`` (one collective).
+
+Outside training, with one rank, or without an initialized process group it is
+ordinary batch norm. Running statistics follow torch: exponential average with
+``momentum`` (cumulative when ``momentum=None``) of the global mean and the
+global unbiased variance. Weight and bias grads are the local sums (data
+parallelism then averages them across ranks, as for any parameter).
+
+``channel_last=True`` takes the channel from the last dim (``[N, ..., C]``);
+``fuse_relu=True`` applies ReLU to the output, after adding ``z`` when given.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ._comm import collective, group_or_world
+
+__all__ = ["SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _torch_sync_devices() -> Tuple[str, ...]:
+    """Device types torch.nn.SyncBatchNorm accepts when it has to synchronize."""
+    return ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
+
+
+def _split_channels(x: torch.Tensor, channel_last: bool) -> Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]:
+    """x as (A, C, B) (channel first) or (A, C) (channel last), its reduction dims and the broadcast shape."""
+    if channel_last:
+        c = x.shape[-1]
+        return x.reshape(-1, c), (0,), (1, c)
+    c = x.shape[1]
+    return x.reshape(x.shape[0], c, -1), (0, 2), (1, c, 1)
+
+
+class _SyncBatchNormCPU(torch.autograd.Function):
+    """Batch norm with statistics all-reduced over a process group, for any device the backend handles."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group, channel_last):
+        x3, dims, shape = _split_channels(x, channel_last)
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xc = x3.to(compute)
+        n_local = xc.numel() // xc.shape[1] if xc.shape[1] else 0
+        c = xc.shape[1]
+        if n_local > 0:
+            var_l, mean_l = torch.var_mean(xc, dim=dims, correction=0)
+        else:
+            var_l = mean_l = torch.zeros(c, dtype=compute, device=x.device)
+        # sums and sums of squares, formed from accurate local moments, summed in float64
+        mean64, var64 = mean_l.double(), var_l.double()
+        packed = torch.cat([torch.full((1,), float(n_local), dtype=torch.float64, device=x.device),
+                            mean64 * n_local, (var64 + mean64 * mean64) * n_local])
+        with collective("apex.parallel.SyncBatchNorm: all-reduce of the batch statistics", group):
+            dist.all_reduce(packed, group=group_or_world(group))
+        count = packed[0].item()
+        if count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over all ranks "
+                             f"(input size {list(x.shape)})")
+        mean = packed[1:1 + c] / count
+        var = (packed[1 + c:] / count - mean * mean).clamp_min_(0.0)
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.mul_(1.0 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+                running_var.mul_(1.0 - factor).add_((var * (count / (count - 1))).to(running_var.dtype),
+                                                    alpha=factor)
+        mean_c, invstd_c = mean.to(compute), invstd.to(compute)
+        xhat = (xc - mean_c.view(shape)) * invstd_c.view(shape)
+        y = xhat
+        if weight is not None:
+            y = y * weight.to(compute).view(shape)
+        if bias is not None:
+            y = y + bias.to(compute).view(shape)
+        ctx.save_for_backward(x, weight, mean_c, invstd_c)
+        ctx.count = count
+        ctx.group = group
+        ctx.channel_last = channel_last
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        x3, dims, shape = _split_channels(x, ctx.channel_last)
+        compute = mean.dtype
+        dy3 = dy.reshape(x3.shape).to(compute)
+        xhat = (x3.to(compute) - mean.view(shape)) * invstd.view(shape)
+        sum_dy = dy3.sum(dim=dims)
+        sum_dy_xhat = (dy3 * xhat).sum(dim=dims)
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_x = grad_w = grad_b = None
+        if need_w and weight is not None:
+            grad_w = sum_dy_xhat.to(weight.dtype)
+        if need_b and ctx.has_bias:
+            grad_b = sum_dy.to(weight.dtype if weight is not None else dy.dtype)
+        if need_x:
+            c = sum_dy.numel()
+            packed = torch.cat([sum_dy, sum_dy_xhat]).double()
+            with collective("apex.parallel.SyncBatchNorm: all-reduce of the backward sums", ctx.group):
+                dist.all_reduce(packed, group=group_or_world(ctx.group))
+            mean_dy = (packed[:c] / ctx.count).to(compute)
+            mean_dy_xhat = (packed[c:] / ctx.count).to(compute)
+            scale = invstd if weight is None else invstd * weight.to(compute)
+            gx = (dy3 - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
+            grad_x = gx.to(x.dtype).reshape(x.shape)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+class SyncBatchNorm(torch.nn.SyncBatchNorm):
+    """Batch norm synchronized over a process group (see the module docstring).
+
+    Args: as ``torch.nn.SyncBatchNorm`` (``num_features, eps, momentum, affine,
+    track_running_stats, process_group``), plus upstream apex's ``channel_last``
+    and ``fuse_relu``; ``forward(input, z=None)``.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Any = None, channel_last: bool = False,
+                 fuse_relu: bool = False, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, process_group=process_group, device=device,
+                         dtype=dtype)
+        self.channel_last = bool(channel_last)
+        self.fuse_relu = bool(fuse_relu)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _factor(self) -> float:
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                return 1.0 / float(self.num_batches_tracked)
+            return float(self.momentum)
+        return 0.0 if self.momentum is None else float(self.momentum)
+
+    def _needs_sync(self) -> bool:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size(group_or_world(self.process_group)) > 1
+
+    def forward(self, input: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_input_dim(input)
+        channels = input.shape[-1] if self.channel_last else input.shape[1]
+        if channels != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {channels} channels "
+                             f"(shape {list(input.shape)}, channel_last={self.channel_last})")
+        if self._needs_sync() and input.device.type not in _torch_sync_devices():
+            factor = self._factor()
+            track = self.track_running_stats
+            out = _SyncBatchNormCPU.apply(input, self.weight, self.bias, self.running_mean if track else None,
+                                          self.running_var if track else None, self.eps, factor,
+                                          self.process_group, self.channel_last)
+        elif self.channel_last:
+            out = super().forward(input.movedim(-1, 1)).movedim(1, -1)
+        else:
+            out = super().forward(input)
+        if z is not None:
+            out = out + z
+        if self.fuse_relu:
+            out = F.relu(out)
+        return out
+
+
+def convert_syncbn_model(module: torch.nn.Module, process_group: Any = None, channel_last: bool = False
+                         ) -> torch.nn.Module:
+    """Replace every BatchNorm*d in ``module`` (recursively) by an equivalent :class:`SyncBatchNorm`.
+
+    Parameters, buffers, their dtype/device and ``requires_grad`` are carried over;
+    the (possibly new) root module is returned.
+    """
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        ref = module.weight if module.weight is not None else module.running_mean
+        kwargs = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
+        sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                             module.track_running_stats, process_group, channel_last=channel_last, **kwargs)
+        with torch.no_grad():
+            if module.affine:
+                sync.weight = module.weight
+                sync.bias = module.bias
+            if module.track_running_stats:
+                sync.running_mean = module.running_mean
+                sync.running_var = module.running_var
+                sync.num_batches_tracked = module.num_batches_tracked
+        sync.train(module.training)
+        if hasattr(module, "qconfig"):
+            sync.qconfig = module.qconfig
+        module_out = sync
+    else:
+        module_out = module
+    for name, child in module.named_children():
+        new = convert_syncbn_model(child, process_group, channel_last)
+        if new is not child:
+            module_out.add_module(name, new)
+    return module_out
+
+
+def create_syncbn_process_group(group_size: int) -> Any:
+    """Split the ranks into consecutive groups of ``group_size``; returns this rank's group (None for 0).
+
+    Every rank must call it (creating groups is collective).
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size must be a non-negative int, got {group_size!r}")
+    if group_size == 0:
+        return None
+    world = dist.get_world_size()
+    if group_size > world or world % group_size:
+        raise ValueError(f"group_size {group_size} must divide the world size {world}")
+    mine = dist.get_rank() // group_size
+    group = None
+    for g in range(world // group_size):
+        pg = dist.new_group(ranks=list(range(g * group_size, (g + 1) * group_size)))
+        if g == mine:
+            group = pg
+    return group
