@@ -116,6 +116,13 @@ def train(rank, world, opt_level="O1", optimizer="sgd", steps=20, amp_dtype=None
         ref_inject = None if inject_step is None else (inject_step, 0)
         r_changed, r_scales = _train(ref, ref_opt, steps, 1, 0, LOCAL * world, accumulate, ref_inject, delay_unscale)
         result["reference"] = {"params": flat_params(ref), "changed": r_changed, "scales": r_scales}
+        if opt_level != "O0":  # the same single-process run in fp32: how far low precision alone moves the params
+            amp.deinitialize()
+            ref32 = make_model(seed=1)
+            ref32_opt = make_optimizer(optimizer, ref32.parameters())
+            ref32, ref32_opt = amp.initialize(ref32, ref32_opt, opt_level="O0", verbosity=0)
+            _train(ref32, ref32_opt, steps, 1, 0, LOCAL * world, accumulate, None, delay_unscale)
+            result["reference"]["fp32"] = flat_params(ref32)
     if min_bucket is not None:
         reducer._MIN_BUCKET = 2**20
     return result

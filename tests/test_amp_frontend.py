@@ -304,22 +304,25 @@ def test_scale_loss_errors():
 
 
 def test_combine_ddp_hook_point():
+    """combine_ddp's backend (apex.parallel by default) gets the session once and amp's exits, in order."""
     from apex.amp import _ddp
 
-    m = net()
-    with pytest.raises(RuntimeError, match="no combine_ddp backend is registered"):
-        amp.initialize(m, sgd(m), opt_level="O1", combine_grad=True, combine_ddp=True)
-    assert_untouched(m)
     seen = []
 
     class Hook:
+        def before_backward(self, combined_list, delay_unscale):
+            seen.append(("before_backward", delay_unscale))
+
         def before_unscale(self, combined):
-            seen.append([b.clone() for b in combined.flat_buffers()])
+            seen.append(("before_unscale", [b.clone() for b in combined.flat_buffers()]))
+
+        # no agree_overflow / teardown: amp calls only what a hook provides
 
     def backend(session):
-        seen.append(session.ddp_replica_count)
+        seen.append(("created", session.ddp_replica_count))
         return Hook()
 
+    m = net()
     _ddp.register_backend(backend)
     try:
         o = sgd(m)
@@ -327,10 +330,11 @@ def test_combine_ddp_hook_point():
         loss = m(torch.randn(4, 4)).float().sum()
         with amp.scale_loss(loss, o) as scaled:
             scaled.backward()
-        # called once with the replica count, then at the exit with the still-scaled combined grads
-        assert seen[0] == 2 and len(seen) == 2
-        unscaled = torch.cat([b for b in o._amp_stash.combined.flat_buffers()])
-        torch.testing.assert_close(torch.cat(seen[1]), unscaled * 2.0**16)
+        assert [s[0] for s in seen] == ["created", "before_backward", "before_unscale"]
+        assert seen[0][1] == 2 and seen[1][1] is False
+        unscaled = torch.cat(list(o._amp_stash.combined.flat_buffers()))
+        torch.testing.assert_close(torch.cat(seen[2][1]), unscaled * 2.0**16)  # handed over still scaled
+        amp.deinitialize()
     finally:
         _ddp.register_backend(None)
 

@@ -18,7 +18,7 @@ def collect() -> dict:
 
     info = {
         "apex": apex.__version__,
-        "build_variant": "standalone",
+        "build_variant": getattr(apex, "__build_variant__", "standalone"),
         "python": platform.python_version(),
         "platform": f"{platform.system()}-{platform.machine()}",
     }

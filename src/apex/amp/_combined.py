@@ -42,6 +42,7 @@ import torch
 
 from .. import _core
 from ..contrib.combine_tensors import plan_layout
+from . import _ddp
 
 _get_grad = operator.attrgetter("grad")
 
@@ -406,9 +407,7 @@ class CombinedGrads:
                         self._sync_main_at_exit(b)
                     if b.lows:
                         self._sync_lows(b, before_backward=False)
-            hook = self.stash.session.ddp
-            if hook is not None:
-                hook.before_unscale(self)
+            _ddp.call(self.stash.session.ddp, "before_unscale", self)  # combine_ddp: all-reduce hook point
             return self._unscale_pass(scale, check, fold)
 
     def _unscale_pass(self, scale: float, check: bool, fold: bool) -> bool:
