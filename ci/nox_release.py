@@ -102,6 +102,34 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def snapshot(session: nox.Session) -> Path:
+    """A frozen copy of the source tree (git-tracked + untracked-but-not-ignored files) that every cell of this run
+    is built from and tested with, so a tree that changes during a long run cannot mix versions. The offline
+    wheelhouse is hard-linked into it (the Dockerfile mounts it from the build context)."""
+    dest = ROOT / ".cache" / "release" / "src"
+    shutil.rmtree(dest, ignore_errors=True)
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        session.error(f"snapshot: `git ls-files` failed in {ROOT}: {listed.stderr.strip()} (a git checkout is needed)")
+    count = 0
+    for rel in filter(None, listed.stdout.split("\0")):
+        src = ROOT / rel
+        if src.is_file():  # listed but deleted meanwhile: skip
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+            count += 1
+    house = dest / ".cache" / "release" / "wheelhouse"
+    house.mkdir(parents=True)
+    for whl in wheelhouse.WHEELHOUSE.glob("*.whl"):
+        os.link(whl, house / whl.name)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in dest.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        digest.update(str(f.relative_to(dest)).encode() + b"\0" + f.read_bytes())
+    session.log(f"source snapshot: {count} files in {dest.relative_to(ROOT)} (tree sha256 {digest.hexdigest()[:16]})")
+    return dest
+
+
 # ------------------------------------------------------------------------------------------------------ the images
 @dataclass
 class Images:
@@ -146,11 +174,12 @@ def images(session: nox.Session, engine: container.Engine, base: str) -> Images:
 
 # ------------------------------------------------------------------------------------------------- build and test
 def build_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cell: matrix.Cell, dest: Path,
-                epoch: str, cold: str | None = None) -> Path:
-    """docker/Dockerfile.wheel for one cell; the exported wheel lands in dest. cold: a fresh zig cache dir + no
-    layer cache (the reproducibility check)."""
+                epoch: str, ctx: Path, cold: str | None = None) -> Path:
+    """docker/Dockerfile.wheel for one cell, from the source snapshot ctx; the exported wheel lands in dest.
+    cold: a fresh zig cache dir + no layer cache (the reproducibility check)."""
     with tempfile.TemporaryDirectory(prefix=f"apex-{cell.name}-", dir=ROOT / ".cache" / "release") as tmp:
-        args = ["-f", str(DOCKERFILE), "--network=none", "--target=wheels", f"--output=type=local,dest={tmp}",
+        args = ["-f", str(ctx / DOCKERFILE.relative_to(ROOT)), "--network=none", "--target=wheels",
+                f"--output=type=local,dest={tmp}",
                 f"--build-arg=BASE_IMAGE={imgs.build}", f"--build-arg=PYTHON_VERSION={cell.python}",
                 f"--build-arg=TARGET_ARCH={cell.arch}", f"--build-arg=SOURCE_DATE_EPOCH={epoch}"]
         if cold:
@@ -158,7 +187,7 @@ def build_wheel(session: nox.Session, engine: container.Engine, imgs: Images, ce
         if engine.name == "docker" and imgs.kind == "public":
             args.append("--platform=linux/amd64")
         start = time.monotonic()
-        session.run(*engine.build_cmd(*args, str(ROOT)), external=True)
+        session.run(*engine.build_cmd(*args, str(ctx)), external=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             got = [p.name for p in Path(tmp).iterdir()]
@@ -174,7 +203,7 @@ def build_wheel(session: nox.Session, engine: container.Engine, imgs: Images, ce
 
 
 def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cell: matrix.Cell, wheel_dir: Path,
-               suite: str | None = None) -> dict:
+               ctx: Path, suite: str | None = None) -> dict:
     """Run ci/test_cell.py in a fresh container of the cell's arch with its own interpreter. Returns the report."""
     REPORTS.mkdir(parents=True, exist_ok=True)
     report = REPORTS / f"{cell.name}.json"
@@ -189,7 +218,7 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
     image, python, extra = target
     suite = suite or cell.suite
     mounts = ["-v", f"{wheel_dir}:/dist:ro", "-v", f"{wheelhouse.WHEELHOUSE}:/wheelhouse:ro",
-              "-v", f"{ROOT / 'tests'}:/src/tests:ro", "-v", f"{ROOT / 'ci' / 'test_cell.py'}:/src/test_cell.py:ro",
+              "-v", f"{ctx / 'tests'}:/src/tests:ro", "-v", f"{ctx / 'ci' / 'test_cell.py'}:/src/test_cell.py:ro",
               "-v", f"{REPORTS}:/out"]
     cmd_args = ["--cell", cell.name, "--wheel-dir", "/dist", "--wheelhouse", "/wheelhouse", "--tests", "/src/tests",
                 "--suite", suite, "--python", python, "--report", f"/out/{cell.name}.json"]
@@ -249,12 +278,13 @@ def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell]) -> 
     wheelhouse.ensure(cells)
     imgs = images(session, engine, opts.base)
     epoch = source_date_epoch()
+    ctx = snapshot(session)
     rows = []
     for cell in cells:
         row = {"cell": cell.name}
         try:
             start = time.monotonic()
-            wheel = build_wheel(session, engine, imgs, cell, RELEASE, epoch)
+            wheel = build_wheel(session, engine, imgs, cell, RELEASE, epoch, ctx)
             row.update(wheel=wheel.name, size=wheel.stat().st_size, build_s=round(time.monotonic() - start))
             audit_json = REPORTS / f"{cell.name}.audit.json"
             REPORTS.mkdir(parents=True, exist_ok=True)
@@ -262,7 +292,7 @@ def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell]) -> 
             row.update(policy=audited["policy"], audit="passed" if audited["ok"] else "FAILED",
                        import_check=audited["checks"].get("import", {}).get("detail", ""))
             start = time.monotonic()
-            result = test_wheel(session, engine, imgs, cell, RELEASE)
+            result = test_wheel(session, engine, imgs, cell, RELEASE, ctx)
             row.update(test=result["status"], test_s=round(time.monotonic() - start),
                        counts=result.get("counts", {}), suite=cell.suite if result.get("passed") is not None else "-")
             if row["audit"] != "passed" or result.get("passed") is False:
@@ -398,7 +428,8 @@ def reproducible(session: nox.Session) -> None:
     session.log(f"reproducible: {opts.cell.name}, SOURCE_DATE_EPOCH={epoch}, two cold builds")
     out = ROOT / ".cache" / "release" / "reproducible"
     shutil.rmtree(out, ignore_errors=True)
-    wheels = [build_wheel(session, engine, imgs, opts.cell, out / f"run{i}", epoch, cold=f"/tmp/zig-cold-{i}")
+    ctx = snapshot(session)
+    wheels = [build_wheel(session, engine, imgs, opts.cell, out / f"run{i}", epoch, ctx, cold=f"/tmp/zig-cold-{i}")
               for i in (1, 2)]
     digests = [sha256(w) for w in wheels]
     for w, d in zip(wheels, digests):
@@ -458,7 +489,11 @@ def runtime_image(session: nox.Session) -> None:
         session.error(f"runtime-image: no {cell.name} wheel in {RELEASE}: run `nox -s docker` first")
     wheelhouse.ensure([cell])
     imgs = images(session, engine, opts.base)
-    args = ["-f", str(ROOT / "docker" / "Dockerfile.runtime"), f"--build-arg=TORCH_VERSION={variant['torch']}"]
+    ctx = snapshot(session)
+    (ctx / "dist" / "release").mkdir(parents=True)
+    for whl in RELEASE.glob("*.whl"):
+        os.link(whl, ctx / "dist" / "release" / whl.name)
+    args = ["-f", str(ctx / "docker" / "Dockerfile.runtime"), f"--build-arg=TORCH_VERSION={variant['torch']}"]
     if imgs.kind == "local":
         if engine.name != "podman":
             session.error("runtime-image --base local mounts pip's find-links folder at build time (podman -v); "
@@ -468,9 +503,9 @@ def runtime_image(session: nox.Session) -> None:
                  f"--build-arg=PYTHON=/opt/python/{cell.tag}-{cell.tag}/bin/python{cell.python}",
                  f"--build-arg=TORCH_FIND_LINKS={links}"]
     start = time.monotonic()
-    session.run(*engine.build_cmd(*args, "--target=test", "--tag=localhost/apex-runtime:cpu-test", str(ROOT)),
+    session.run(*engine.build_cmd(*args, "--target=test", "--tag=localhost/apex-runtime:cpu-test", str(ctx)),
                 external=True)
-    session.run(*engine.build_cmd(*args, "--target=runtime", "--tag=localhost/apex-runtime:cpu", str(ROOT)),
+    session.run(*engine.build_cmd(*args, "--target=runtime", "--tag=localhost/apex-runtime:cpu", str(ctx)),
                 external=True)
     session.run(*engine.run_cmd("--network=none", "localhost/apex-runtime:cpu"), external=True)
     session.log(f"runtime-image: localhost/apex-runtime:cpu built and its suite passed in the image "

@@ -21,7 +21,7 @@ model, optimizer = amp.initialize(model, optimizer, opt_level="O1", combine_grad
 x = torch.randn(64, 32, device=device)
 y = torch.randint(0, 4, (64,), device=device)
 losses = []
-for step in range(20):
+for _ in range(20):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     optimizer.zero_grad()
     with amp.scale_loss(loss, optimizer) as scaled_loss:

@@ -39,12 +39,14 @@ def make_model(seed: int, extra: bool = False) -> torch.nn.Module:
 def make_optimizer(kind: str, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    # Adam's eps is raised from 1e-8 so that parameters whose gradient is near zero do not turn rounding noise into
+    # full +-lr steps: the comparison with single-process training is then at the low dtype's tolerance.
     if kind == "adam":
-        return torch.optim.Adam(params, lr=1e-2)
+        return torch.optim.Adam(params, lr=1e-2, eps=1e-3)
     if kind == "fused_sgd":
         return NpuFusedSGD(params, lr=0.05, momentum=0.9)
     if kind == "fused_adam":
-        return NpuFusedAdam(params, lr=1e-2)
+        return NpuFusedAdam(params, lr=1e-2, eps=1e-3)
     raise ValueError(kind)
 
 
@@ -90,14 +92,16 @@ def _train(model, opt, steps, world, rank, rows, accumulate=1, inject=None, dela
 
 def train(rank, world, opt_level="O1", optimizer="sgd", steps=20, amp_dtype=None, inject_step=None, inject_rank=0,
           accumulate=1, delay_unscale=False, min_bucket=None, use_ddp=None, message_size=10000000,
-          reference=True):
+          reference=True, init_scale=2.0**10):
     """Distributed amp training vs single-process training of the same steps on the whole batch (rank 0)."""
     if min_bucket is not None:
         reducer._MIN_BUCKET = min_bucket
     use_ddp = opt_level in ("O0", "O3") if use_ddp is None else use_ddp
     model = make_model(seed=1 if rank == 0 else 100 + rank)  # the broadcast must fix the other ranks
     opt = make_optimizer(optimizer, model.parameters())
-    kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype)
+    # init_scale: fp16 grads of a 1/world share of the batch are world times larger than the single-process ones;
+    # a scale far from fp16's range keeps natural overflows out of the comparison (injected ones are tested)
+    kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype, dynamic_init_scale=init_scale)
     if not use_ddp:
         kwargs.update(combine_grad=True, combine_ddp=True)
     model, opt = amp.initialize(model, opt, **kwargs)
@@ -109,20 +113,13 @@ def train(rank, world, opt_level="O1", optimizer="sgd", steps=20, amp_dtype=None
     if rank == 0 and reference:
         ref = make_model(seed=1)
         ref_opt = make_optimizer(optimizer, ref.parameters())
-        ref_kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype)
+        ref_kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype, dynamic_init_scale=init_scale)
         if opt_level in ("O1", "O2"):
             ref_kwargs["combine_grad"] = True
         ref, ref_opt = amp.initialize(ref, ref_opt, **ref_kwargs)
         ref_inject = None if inject_step is None else (inject_step, 0)
         r_changed, r_scales = _train(ref, ref_opt, steps, 1, 0, LOCAL * world, accumulate, ref_inject, delay_unscale)
         result["reference"] = {"params": flat_params(ref), "changed": r_changed, "scales": r_scales}
-        if opt_level != "O0":  # the same single-process run in fp32: how far low precision alone moves the params
-            amp.deinitialize()
-            ref32 = make_model(seed=1)
-            ref32_opt = make_optimizer(optimizer, ref32.parameters())
-            ref32, ref32_opt = amp.initialize(ref32, ref32_opt, opt_level="O0", verbosity=0)
-            _train(ref32, ref32_opt, steps, 1, 0, LOCAL * world, accumulate, None, delay_unscale)
-            result["reference"]["fp32"] = flat_params(ref32)
     if min_bucket is not None:
         reducer._MIN_BUCKET = 2**20
     return result
@@ -144,8 +141,7 @@ def bucket_counts(rank, world, min_bucket=64):
             with amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
                 plan = next(iter(ddp._plans.values()), None)
-                if plan is not None:
-                    launched.append(bool(plan.reduced))
+                launched.append(plan is not None and plan.reduced)
             opt.step()
             opt.zero_grad()
         plan = next(iter(ddp._plans.values()))

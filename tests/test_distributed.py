@@ -14,7 +14,11 @@ O1/O2 the forward/backward runs in the low dtype on a different batch split
 (per-rank batches vs one batch), so params agree to that dtype's resolution:
 bf16 (8 bits of mantissa): rtol 1.6e-2, atol 1e-2 (one ulp at magnitude 2 is
 0.0156 under O2, where the model params themselves are bf16); fp16 (11 bits):
-rtol 2e-3, atol 2e-3.
+rtol 2e-3, atol 2e-3. Measured on this machine, the distributed runs differ
+from the single-process ones by about as much as the single-process low-precision
+runs differ from fp32 (ratio 0.4-1.1 over the grid). Adam runs with eps=1e-3
+(see _dist_scenarios.make_optimizer) so that near-zero gradients do not turn
+rounding noise into full-lr steps.
 """
 
 from __future__ import annotations
@@ -44,17 +48,19 @@ def _check_train(results, opt_level, amp_dtype="bfloat16", skipped=()):
     assert ref["changed"] == expected
 
 
-GRID = [(world, level, opt) for world in (2, 3) for level in ("O0", "O1", "O2")
-        for opt in ("sgd", "adam", "fused_sgd", "fused_adam")]
-FAST = {(2, "O0", "adam"), (2, "O1", "sgd"), (2, "O1", "fused_adam"), (2, "O2", "adam"), (2, "O2", "fused_sgd"),
-        (3, "O0", "fused_sgd"), (3, "O1", "fused_adam"), (3, "O2", "sgd")}
+GRID = [(world, level, opt, dtype) for world in (2, 3) for level in ("O0", "O1", "O2")
+        for opt in ("sgd", "adam", "fused_sgd", "fused_adam")
+        for dtype in (("bfloat16",) if level == "O0" else ("bfloat16", "float16"))]
+FAST = {(2, "O0", "adam", "bfloat16"), (2, "O1", "sgd", "bfloat16"), (2, "O1", "fused_adam", "float16"),
+        (2, "O2", "adam", "bfloat16"), (2, "O2", "fused_sgd", "float16"), (3, "O0", "fused_sgd", "bfloat16"),
+        (3, "O1", "fused_adam", "bfloat16"), (3, "O2", "sgd", "float16")}
 
 
-@pytest.mark.parametrize("world,opt_level,optimizer", [
+@pytest.mark.parametrize("world,opt_level,optimizer,amp_dtype", [
     pytest.param(*case, marks=() if case in FAST else pytest.mark.full) for case in GRID])
-def test_train_matches_single_process(world, opt_level, optimizer):
-    results = run(world, "train", opt_level=opt_level, optimizer=optimizer)
-    _check_train(results, opt_level)
+def test_train_matches_single_process(world, opt_level, optimizer, amp_dtype):
+    results = run(world, "train", opt_level=opt_level, optimizer=optimizer, amp_dtype=amp_dtype)
+    _check_train(results, opt_level, amp_dtype)
 
 
 @pytest.mark.parametrize("world,opt_level,optimizer,inject_rank", [

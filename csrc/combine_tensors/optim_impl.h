@@ -6,6 +6,20 @@
 
 #include "optim.h"
 
+// The flat buffers of one call never overlap (checked where they are built), but
+// the compiler cannot see that through the lambda captures: without this hint
+// it versions every loop with alias checks and keeps reloading pointers, which
+// measured 2.5x slower than the plain loop.
+#ifndef APEX_IVDEP
+#if defined(__clang__)
+#define APEX_IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define APEX_IVDEP _Pragma("GCC ivdep")
+#else
+#define APEX_IVDEP
+#endif
+#endif
+
 namespace apexc {
 namespace APEX_SIMD_NS {
 
@@ -59,6 +73,7 @@ static void sgd(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       if (mom == 0.f || !buf) {
+        APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
           float d = load(g, i) * gs + wd * load(p, i);
           float np = load(p, i) - lr * d;
@@ -70,6 +85,7 @@ static void sgd(const OptArgs& a) {
       const bool first = a.first && a.first[k];
       // torch: the first momentum buffer is the gradient itself (no dampening)
       const float keep = first ? 0.f : mom, take = first ? 1.f : static_cast<float>(1.0 - a.hp[2]);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float d = load(g, i) * gs + wd * load(p, i);
         float b = keep * load(buf, i) + take * d;
@@ -105,6 +121,7 @@ static void adam(const OptArgs& a) {
       const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
       const float l2 = decoupled ? 0.f : wd;
       if (!amsgrad) {
+        APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
           float pv = load(p, i) * decay;
           float gv = load(g, i) * gs + l2 * pv;
@@ -118,6 +135,7 @@ static void adam(const OptArgs& a) {
           store(o, i, np);
         }
       } else {
+        APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
           float pv = load(p, i) * decay;
           float gv = load(g, i) * gs + l2 * pv;
@@ -150,6 +168,7 @@ static void adadelta(const OptArgs& a) {
     const float omr = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(g, i) * gs + wd * pv;
@@ -184,6 +203,7 @@ static void rmsprop_impl(const OptArgs& a) {
     const float one_minus = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         if (TF && decoupled) pv = pv - wd * pv;
@@ -244,6 +264,7 @@ static void bert_adam(const OptArgs& a) {
     const float omb1 = static_cast<float>(1.0 - a.hp[1]), omb2 = static_cast<float>(1.0 - a.hp[2]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(g, i) * gs;
@@ -350,6 +371,7 @@ static void lamb_stage2(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
       const LambBC bc = lamb_bc(a, k, a.hp[3], a.hp[4]);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps) + wd * pv;
@@ -446,6 +468,7 @@ static void adamp_stage_b(const OptArgs& a) {
       const float coef = (pn != 0.f && a.seg_out) ? static_cast<float>(a.seg_out[k]) : 0.f;
       const float wdr = a.seg_aux ? a.seg_aux[k] : 1.f;
       const float decay = static_cast<float>(1.0 - lr * wd * wdr);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float gv = load(g, i) * s.gs;
         store(m, i, s.b1 * load(m, i) + s.omb1 * gv);
@@ -474,6 +497,7 @@ static void adagrad(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float clr = static_cast<float>(lr / (1.0 + (a.steps[k] - 1.0) * lr_decay));
       const float gs = gmul(a, k);
+      APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(g, i) * gs + (wmode ? 0.f : wd * pv);

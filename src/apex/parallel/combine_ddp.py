@@ -92,7 +92,6 @@ class _Plan:
                         parts.append(src[a:z])
                 buckets.append(parts)
                 bucket_pos.append(-1)
-            entries.append((f"buffer {k}", (total,), _dtype_name(b.flat.dtype)))
             for i, (p, off) in enumerate(zip(b.params, b.offsets)):
                 model = b.models[i]
                 if model is None:
@@ -110,8 +109,10 @@ class _Plan:
                 flats.append(flat)
                 offsets.append(off)
                 views.append(view)
-                entries.append((f"buffer {k}: {owner.name(t)}", (off, p.numel()), _dtype_name(flat.dtype)))
-        order = sorted(range(len(buckets)), key=lambda j: -bucket_pos[j])
+                # slot lengths in order fix the offsets too (plan_layout)
+                entries.append((f"buffer {k}: {owner.name(t)}", (p.numel(),), _dtype_name(flat.dtype)))
+            entries.append((f"end of buffer {k}", (total,), _dtype_name(b.flat.dtype)))
+        order = sorted(range(len(buckets)), key=lambda j: (-bucket_pos[j], -j))
         self.entries = entries
         self.slots = GradSlots(tensors, flats, offsets, views)
         self.engine = BucketedAllReduce(buckets, slot_buckets, order, predivide=float(owner.world), what=_WHAT)

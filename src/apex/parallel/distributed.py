@@ -234,7 +234,7 @@ class DistributedDataParallel(torch.nn.Module):
                 for b in bs:
                     bucket_pos[base + b] = pos if bucket_pos[base + b] < 0 else min(bucket_pos[base + b], pos)
         # expected arrival: grads of the last params first, so buckets whose earliest param is latest go first
-        order = sorted(range(len(buckets)), key=lambda b: -bucket_pos[b])
+        order = sorted(range(len(buckets)), key=lambda b: (-bucket_pos[b], -b))
         if self.gradient_average:
             post = self.gradient_predivide_factor / self.world_size
         else:
