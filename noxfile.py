@@ -25,6 +25,7 @@ import hashlib
 import os
 import platform
 import re
+import runpy
 import shutil
 import subprocess
 import time
@@ -161,16 +162,9 @@ def write_pytest_ini(directory: Path) -> None:
     (directory / "pytest.ini").write_text("\n".join(lines) + "\n")
 
 
-def show_install(session: nox.Session) -> None:
-    """Log which apex/apex_C this environment imports (never the source tree) and what the core can use."""
-    session.run("python", "-c", (
-        "import os, sys, apex, apex_C; root = os.path.realpath(sys.argv[1]); "
-        "paths = [os.path.realpath(m.__file__) for m in (apex, apex_C)]; "
-        "bad = [p for p in paths if p.startswith(root + os.sep)]; "
-        "print('apex from', paths[0]); print('apex_C from', paths[1], '| simd', apex_C.simd_level(), "
-        "'of', apex_C.supported_simd_levels()); "
-        "sys.exit('imported from the source tree, not the installed copy: %s' % bad if bad else 0)"
-    ), str(ROOT / "src"))
+def show_install(session: nox.Session, *extra: str) -> None:
+    """Log which apex/apex_C this environment imports (never the source tree) and check its SIMD levels."""
+    session.run("python", str(ROOT / "ci" / "check_install.py"), str(ROOT / "src"), *extra)
 
 
 # -------------------------------------------------------------------------------------------------------- sessions
@@ -206,7 +200,7 @@ def kernels(session: nox.Session) -> None:
     session.env["APEX_REQUIRE_EXT"] = "1"
     session.install(*group("kernel-test"))
     session.install("--no-deps", ".")
-    session.run("python", "-c", "import sys, apex_C; assert 'torch' not in sys.modules; print(apex_C.__file__)")
+    show_install(session, "--no-torch")
     session.run("pytest", "tests", "-m", "kernels", *session.posargs)
 
 
@@ -263,10 +257,12 @@ def build(session: nox.Session) -> None:
         DIST.mkdir(exist_ok=True)
         for stale in DIST.glob(f"apex-{PACKAGE_VERSION}-{tag}-{tag}-*{arch}.whl"):
             stale.unlink()
-        session.run("auditwheel", "repair", "--plat", plat, "--wheel-dir", str(DIST), str(wheel))
+        # --plat auto = the policy `show` reported (--plat NAME only accepts this host's arch, so not for cross
+        # builds); the name check below confirms the tag.
+        session.run("auditwheel", "repair", "--plat", "auto", "--wheel-dir", str(DIST), str(wheel))
         repaired = sorted(DIST.glob(f"apex-{PACKAGE_VERSION}-{tag}-{tag}-*{arch}.whl"))
-        if len(repaired) != 1:
-            session.error(f"auditwheel repair left {[p.name for p in repaired]} in {DIST}, expected one wheel")
+        if len(repaired) != 1 or plat not in repaired[0].name:
+            session.error(f"auditwheel repair left {[p.name for p in repaired]} in {DIST}, expected one {plat} wheel")
         sdist = DIST / sdists[0].name
         shutil.copy2(sdists[0], sdist)
 
@@ -329,7 +325,10 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(entry), *session.posargs)
 
 
+# Sessions owned elsewhere register themselves when their module runs (nox collects every decorated function).
+overlay = runpy.run_path(str(ROOT / "ci" / "nox_overlay.py"))["overlay"]  # nox -s overlay
+release_sessions = runpy.run_path(str(ROOT / "ci" / "nox_release.py"))  # docker, matrix, release, audit, ...
+
+
 if __name__ == "__main__":
     nox.main()
-overlay = __import__("runpy").run_path(str(ROOT / "ci" / "nox_overlay.py"))["overlay"]  # nox -s overlay
-release_sessions = __import__("runpy").run_path(str(ROOT / "ci" / "nox_release.py"))  # docker matrix release audit ...

@@ -35,8 +35,13 @@ log = logging.getLogger("ci.audit")
 WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
 LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
-IMPORT_PROBE = ("import sys; sys.path.insert(0, sys.argv[1]); import apex_C; "
-                "print(apex_C.__file__.rsplit('/', 1)[-1], apex_C.simd_level(), apex_C.supported_simd_levels())")
+IMPORT_PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import apex_C; "
+                "print(json.dumps({'module': apex_C.__file__.rsplit('/', 1)[-1], 'level': apex_C.simd_level(), "
+                "'levels': list(apex_C.supported_simd_levels())}))")
+# SIMD levels of the core and the CPU features each needs (x86_64: from /proc/cpuinfo flags; aarch64: NEON is baseline
+# of the architecture, so every aarch64 build must offer it).
+X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                          "avx512dq"}}
 
 
 class AuditFailure(RuntimeError):
@@ -74,7 +79,7 @@ def glibc_of(tag: str) -> tuple[int, int]:
 
 def check_policy(a: WheelAudit, wheel: Path, limit: str) -> None:
     cap = glibc_of(limit + "_x")
-    out = subprocess.run(["auditwheel", "show", str(wheel)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True)
     text = " ".join((out.stdout + out.stderr).split())
     found = re.search(r'consistent with the following platform tag: "([^"]+)"', text)
     if out.returncode != 0 or not found:
@@ -133,8 +138,35 @@ def check_import(a: WheelAudit, wheel: Path, engine: container.Engine | None, us
             cmd = engine.run_cmd("--network=none", "-v", f"{tmp}:/w:ro", image, "python3", "-c", IMPORT_PROBE, "/w")
             where = f"qemu-aarch64, Debian {suite} python3"
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-        detail = (out.stdout.strip() or out.stderr.strip()[-400:])
-        a.add("import", out.returncode == 0, f"{where}: {detail}")
+        if out.returncode != 0:
+            a.add("import", False, f"{where}: {out.stderr.strip()[-400:]}")
+            return
+        probe = json.loads(out.stdout.strip().splitlines()[-1])
+        a.add("import", True, f"{where}: {probe['module']} (SIMD {probe['level']} of {probe['levels']})")
+        check_dispatch(a, probe["levels"])
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def check_dispatch(a: WheelAudit, levels: list[str]) -> None:
+    """The run-time dispatch must offer every SIMD level the CPU it runs on supports (a build whose CPU detection
+    does not work silently runs the baseline kernels only)."""
+    if a.arch == "x86_64":
+        flags = cpu_flags()
+        expected = ["baseline", *(lvl for lvl, need in X86_LEVELS.items() if need <= flags)]
+    else:
+        expected = ["baseline", "neon"]
+    missing = [lvl for lvl in expected if lvl not in levels]
+    a.add("dispatch", not missing,
+          f"offers {levels}; this CPU supports {expected}" + (f"; MISSING {missing}: the extension's CPU feature "
+                                                               "detection does not see them" if missing else ""))
 
 
 def audit_wheel(wheel: Path, m: matrix.Matrix, engine: container.Engine | None, imports: bool = True,
@@ -188,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AuditFailure, check_so.AuditError, container.ContainerError) as e:
         log.error("audit: error: %s", e)
         return 2
-    print(format_table(results))
+    print(format_table(results), flush=True)
     if args.json:
         args.json.write_text(json.dumps([{**asdict(a), "ok": a.ok} for a in results], indent=1))
     failed = [a.wheel for a in results if not a.ok]

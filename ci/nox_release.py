@@ -106,7 +106,7 @@ def snapshot(session: nox.Session) -> Path:
     """A frozen copy of the source tree (git-tracked + untracked-but-not-ignored files) that every cell of this run
     is built from and tested with, so a tree that changes during a long run cannot mix versions. The offline
     wheelhouse is hard-linked into it (the Dockerfile mounts it from the build context)."""
-    dest = ROOT / ".cache" / "release" / "src"
+    dest = ROOT / ".cache" / "release" / f"src-{session.name}"  # one per session: they may run side by side
     shutil.rmtree(dest, ignore_errors=True)
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             capture_output=True, text=True)

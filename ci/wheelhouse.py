@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ WHEELHOUSE = ROOT / ".cache" / "release" / "wheelhouse"
 TEST_TOOLS = ("numpy", "pytest")
 # The interpreter that runs nox inside the build image (every base image has it under /opt/python).
 RUNNER_PYTHON = "3.11"
+RECIPE = 2  # bump when the download rules change (stamps of older runs are then redone)
 
 
 def _platforms(arch: str) -> list[str]:
@@ -50,9 +52,23 @@ def group(name: str) -> list[str]:
     return reqs
 
 
+def _pip_of(python: str) -> str:
+    """An interpreter of `python`'s version to run pip with: `pip download --python-version` evaluates environment
+    markers (tomli; python_version < "3.11", ...) for the interpreter running pip, not for the target version."""
+    from ci import container
+
+    try:
+        return str(container.pyenv_interpreter(python) / "bin" / f"python{python}")
+    except container.ContainerError:
+        found = shutil.which(f"python{python}")
+        if not found:
+            raise SystemExit(f"wheelhouse: no CPython {python} here to resolve its dependencies with") from None
+        return found
+
+
 def download(python: str, arch: str, requirements: list[str], dest: Path) -> None:
     tag = "cp" + python.replace(".", "")
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
+    cmd = [_pip_of(python), "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
            "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
            "--abi", tag, "--abi", "abi3", "--abi", "none", "--dest", str(dest)]
     for p in _platforms(arch):
@@ -75,7 +91,7 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
             jobs[(cell.python, cell.arch, "torch-deps")] = [f"torch=={cell.torch}"]
     for (python, arch, what), reqs in jobs.items():
         key = f"{python}-{arch}:{what}"
-        digest = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(json.dumps([RECIPE, reqs]).encode()).hexdigest()[:12]
         if done.get(key) == digest:
             continue
         download(python, arch, reqs, WHEELHOUSE)

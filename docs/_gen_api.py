@@ -1,4 +1,4 @@
-"""Generate docs/api.md from the code: every public name, its signature (via inspect) and docstring summary.
+"""Generate docs/api.md from the code: every public name, its signature (via inspect) and its docstring.
 
     PYTHONPATH=src python docs/_gen_api.py          # rewrite docs/api.md
     PYTHONPATH=src python docs/_gen_api.py --check  # exit 1 if docs/api.md is out of date (tests/test_docs.py)
@@ -51,7 +51,7 @@ NOTES = {
         "updates the scale; an overflow skips the owning optimizers' next `step()`. With `combine_grad` the "
         "unscale + check is one pass over each combined grad buffer."),
     "apex.amp.state_dict": "Upstream's format, so checkpoints move between NVIDIA amp and this package.",
-    "apex.amp.deinitialize": "Not in NVIDIA Apex or the NPU patch: undoes `initialize` (useful in tests and notebooks).",
+    "apex.amp.deinitialize": "Not in NVIDIA Apex or the NPU patch: undoes `initialize` (for tests and notebooks).",
     "apex.amp.LossScaler": "Dynamic scaler with the NPU patch's tunables (init, growth, backoff, window, min, max).",
     "apex.optimizers.CombinedOptimizer": (
         "Base class of every fused optimizer here. Params, grads and per-param states are combined lazily at the "
@@ -99,6 +99,20 @@ def _first_paragraph(obj) -> str:
     return " ".join(line.strip() for line in para.splitlines()).strip()
 
 
+def _rest_of_doc(obj) -> str:
+    doc = inspect.getdoc(obj) or ""
+    parts = doc.split("\n\n", 1)
+    return parts[1].strip() if len(parts) == 2 else ""
+
+
+def _module_doc(obj) -> str:
+    """The defining module's docstring, when the object's own docstring defers to it."""
+    if "module docstring" not in (inspect.getdoc(obj) or ""):
+        return ""
+    mod = sys.modules.get(getattr(obj, "__module__", ""), None)
+    return inspect.cleandoc(mod.__doc__) if mod is not None and mod.__doc__ else ""
+
+
 def _signature(qual: str, obj) -> str:
     name = qual.rsplit(".", 1)[1]
     if inspect.isclass(obj) and issubclass(obj, BaseException):
@@ -116,8 +130,7 @@ def generate() -> str:
              "Signatures and summaries are read from the code with `inspect`; the notes say how a name differs "
              "from the original Ascend NPU patch and from NVIDIA Apex. `import apex` loads the subpackages lazily.",
              ""]
-    for modname, intro, names in MODULES:
-        mod = importlib.import_module(modname)
+    for modname, _, _ in MODULES:
         lines.append(f"- [`{modname}`](#{modname.replace('.', '').replace('_', '')})")
     lines.append("")
     for modname, intro, names in MODULES:
@@ -130,6 +143,13 @@ def generate() -> str:
             summary = _first_paragraph(obj) if callable(obj) else ""
             if summary:
                 lines += [summary, ""]
+            rest = _rest_of_doc(obj) if callable(obj) else ""
+            if rest:  # docstrings are plain text with indented formulas: keep their layout verbatim
+                lines += ["```text", rest, "```", ""]
+            moddoc = _module_doc(obj)
+            if moddoc:
+                lines += ["<details><summary>Semantics: module <code>" + obj.__module__ + "</code></summary>", "",
+                          "```text", moddoc, "```", "", "</details>", ""]
             if qual in NOTES:
                 lines += [f"*Differences:* {NOTES[qual]}", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -23,6 +23,7 @@ import os
 import queue
 import tempfile
 import traceback
+from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers its tensor reductions here
 from typing import Any, Dict, List, Optional
 
 import torch.multiprocessing as mp
@@ -50,7 +51,9 @@ def _worker(rank: int, world: int, store: str, inq, outq) -> None:
         try:
             torch.manual_seed(0)
             fn = getattr(importlib.import_module(module), name)
-            outq.put((rank, "ok", fn(rank, world, **kwargs)))
+            result = fn(rank, world, **kwargs)
+            ForkingPickler.dumps(result)  # fail here, not silently in the queue's feeder thread
+            outq.put((rank, "ok", result))
         except BaseException:
             outq.put((rank, "error", traceback.format_exc()))
         finally:

@@ -219,8 +219,9 @@ def ddp_semantics(rank, world, message_size=40, predivide=1.0, average=True, alw
     ddp = DistributedDataParallel(model, message_size=message_size, delay_allreduce=delay,
                                   gradient_average=average, gradient_predivide_factor=predivide,
                                   allreduce_always_fp32=always_fp32)
-    ref = make_model(1).to(torch.float64)
-    x, y = batch(0, LOCAL * world)
+    # reference: the same (broadcast) model in the same dtype, run on each rank's rows here; only the sum is float64
+    ref = make_model(1).to(dt)
+    ref.load_state_dict(model.state_dict())
     outs = []
     for step in range(2):
         model.zero_grad(set_to_none=set_to_none)
@@ -229,13 +230,13 @@ def ddp_semantics(rank, world, message_size=40, predivide=1.0, average=True, alw
         loss = torch.nn.functional.mse_loss(ddp(xs.to(dt)).float(), ys)
         loss.backward()
         grads = [p.grad.double().clone() for p in model.parameters()]
-        # reference: per-rank grads (float64), summed, then averaged (or not) as DDP promises
+        # reference: per-rank grads, summed in float64, then averaged (or not) as DDP promises
         per_rank = []
         for r in range(world):
             ref.zero_grad()
-            torch.nn.functional.mse_loss(ref(x[r * LOCAL:(r + 1) * LOCAL].double()),
-                                         y[r * LOCAL:(r + 1) * LOCAL].double()).backward()
-            per_rank.append([p.grad.clone() for p in ref.parameters()])
+            torch.nn.functional.mse_loss(ref(x[r * LOCAL:(r + 1) * LOCAL].to(dt)).float(),
+                                         y[r * LOCAL:(r + 1) * LOCAL]).backward()
+            per_rank.append([p.grad.double() for p in ref.parameters()])
         expect = [sum(gs) / (world if average else predivide) for gs in zip(*per_rank)]
         outs.append((grads, expect))
     return {"steps": outs, "buckets": ddp._engine.num_buckets,
@@ -395,7 +396,7 @@ def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, moment
         y = bn(mine)
         d = dy[lo:lo + shape_per_rank[rank]]
         y.backward((d.movedim(1, -1) if channel_last else d).to(dt))
-        y_d, gx = y.double(), mine.grad.double()
+        y_d, gx = y.detach().double(), mine.grad.double()
         if channel_last:
             y_d, gx = y_d.movedim(-1, 1), gx.movedim(-1, 1)
         out[step] = {"y": y_d, "y_ref": y_ref.detach()[lo:lo + shape_per_rank[rank]],
@@ -413,6 +414,6 @@ def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, moment
     ref.eval()
     x = torch.randn(2, c, *spatial, generator=g, dtype=torch.float64)
     xe = x.movedim(1, -1) if channel_last else x
-    ye = bn(xe.to(dt)).double()
+    ye = bn(xe.to(dt)).detach().double()
     out["eval"] = (ye.movedim(-1, 1) if channel_last else ye, ref(x).detach())
     return out

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+if not ((ROOT / "examples").is_dir()):
+    # `nox -s test-wheel` runs a copy of tests/ alone, away from the checkout; the `tests` session covers these
+    pytest.skip(f"examples/ not found beside tests/ (under {ROOT})", allow_module_level=True)
 EXAMPLES = ROOT / "examples"
 QUICKSTARTS = sorted(p.name for p in EXAMPLES.glob("quickstart*.py"))
 # One interpreter per script pays torch's import; 300 s only guards against a hang, the scripts take seconds.
@@ -23,7 +26,8 @@ TIMEOUT_S = 300
 
 
 def _env() -> dict:
-    env = dict(os.environ, APEX_DEVICE="cpu", PYTHONUNBUFFERED="1")
+    # one thread each: the runs overlap, and on a small machine 2-thread runs side by side only contend
+    env = dict(os.environ, APEX_DEVICE="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     src = str(ROOT / "src")
     if (ROOT / "src" / "apex").is_dir() and src not in env.get("PYTHONPATH", "").split(os.pathsep):
         # the in-tree package when run from a checkout; with an installed apex (test-wheel) there is no src/apex
@@ -112,7 +116,7 @@ def test_train_tiny_lm_rejects_bad_steps(capsys):
 @pytest.mark.full
 @pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
 def test_train_tiny_lm_default_size_learns(opt_level):
-    # the default model for 150 steps: well below the uniform-guess loss, i.e. it learned the grammar's words
-    res = parse_result(run_example("train_tiny_lm.py", "--opt-level", opt_level, "--steps", "150", "--no-progress"))
+    # the default model for 100 steps: well below the uniform-guess loss, i.e. it learned the grammar's words
+    res = parse_result(run_example("train_tiny_lm.py", "--opt-level", opt_level, "--steps", "100", "--no-progress"))
     assert res["last_loss"] < 0.6 * res["first_loss"], res
     assert re.fullmatch(r"O[0-3]", res["opt_level"])

@@ -189,8 +189,8 @@ def agree_layout(entries: Sequence[LayoutEntry], what: str, noun: str = "paramet
     b = theirs[index] if index < len(theirs) else None
     raise RuntimeError(
         f"{what}: the {noun}s differ across ranks. First difference at {noun} {index}: rank 0 has "
-        f"{_describe_entry(a, noun)}, rank {rank} has {_describe_entry(b, noun)} (rank 0: {len(ref)} {noun}s, "
-        f"rank {rank}: {len(theirs)}). Every rank must build the same model{hint}."
+        f"{_describe_entry(a, noun)}, rank {rank} has {_describe_entry(b, noun)} (rank 0 lists {len(ref)}, "
+        f"rank {rank} lists {len(theirs)}). Every rank must build the same model{hint}."
     )
 
 

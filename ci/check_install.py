@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Checks what an environment imports as apex / apex_C before its tests run (nox tests, test-wheel, demo, bench).
+
+    python ci/check_install.py SOURCE_DIR [--no-torch]
+
+- apex and apex_C must come from the installed copy, never from SOURCE_DIR (the tree's src/), so a test run can
+  not pass against files the wheel does not ship;
+- the extension must offer every SIMD level this CPU has (x86_64: /proc/cpuinfo flags avx2+fma+f16c -> avx2,
+  + avx512f/bw/vl/dq -> avx512; aarch64: neon): a build whose runtime dispatch cannot see the CPU's features
+  would pass every test at baseline speed.
+--no-torch skips importing apex (which imports torch): for the torch-free kernel environments.
+Exit status 0 when all holds; 1 with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                         "avx512dq"}}
+
+
+def expected_levels() -> list:
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["baseline", "neon"]
+    if machine not in ("x86_64", "amd64"):
+        return ["baseline"]
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return ["baseline"]
+    return ["baseline"] + [level for level, need in X86_LEVELS.items() if need <= flags]
+
+
+def main(argv: list) -> int:
+    if not argv or argv[0].startswith("-"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    source = os.path.realpath(argv[0])
+    import apex_C
+
+    modules = [apex_C]
+    if "--no-torch" not in argv:
+        import apex
+
+        modules.insert(0, apex)
+    problems = []
+    for mod in modules:
+        path = os.path.realpath(mod.__file__)
+        print(f"{mod.__name__:7} from {path}")
+        if path.startswith(source + os.sep):
+            problems.append(f"{mod.__name__} is imported from the source tree ({path}), not the installed copy")
+    have, want = apex_C.supported_simd_levels(), expected_levels()
+    print(f"apex_C  simd level {apex_C.simd_level()}; supported {have}; this CPU offers {want}")
+    missing = [level for level in want if level not in have]
+    if missing:
+        problems.append(f"apex_C does not offer {missing}, which this CPU supports: the build's runtime CPU "
+                        "feature detection is broken")
+    for p in problems:
+        print(f"check_install: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,96 @@
+"""apex.parallel.DistributedDataParallel and Reducer on gloo, with spawned ranks (see _dist_harness.py).
+
+Gradients are compared with a float64 reference computed by hand on every rank:
+the per-rank grads of the same model on each rank's rows, summed and divided as
+upstream apex DDP promises (average: / world size; gradient_average=False: the
+sum divided by gradient_predivide_factor).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_harness import run, spawn_once
+
+# fp32 grads of a tiny model, reduced in another summation order than the float64 reference
+F32 = dict(rtol=1e-5, atol=1e-6)
+# fp16/bf16 model: the per-rank grads are the same as the reference's; the pre-divided sum is rounded to the
+# dtype twice (each addend, then the result): two ulps
+LOW = {"float16": dict(rtol=2 * 2.0**-10, atol=1e-5), "bfloat16": dict(rtol=2 * 2.0**-7, atol=1e-5)}
+
+
+def _check_grads(results, tol, world):
+    for r in results:
+        for grads, expect in r["steps"]:
+            for g, e in zip(grads, expect):
+                torch.testing.assert_close(g, e, **tol)
+    for g0, g1 in zip(results[0]["steps"][-1][0], results[-1]["steps"][-1][0]):
+        assert torch.equal(g0, g1)  # every rank holds the same reduced grads
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),  # 40-element buckets: several, overlapping the backward
+    dict(delay=True),
+    dict(message_size=10**7, set_to_none=False),
+    dict(predivide=4.0),
+    dict(average=False, predivide=2.0),
+    pytest.param(dict(dtype="float16", always_fp32=True), marks=pytest.mark.full),
+    dict(dtype="bfloat16"),
+])
+def test_ddp_grads_match_reference(kwargs):
+    res = run(2, "ddp_semantics", **kwargs)
+    tol = LOW[kwargs["dtype"]] if "dtype" in kwargs else F32
+    _check_grads(res, tol, 2)
+    assert res[0]["views"]  # grads are views into the flat buffers (no copies at the next backward)
+    if kwargs.get("message_size", 40) == 40:
+        assert res[0]["buckets"] > 3
+
+
+def test_ddp_three_ranks():
+    res = run(3, "ddp_semantics")
+    _check_grads(res, F32, 3)
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "disable", "every"])
+def test_ddp_gradient_accumulation(mode):
+    for r in run(2, "ddp_accumulate", mode=mode):
+        for g, e in zip(r["grads"], r["expect"]):
+            # grads of mean losses over each rank's rows, averaged: the mean-loss grad of the whole batch, summed
+            # over the micro-batches
+            torch.testing.assert_close(g, e, **F32)
+
+
+def test_ddp_param_used_on_some_ranks():
+    res = run(2, "ddp_unused")
+    for r in res:
+        assert r["never"]  # no rank produced a grad: stays None
+        torch.testing.assert_close(r["side"], res[0]["side0"], **F32)  # rank 0's grad, averaged with rank 1's zeros
+
+
+def test_ddp_shares_the_fused_optimizer_buffer():
+    res = run(2, "ddp_adopt")
+    for r in res:
+        assert r["shared"]
+        assert r["recombines"] == 1  # combined once; never had to re-bind grads afterwards
+        torch.testing.assert_close(r["params"], r["ref"], **F32)
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def test_reducer():
+    res = run(2, "reducer_manual")
+    assert torch.equal(res[0]["params"], res[1]["params"])
+    for r in res:
+        assert r["grad_ok"]
+        assert torch.equal(r["list"], torch.full((3,), 0.5))
+
+
+# ---------------------------------------------------------------- a rank that dies or never arrives
+
+
+@pytest.mark.parametrize("where", ["initialize", "absent", pytest.param("backward", marks=pytest.mark.full)])
+def test_dead_or_missing_rank_gives_collective_error(where):
+    res = spawn_once(2, "dead_rank", timeout=90, pg_timeout_s=4.0, where=where)
+    r0 = res[0]
+    assert r0 is not None and r0["error"] is None, r0
+    assert "failed" in r0["collective"] and "timeout" in r0["collective"]
+    assert r0["seconds"] < 4.0 + 10.0  # within the process group timeout (plus scheduling slack)
