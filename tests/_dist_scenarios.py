@@ -17,16 +17,19 @@ import torch.distributed as dist
 
 from apex import amp
 from apex.optimizers import NpuFusedAdam, NpuFusedSGD
-from apex.parallel import CollectiveError, DistributedDataParallel, SyncBatchNorm, reducer
+from apex.parallel import CollectiveError, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model, reducer
 
 IN, HID, OUT = 8, 24, 4
 LOCAL = 4  # rows per rank and step
 
 
-def make_model(seed: int, extra: bool = False) -> torch.nn.Module:
+def make_model(seed: int, extra: bool = False, kind: str = "mlp") -> torch.nn.Module:
+    """A small MLP; kind "bn" puts a BatchNorm1d after the first layer (converted to SyncBatchNorm when distributed)."""
     g = torch.Generator().manual_seed(seed)
-    layers = [torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, HID, bias=False), torch.nn.Tanh(),
-              torch.nn.Linear(HID, OUT)]
+    norm = [torch.nn.BatchNorm1d(HID)] if kind == "bn" else []
+    # (no bias before a batch norm: its gradient is zero up to rounding, which Adam would amplify)
+    layers = [torch.nn.Linear(IN, HID, bias=not norm), *norm, torch.nn.Tanh(), torch.nn.Linear(HID, HID, bias=False),
+              torch.nn.Tanh(), torch.nn.Linear(HID, OUT)]
     if extra:
         layers += [torch.nn.Linear(OUT, OUT)]
     model = torch.nn.Sequential(*layers)
@@ -67,10 +70,12 @@ def _poison(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _train(model, opt, steps, world, rank, rows, accumulate=1, inject=None, delay_unscale=False, ddp=None):
+def _train(model, opt, steps, world, rank, rows, accumulate=1, inject=None, delay_unscale=False, ddp=None,
+           set_to_none=True):
     """The amp training loop; returns per-step "params changed" flags and loss scales."""
     changed, scales = [], []
     net = ddp if ddp is not None else model
+    opts = opt if isinstance(opt, list) else [opt]
     for step in range(steps):
         before = flat_params(model)
         for micro in range(accumulate):
@@ -83,45 +88,70 @@ def _train(model, opt, steps, world, rank, rows, accumulate=1, inject=None, dela
             last = micro == accumulate - 1
             with amp.scale_loss(loss, opt, delay_unscale=delay_unscale and not last) as scaled:
                 scaled.backward()
-        opt.step()
-        opt.zero_grad()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
         changed.append(not torch.equal(before, flat_params(model)))
         scales.append(amp._amp_state.loss_scalers[0].loss_scale())
     return changed, scales
 
 
+def _optimizers(model, optimizer, split):
+    params = list(model.parameters())
+    if split:  # two optimizers: the first layer's params, and the rest
+        return [make_optimizer(optimizer, params[:2]), make_optimizer(optimizer, params[2:])]
+    return make_optimizer(optimizer, params)
+
+
 def train(rank, world, opt_level="O1", optimizer="sgd", steps=20, amp_dtype=None, inject_step=None, inject_rank=0,
           accumulate=1, delay_unscale=False, min_bucket=None, use_ddp=None, message_size=10000000,
-          reference=True, init_scale=2.0**10):
+          reference=True, init_scale=2.0**10, model_kind="mlp", split=False, amp_extra=None, set_to_none=True):
     """Distributed amp training vs single-process training of the same steps on the whole batch (rank 0)."""
-    if min_bucket is not None:
-        reducer._MIN_BUCKET = min_bucket
+    try:
+        if min_bucket is not None:
+            reducer._MIN_BUCKET = min_bucket
+        return _train_and_reference(rank, world, opt_level, optimizer, steps, amp_dtype, inject_step, inject_rank,
+                                    accumulate, delay_unscale, use_ddp, message_size, reference, init_scale,
+                                    model_kind, split, amp_extra or {}, set_to_none)
+    finally:
+        reducer._MIN_BUCKET = 2**20
+
+
+def _train_and_reference(rank, world, opt_level, optimizer, steps, amp_dtype, inject_step, inject_rank, accumulate,
+                         delay_unscale, use_ddp, message_size, reference, init_scale, model_kind, split, amp_extra,
+                         set_to_none):
     use_ddp = opt_level in ("O0", "O3") if use_ddp is None else use_ddp
-    model = make_model(seed=1 if rank == 0 else 100 + rank)  # the broadcast must fix the other ranks
-    opt = make_optimizer(optimizer, model.parameters())
+    model = make_model(seed=1 if rank == 0 else 100 + rank, kind=model_kind)  # the broadcast must fix the others
+    model = convert_syncbn_model(model)
+    opt = _optimizers(model, optimizer, split)
     # init_scale: fp16 grads of a 1/world share of the batch are world times larger than the single-process ones;
     # a scale far from fp16's range keeps natural overflows out of the comparison (injected ones are tested)
-    kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype, dynamic_init_scale=init_scale)
+    kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype, dynamic_init_scale=init_scale, **amp_extra)
     if not use_ddp:
         kwargs.update(combine_grad=True, combine_ddp=True)
     model, opt = amp.initialize(model, opt, **kwargs)
     ddp = DistributedDataParallel(model, message_size=message_size) if use_ddp else None
     inject = None if inject_step is None else (inject_step, inject_rank)
-    changed, scales = _train(model, opt, steps, world, rank, LOCAL, accumulate, inject, delay_unscale, ddp)
-    result = {"params": flat_params(model), "changed": changed, "scales": scales}
+    changed, scales = _train(model, opt, steps, world, rank, LOCAL, accumulate, inject, delay_unscale, ddp,
+                             set_to_none)
+    result = {"params": flat_params(model), "changed": changed, "scales": scales,
+              "buffers": torch.cat([b.detach().float().reshape(-1) for b in model.buffers()]) if model_kind == "bn"
+              else None}
     amp.deinitialize()
     if rank == 0 and reference:
-        ref = make_model(seed=1)
-        ref_opt = make_optimizer(optimizer, ref.parameters())
-        ref_kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype, dynamic_init_scale=init_scale)
+        ref = make_model(seed=1, kind=model_kind)
+        ref_opt = _optimizers(ref, optimizer, split)
+        ref_kwargs = dict(opt_level=opt_level, verbosity=0, amp_dtype=amp_dtype, dynamic_init_scale=init_scale,
+                          **amp_extra)
         if opt_level in ("O1", "O2"):
             ref_kwargs["combine_grad"] = True
         ref, ref_opt = amp.initialize(ref, ref_opt, **ref_kwargs)
         ref_inject = None if inject_step is None else (inject_step, 0)
-        r_changed, r_scales = _train(ref, ref_opt, steps, 1, 0, LOCAL * world, accumulate, ref_inject, delay_unscale)
-        result["reference"] = {"params": flat_params(ref), "changed": r_changed, "scales": r_scales}
-    if min_bucket is not None:
-        reducer._MIN_BUCKET = 2**20
+        r_changed, r_scales = _train(ref, ref_opt, steps, 1, 0, LOCAL * world, accumulate, ref_inject, delay_unscale,
+                                     None, set_to_none)
+        result["reference"] = {"params": flat_params(ref), "changed": r_changed, "scales": r_scales,
+                               "buffers": torch.cat([b.detach().float().reshape(-1) for b in ref.buffers()])
+                               if model_kind == "bn" else None}
     return result
 
 

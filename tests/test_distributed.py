@@ -88,6 +88,29 @@ def test_accumulation_without_delay_unscale():
     _check_train(results, "O1")
 
 
+@pytest.mark.parametrize("case", [
+    dict(opt_level="O1", optimizer="fused_adam", amp_extra=dict(fold_unscale=True)),
+    dict(opt_level="O1", optimizer="sgd", amp_extra=dict(check_combined_tensors=True), set_to_none=False),
+    dict(opt_level="O2", optimizer="fused_sgd", set_to_none=False),
+    dict(opt_level="O1", optimizer="adam", split=True),
+    pytest.param(dict(opt_level="O2", optimizer="fused_adam", split=True, min_bucket=40), marks=pytest.mark.full),
+], ids=["fold_unscale", "check_combined", "O2-zero-in-place", "two-optimizers", "O2-two-optimizers-buckets"])
+def test_combine_ddp_options(case):
+    results = run(2, "train", steps=10, **case)
+    _check_train(results, case["opt_level"])
+
+
+@pytest.mark.parametrize("opt_level,optimizer", [
+    ("O2", "fused_adam"), pytest.param("O1", "sgd", marks=pytest.mark.full)])
+def test_syncbn_model_under_combine_ddp(opt_level, optimizer):
+    # SyncBatchNorm on 2 ranks == BatchNorm on the whole batch; under O2 its fp32 params sit between bf16 runs
+    # of the flat buffers, so buckets are made of several parts
+    results = run(2, "train", opt_level=opt_level, optimizer=optimizer, steps=10, model_kind="bn", min_bucket=64)
+    _check_train(results, opt_level)
+    torch.testing.assert_close(results[0]["buffers"], results[0]["reference"]["buffers"], **TOL["bfloat16"])
+    assert torch.equal(results[0]["buffers"], results[1]["buffers"])
+
+
 def test_buckets_overlap_backward_in_order():
     # with a 64-element floor the test model's buffer splits into several buckets; from the second step on they
     # are all-reduced during the backward (before scale_loss exits), the first step at the exit

@@ -227,7 +227,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if self._model_pairs is not None:
             for s in sets:
                 models = [self._model_pairs.get(id(p)) for p in s.params]
-                s.attach_out(models if all(m is not None for m in models) else None)
+                s.attach_out(models if any(m is not None for m in models) else None)
         self._groups[gi] = _GroupCache(group["params"], sets, list(names))
         self._rebuilt = True
         if self.recombine_count:

@@ -173,6 +173,7 @@ class FlatSet:
         self.args = self._make_args() if self.uses_kernel else None
 
         # O2: low-precision model copies written by the same pass (see attach_out)
+        self.partial_out: Optional[List[tuple]] = None
         self.out_params: Optional[List[torch.Tensor]] = None
         self.flat_out: Optional[torch.Tensor] = None
         self.out_ptrs: Optional[List[int]] = None
@@ -297,9 +298,15 @@ class FlatSet:
     def attach_out(self, models: Optional[List[torch.Tensor]]) -> None:
         """Combine low-precision model copies of the params (same layout) for fused O2 copies."""
         self.out_params, self.flat_out, self.out_ptrs = None, None, None
+        self.partial_out: Optional[List[tuple]] = None
         if self.args is not None:
             self.args.out = 0
         if models is None:
+            return
+        if any(m is None for m in models):
+            # Only some params have a low-precision model copy (O2 keeps e.g. batchnorm in fp32, where the
+            # master is the model param itself): copy just those after each step, with torch ops.
+            self.partial_out = [(k, m) for k, m in enumerate(models) if m is not None and m is not self.params[k]]
             return
         self.out_params = list(models)
         self.flat_out = combine_tensors(self.out_params, require_copy_value=True)
@@ -318,6 +325,8 @@ class FlatSet:
         """Model copies for executors that could not fuse them (`fused`: the kernel wrote them)."""
         if self.flat_out is not None and (not fused or self.args is None or self.args.out == 0):
             self.flat_out.copy_(self.flat_p)
+        elif self.partial_out:
+            torch._foreach_copy_([m for _, m in self.partial_out], [self.params[k] for k, _ in self.partial_out])
 
     # -- after a step -----------------------------------------------------------
     def advance_steps(self) -> None:
