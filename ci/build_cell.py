@@ -6,8 +6,10 @@ This is the one step docker/Dockerfile.wheel runs, and it runs the same way on a
 interpreter (/opt/python/cpXY-cpXY in a manylinux or local build image, else pythonX.Y on PATH), puts it first on
 PATH, and runs `nox -s build --force-python X.Y -- --arch ARCH` from the source tree; nox builds with zig against
 glibc 2.17, strips, audits and repairs to the lowest manylinux tag. For a cross build (ARCH differs from this
-machine) the compiler gets aarch64 Python headers derived by ci/cross_headers.py. With --wheelhouse, pip only
-installs from that directory (the build containers have no network). The cell's wheel is copied to --out.
+machine) the compiler gets aarch64 Python headers derived by ci/cross_headers.py. Every build gets ci/compat-include
+after the system include dirs (a <crypt.h> for CPython 3.8's Python.h, which zig's glibc headers lack). With
+--wheelhouse, pip only installs from that directory (the build containers have no network). The cell's wheel is
+copied to --out.
 
 Standard library only, Python >= 3.8 (it runs under whatever interpreter the build image offers).
 """
@@ -70,6 +72,9 @@ def build_cell(python: str, arch: str, out: Path, source: Path, wheelhouse: Path
     env["PATH"] = f"{interp.parent}{os.pathsep}{env.get('PATH', '')}"
     if wheelhouse:
         env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheelhouse), PIP_NO_CACHE_DIR="1")
+    # zig ships no glibc <crypt.h>, which CPython <= 3.8's Python.h includes: a declaration-only stand-in, searched
+    # after every system directory (ci/compat-include/crypt.h says why it is safe)
+    env["CPPFLAGS"] = f"{env.get('CPPFLAGS', '')} -idirafter {HERE / 'compat-include'}".strip()
     with tempfile.TemporaryDirectory(prefix="apex-build-cell-") as tmp:
         tmp = Path(tmp)
         if arch != platform.machine():

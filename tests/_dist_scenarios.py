@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from apex import amp
 from apex.optimizers import NpuFusedAdam, NpuFusedSGD
@@ -241,35 +242,58 @@ def wrapped_model(rank, world):
     return out
 
 
+class _Checkpointed(torch.nn.Module):
+    """Runs the wrapped layer under non-re-entrant activation checkpointing."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
 def ddp_semantics(rank, world, message_size=40, predivide=1.0, average=True, always_fp32=False, delay=False,
-                  dtype="float32", set_to_none=True):
-    """Plain DDP (no amp): one backward, grads compared with the all-reduced reference computed by hand."""
+                  dtype="float32", set_to_none=True, trigger=False, streams=1, prof=False, freeze_at=None,
+                  checkpoint=False):
+    """Plain DDP (no amp): backward passes, grads compared with the all-reduced reference computed by hand."""
     dt = getattr(torch, dtype)
     model = make_model(1 if rank == 0 else 7).to(dt)
+    if checkpoint:
+        model[2] = _Checkpointed(model[2])
+        model[4] = _Checkpointed(model[4])  # the last layer too: the pass's first grads come from a recomputation
+    triggers = list(model[0].parameters()) if trigger else None  # the first layer's grads arrive last
     ddp = DistributedDataParallel(model, message_size=message_size, delay_allreduce=delay,
                                   gradient_average=average, gradient_predivide_factor=predivide,
-                                  allreduce_always_fp32=always_fp32)
+                                  allreduce_always_fp32=always_fp32, allreduce_trigger_params=triggers,
+                                  num_allreduce_streams=streams, prof=prof)
     # reference: the same (broadcast) model in the same dtype, run on each rank's rows here; only the sum is float64
     ref = make_model(1).to(dt)
+    if checkpoint:
+        ref[2], ref[4] = _Checkpointed(ref[2]), _Checkpointed(ref[4])
     ref.load_state_dict(model.state_dict())
     outs = []
     for step in range(2):
+        if step == freeze_at:  # the param set changes after wrapping: buckets are rebuilt at the next forward
+            model[0].weight.requires_grad_(False)
+            ref[0].weight.requires_grad_(False)
+            model[0].weight.grad = None
         model.zero_grad(set_to_none=set_to_none)
         x, y = batch(step, LOCAL * world)
         xs, ys = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
         loss = torch.nn.functional.mse_loss(ddp(xs.to(dt)).float(), ys)
         loss.backward()
-        grads = [p.grad.double().clone() for p in model.parameters()]
+        grads = [p.grad.double().clone() for p in model.parameters() if p.requires_grad]
         # reference: per-rank grads, summed in float64, then averaged (or not) as DDP promises
         per_rank = []
         for r in range(world):
             ref.zero_grad()
             torch.nn.functional.mse_loss(ref(x[r * LOCAL:(r + 1) * LOCAL].to(dt)).float(),
                                          y[r * LOCAL:(r + 1) * LOCAL]).backward()
-            per_rank.append([p.grad.double() for p in ref.parameters()])
+            per_rank.append([p.grad.double() for p in ref.parameters() if p.requires_grad])
         expect = [sum(gs) / (world if average else predivide) for gs in zip(*per_rank)]
         outs.append((grads, expect))
-    return {"steps": outs, "buckets": ddp._engine.num_buckets,
+    return {"steps": outs, "buckets": ddp._engine.num_buckets, "frozen_grad": model[0].weight.grad,
             "views": all(p.grad is v for s in ddp._sets for p, v in zip(s.params, s.views))}
 
 
@@ -373,7 +397,7 @@ def dead_rank(rank, world, where="initialize"):
         if where == "initialize":
             os._exit(0)
         if where == "absent":
-            time.sleep(8.0)  # alive but never arrives
+            time.sleep(5.0)  # alive but never arrives (rank 0's timeout is 4 s)
             return {"done": True}
     t0 = time.monotonic()
     try:

@@ -63,6 +63,15 @@ def test_train_matches_single_process(world, opt_level, optimizer, amp_dtype):
     _check_train(results, opt_level, amp_dtype)
 
 
+@pytest.mark.parametrize("opt_level,optimizer", [
+    ("O2", "fused_adam"), pytest.param("O1", "sgd", marks=pytest.mark.full),
+    pytest.param("O2", "adam", marks=pytest.mark.full)])
+def test_amp_with_apex_ddp_wrapper(opt_level, optimizer):
+    # the upstream recipe: amp.initialize (no combine_ddp), then DistributedDataParallel(model), small buckets
+    results = run(2, "train", opt_level=opt_level, optimizer=optimizer, use_ddp=True, message_size=100)
+    _check_train(results, opt_level)
+
+
 @pytest.mark.parametrize("world,opt_level,optimizer,inject_rank", [
     (2, "O1", "fused_adam", 1),
     (2, "O2", "sgd", 0),
@@ -162,3 +171,23 @@ def test_wrapped_model_is_refused():
         for msg in msgs:
             assert msg is not None and "Parallel wrappers should only be applied" in msg
         assert "apex.parallel.distributed.DistributedDataParallel" in msgs[0]
+
+
+@pytest.mark.full
+def test_torchrun_example_runs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    example = root / "examples" / "torchrun_combine_ddp.py"
+    if not example.exists():
+        pytest.skip("examples/ not beside tests/")
+    env = dict(os.environ, APEX_DEVICE="cpu", OMP_NUM_THREADS="1")
+    if (root / "src" / "apex").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(example), "--nproc", "2", "--steps", "30"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "params identical on every rank" in proc.stdout

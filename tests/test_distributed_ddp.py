@@ -36,6 +36,10 @@ def _check_grads(results, tol, world):
     dict(average=False, predivide=2.0),
     pytest.param(dict(dtype="float16", always_fp32=True), marks=pytest.mark.full),
     dict(dtype="bfloat16"),
+    dict(trigger=True),
+    dict(streams=2, prof=True),
+    dict(freeze_at=1),
+    dict(checkpoint=True),
 ])
 def test_ddp_grads_match_reference(kwargs):
     res = run(2, "ddp_semantics", **kwargs)
@@ -44,6 +48,8 @@ def test_ddp_grads_match_reference(kwargs):
     assert res[0]["views"]  # grads are views into the flat buffers (no copies at the next backward)
     if kwargs.get("message_size", 40) == 40:
         assert res[0]["buckets"] > 3
+    if "freeze_at" in kwargs:
+        assert all(r["frozen_grad"] is None for r in res)
 
 
 def test_ddp_three_ranks():
@@ -87,7 +93,8 @@ def test_reducer():
 # ---------------------------------------------------------------- a rank that dies or never arrives
 
 
-@pytest.mark.parametrize("where", ["initialize", "absent", pytest.param("backward", marks=pytest.mark.full)])
+@pytest.mark.parametrize("where", ["absent", pytest.param("initialize", marks=pytest.mark.full),
+                                   pytest.param("backward", marks=pytest.mark.full)])
 def test_dead_or_missing_rank_gives_collective_error(where):
     res = spawn_once(2, "dead_rank", timeout=90, pg_timeout_s=4.0, where=where)
     r0 = res[0]

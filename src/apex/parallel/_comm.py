@@ -223,7 +223,7 @@ def _chunks(tensors: List[torch.Tensor]) -> Iterator[List[torch.Tensor]]:
         yield run
 
 
-def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], extra_args: tuple = (),
+def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], extra_args: Optional[tuple] = None,
                    group: Any = None, what: str = "flat collective") -> None:
     """Apply a collective (``dist.all_reduce``, ``dist.broadcast``) to many tensors through flat buffers.
 
@@ -232,6 +232,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
     all-reduce is averaged over the group's ranks.
     """
     pg = group_or_world(group)
+    extra_args = tuple(extra_args or ())
     average = call is dist.all_reduce
     ws = dist.get_world_size(pg)
     for ts in split_by_kind([t for t in tensors if t.numel()]).values():

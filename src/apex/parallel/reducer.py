@@ -67,7 +67,7 @@ class BucketedAllReduce:
         postscale: ...and multiplied by this after it (upstream DDP: predivide f, postscale f / world size).
         always_fp32: reduce a float32 copy of low-precision buckets (copied back after).
         what: name used in error messages.
-        profile: wrap launches and waits in ``torch.profiler.record_function`` ranges.
+        profile: wrap each bucket's launch in a ``torch.profiler.record_function`` range.
 
     One backward pass: ``begin()``, ``ready(slot)`` for each slot (buckets launch as
     they fill, in order), ``finish()`` (launches the rest and waits for all).
@@ -97,7 +97,6 @@ class BucketedAllReduce:
             for t in parts:
                 check_device_backend(t, self.groups[0], what)
         self.active = False
-        self.completed = False  # the last pass finished (set by finish, cleared by begin)
         self._pending: List[int] = []
         self._seen = bytearray()
         self._launched = bytearray()
@@ -116,7 +115,6 @@ class BucketedAllReduce:
         self._next = 0
         self._inflight = []
         self.active = True
-        self.completed = False
 
     def ready(self, slot: int) -> bool:
         """Slot ``slot`` holds its final gradient for this pass; returns False if the pass is not active."""
@@ -150,7 +148,6 @@ class BucketedAllReduce:
                 self._launch(self.order[self._next])
                 self._next += 1
             self._drain()
-            self.completed = True
         finally:
             self.active = False
             self._inflight = []
@@ -306,14 +303,11 @@ class Reducer:
     def __init__(self, module_or_grads_list: Any, process_group: Any = None) -> None:
         from ._comm import broadcast_tensors, require_initialized
 
-        require_initialized("apex.parallel.Reducer")
         self.process_group = process_group
+        self.module: Optional[torch.nn.Module] = None
+        self.grads: Optional[List[torch.Tensor]] = None
         if isinstance(module_or_grads_list, torch.nn.Module):
-            self.module: Optional[torch.nn.Module] = module_or_grads_list
-            self.grads: Optional[List[torch.Tensor]] = None
-            with torch.no_grad():
-                broadcast_tensors([p.detach() for p in self.module.parameters()], 0, process_group,
-                                  what="apex.parallel.Reducer: broadcasting the parameters from rank 0")
+            self.module = module_or_grads_list
         else:
             try:
                 grads = list(module_or_grads_list)
@@ -323,8 +317,12 @@ class Reducer:
             for i, g in enumerate(grads):
                 if not isinstance(g, torch.Tensor):
                     raise TypeError(f"Reducer: entry {i} of the gradient list is {type(g).__name__}, not a tensor")
-            self.module = None
             self.grads = grads
+        require_initialized("apex.parallel.Reducer")
+        if self.module is not None:
+            with torch.no_grad():
+                broadcast_tensors([p.detach() for p in self.module.parameters()], 0, process_group,
+                                  what="apex.parallel.Reducer: broadcasting the parameters from rank 0")
 
     def reduce(self) -> None:
         """Average the gradients over all ranks (in place)."""

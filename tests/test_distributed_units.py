@@ -1,0 +1,80 @@
+"""apex.parallel pieces that need no process group: bucket planning, argument checks, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from apex import amp
+from apex.parallel import DistributedDataParallel, Reducer, default_backend
+from apex.parallel.reducer import BucketedAllReduce, combine_ddp_bucket_elems, plan_buckets
+
+M = 2**20
+
+
+@pytest.mark.parametrize("numel,replicas,size,expect", [
+    (25 * M, 4, 4, 25 * M // 4),      # numel / ddp_replica_count
+    (400 * M, 4, 4, 24 * M),          # capped at 24M 4-byte elements
+    (400 * M, 4, 2, 48 * M),          # 48M for 2-byte elements
+    (3 * M, 4, 4, M),                 # at least 1M
+    (10, 4, 4, M),
+    (10 * M + 1, 10, 4, M + 1),       # rounded up, so numel / replicas buckets cover the buffer
+])
+def test_combine_ddp_bucket_size(numel, replicas, size, expect):
+    assert combine_ddp_bucket_elems(numel, replicas, size) == expect
+
+
+def test_plan_buckets_maps_slots_to_overlapping_ranges():
+    ranges, slots = plan_buckets(100, [(0, 30), (32, 40), (96, 4), (80, 0)], 32)
+    assert ranges == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert slots == [[0], [1, 2], [3], []]
+    with pytest.raises(ValueError, match="bucket size must be >= 1"):
+        plan_buckets(10, [], 0)
+
+
+def test_bucketed_allreduce_order_must_be_a_permutation():
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="permutation"):
+        BucketedAllReduce([[t], [t]], [[0], [1]], [0, 0])
+
+
+def test_default_backend():
+    assert default_backend("cpu") == "gloo"
+    assert default_backend("cuda:1") == "nccl"
+    assert default_backend("npu:0") == "hccl"
+    assert default_backend(torch.device("cpu")) == "gloo"
+    with pytest.raises(ValueError):
+        default_backend("tpu")
+
+
+@pytest.mark.skipif(dist.is_available() and dist.is_initialized(), reason="needs no default process group")
+def test_clear_errors_without_a_process_group():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="needs an initialized default process group"):
+        DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match="needs an initialized default process group"):
+        Reducer(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"amp.initialize\(combine_ddp=True\) needs an initialized"):
+        amp.initialize(model, opt, opt_level="O1", combine_grad=True, combine_ddp=True, verbosity=0)
+    assert not hasattr(opt, "_amp_stash")  # nothing was changed
+    assert model.weight.dtype == torch.float32 and "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(shared_param=True), ValueError, "shared_param is no longer an option"),
+    (dict(message_size=0), ValueError, "message_size must be a positive int"),
+    (dict(num_allreduce_streams=0), ValueError, "num_allreduce_streams must be an int >= 1"),
+    (dict(gradient_predivide_factor=0.0), ValueError, "gradient_predivide_factor must be a positive number"),
+])
+def test_ddp_argument_checks(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DistributedDataParallel(torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_ddp_rejects_non_modules():
+    with pytest.raises(TypeError, match=r"expects a torch\.nn\.Module, got int"):
+        DistributedDataParallel(3)
+    with pytest.raises(TypeError, match=r"Reducer expects a torch\.nn\.Module or an iterable"):
+        Reducer(3)
