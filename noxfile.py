@@ -196,12 +196,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON_VERSIONS, default=False)
 def kernels(session: nox.Session) -> None:
-    """Torch-free kernel tests (pytest -m kernels) on every supported Python, with numpy and the built core only."""
+    """Torch-free kernel tests (tests/kernels, -m kernels) on every supported Python: numpy and the built core only."""
     session.env["APEX_REQUIRE_EXT"] = "1"
     session.install(*group("kernel-test"))
     session.install("--no-deps", ".")
     show_install(session, "--no-torch")
-    session.run("pytest", "tests", "-m", "kernels", *session.posargs)
+    session.run("pytest", "tests/kernels", "-m", "kernels", *session.posargs)
 
 
 @nox.session(python=MAIN_PYTHON, default=False)
