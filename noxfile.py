@@ -303,7 +303,7 @@ def demo(session: nox.Session) -> None:
     wheel = find_wheel(session)
     session.env.update({"APEX_REQUIRE_EXT": "1", "APEX_DEVICE": os.environ.get("APEX_DEVICE", "cpu")})
     install_torch(session)
-    session.install(str(wheel))
+    session.install(str(wheel), "numpy")  # numpy: torch warns on every tensor conversion when it is missing
     with session.chdir(session.create_tmp()):  # outside the source tree: the installed copy is what runs
         show_install(session)
         for script in scripts:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,10 @@ def build_cell(python: str, arch: str, out: Path, source: Path, wheelhouse: Path
     out.mkdir(parents=True, exist_ok=True)
     target = out / found[0].name
     shutil.copy2(found[0], target)
+    # CPU seconds of everything this build ran (compilers included): a load-independent cost measure
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(f"build_cell: {tag}-{arch} used {ru.ru_utime + ru.ru_stime:.0f} CPU s (user+sys of all child processes)",
+          flush=True)
     return target
 
 

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,8 @@ def test_cell(args) -> dict:
         report["pytest_rc"] = rc
         report["counts"] = junit_counts(junit) if junit.exists() else {}
     report["seconds"] = round(time.monotonic() - t0, 1)
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # venv, pip and pytest: load-independent cost
+    report["cpu_seconds"] = round(ru.ru_utime + ru.ru_stime, 1)
     c = report["counts"]
     report["passed"] = rc == 0 and c.get("tests", 0) > 0 and c.get("tests", 0) > c.get("skipped", 0)
     return report
