@@ -57,9 +57,9 @@ def test_fp16_subnormals_survive_flush_denormal():
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         _core.scale_(torch.arange(4), 2.0)
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         _core.sum_sq([1.0, 2.0])
-    with pytest.raises(ValueError, match="elements"):
+    with pytest.raises(ValueError, match=r"elements"):
         _core.scale_(torch.ones(4), 1.0, out=torch.ones(3))
 
 

@@ -20,20 +20,20 @@ import torch
 
 __all__ = [
     "DTYPE_CODES",
+    "axpy_",
+    "copy_",
     "ext",
     "ext_available",
     "ext_error",
-    "kernel_dtype",
-    "num_threads",
-    "simd_level",
-    "uses_kernel",
-    "scale_",
-    "axpy_",
-    "copy_",
     "fill_",
     "has_nonfinite",
-    "sum_sq",
+    "kernel_dtype",
     "max_abs",
+    "num_threads",
+    "scale_",
+    "simd_level",
+    "sum_sq",
+    "uses_kernel",
 ]
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -41,7 +41,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _load():
     try:
-        import apex_C  # noqa: PLC0415  (top-level extension shipped in the same wheel)
+        import apex_C
 
         return apex_C, None
     except ImportError as exc:  # missing or unloadable .so
@@ -122,7 +122,7 @@ def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, 
     if dst is src:
         src.mul_(scale)
     else:
-        dst.copy_((src.reshape(dst.shape).float() * scale))
+        dst.copy_(src.reshape(dst.shape).float() * scale)
     return bad
 
 
