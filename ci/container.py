@@ -367,6 +367,7 @@ def _prune_stale(u: Userland, key: str, engine: Engine) -> None:
             subprocess.run(engine.cmd("rmi", f"{u.repo}:{old_key}"), capture_output=True)
             old.unlink()
             old.with_suffix(".dpkg-l.txt").unlink(missing_ok=True)
+            (IMAGES / f".{old.stem}.lock").unlink(missing_ok=True)
 
 
 def ensure_userland(u: Userland, engine: Engine | None = None) -> dict:
