@@ -16,7 +16,7 @@ References, per optimizer (every optimizer class present in ``apex.optimizers`` 
 Regimes: the GPT-like 145-tensor model (fp32, and bf16 params), 5000 x 200 and 2000 x 2000.
 
 timm is imported without ``timm/__init__`` (which needs torchvision): only its optimizer modules, which need
-torch alone (see ../shared/MACHINE.md).
+torch alone. Install it with ``pip install --no-deps timm``; without it the timm entries are skipped.
 
 bytes/param is the traffic the math needs at minimum, in elements of the param dtype: Adam(W), Adadelta,
 BertAdam read p, g and two states and write three tensors (7); SGD with momentum, RMSprop read three and write

@@ -11,6 +11,10 @@
 #include "common.h"
 #include "optim.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
 namespace apexc {
 
 namespace {
@@ -45,15 +49,40 @@ int resolve_threads(int requested) {
   return t > 256 ? 256 : t;
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+namespace {
+// CPUID + XGETBV directly, not __builtin_cpu_supports: that reads __cpu_model, which the compiler runtime's
+// __cpu_indicator_init fills, and zig's compiler_rt (the manylinux release build) stubs that out -- every level
+// above baseline would silently vanish from the wheel. XGETBV also checks that the OS saves the YMM/ZMM state.
+struct X86Levels {
+  bool avx2 = false, avx512 = false;
+};
+
+X86Levels detect_x86() {
+  X86Levels f;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  if (!osxsave || !avx || __get_cpuid_max(0, nullptr) < 7) return f;
+  unsigned xcr0 = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_hi) : "c"(0));
+  const bool ymm_state = (xcr0 & 0x6u) == 0x6u;    // SSE + AVX state
+  const bool zmm_state = (xcr0 & 0xe6u) == 0xe6u;  // + opmask, ZMM_Hi256, Hi16_ZMM
+  __cpuid_count(7, 0, a, b, c, d);
+  f.avx2 = ymm_state && fma && f16c && (b & (1u << 5));
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // f dq bw vl
+  f.avx512 = f.avx2 && zmm_state && avx512;
+  return f;
+}
+}  // namespace
+#endif
+
 std::vector<std::string> supported_levels() {
   std::vector<std::string> out{"baseline"};
 #if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2) out.push_back("avx2");
-  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    out.push_back("avx512");
+  static const X86Levels x86 = detect_x86();
+  if (x86.avx2) out.push_back("avx2");
+  if (x86.avx512) out.push_back("avx512");
 #elif defined(__aarch64__)
   out.push_back("neon");  // Advanced SIMD is mandatory on AArch64
 #endif
