@@ -80,6 +80,9 @@ def group(name: str) -> tuple:
     return nox.project.dependency_groups(PYPROJECT, name)
 
 
+TIMM = "timm==1.0.31"  # bench peer, installed --no-deps
+
+
 def install_torch(session: nox.Session) -> None:
     """The pinned torch first, so nothing later can resolve `torch>=2.1` to a different (CUDA) build."""
     session.install("--only-binary=torch", TORCH)
@@ -320,6 +323,9 @@ def bench(session: nox.Session) -> None:
     session.env["APEX_REQUIRE_EXT"] = "1"
     install_torch(session)
     session.install(*group("bench"))
+    # timm is an outside peer for LAMB / AdamP / RMSpropTF. Its package __init__ needs torchvision, which has no
+    # CPU wheel for the pinned torch on PyPI; the bench imports only timm's optimizer modules (torch alone).
+    session.install("--no-deps", TIMM)
     session.install(".")
     show_install(session)
     session.run("python", str(entry), *session.posargs)

@@ -21,8 +21,13 @@ rounded result of its stored inputs (within 1 ulp).
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
 import inspect
+import os
 import random
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -30,6 +35,7 @@ import pytest
 import torch
 
 from apex import _core
+from apex.contrib import is_combined_tensor_valid
 from apex.optimizers import CombinedOptimizer
 
 LOW = (torch.bfloat16, torch.float16)
@@ -135,6 +141,41 @@ def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, atol_scale: float, w
         ours.detach().double().cpu(), ref.detach().double().cpu(), rtol=RTOL, atol=1e-6 * atol_scale,
         msg=lambda m: f"{what}: {m}",
     )
+
+
+# ------------------------------------------------------- combined storage
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage a tensor views."""
+    return t.untyped_storage()._cdata
+
+
+def assert_shared(opt) -> int:
+    """Every param, grad and state entry of `opt` is a view of its flat buffer at its slot; returns #params."""
+    n = 0
+    for gi, group in enumerate(opt.param_groups):
+        cache = opt._groups[gi]
+        assert cache.params is group["params"]
+        assert sum(len(s.params) for s in cache.sets) == len(group["params"])
+        for s in cache.sets:
+            assert is_combined_tensor_valid(s.flat_p, s.params), f"group {gi}: params left their flat buffer"
+            for k, p in enumerate(s.params):
+                where = f"group {gi} param {k}"
+                if p.grad is not None:
+                    assert p.grad is s.grad_views[k], f"{where}: grad is not the bound view"
+                    assert storage_key(p.grad) == storage_key(s.flat_g), f"{where}: grad outside the flat grad buffer"
+                    assert p.grad.storage_offset() == s.flat_g.storage_offset() + s.offsets[k]
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                for name in s.state_names:
+                    v, flat = st[name], s.flat_s[name]
+                    assert storage_key(v) == storage_key(flat), f"{where}: state {name!r} outside its flat buffer"
+                    assert v.storage_offset() == flat.storage_offset() + s.offsets[k], f"{where}: {name!r} slot"
+                    assert v.shape == p.shape and v.dtype == p.dtype and v.device == p.device
+                if s.has_step:
+                    assert storage_key(st["step"]) == storage_key(s.steps) and st["step"].storage_offset() == k
+                n += 1
+    return n
 
 
 # -------------------------------------------------------- float64 reference
@@ -355,14 +396,20 @@ def check_invalid(spec: Spec, bad: Sequence[Tuple[dict, str]], *, device: str) -
     assert not torch.equal(p.detach(), p_before)
 
 
-def assert_same_state_dict(a: dict, b: dict) -> None:
-    assert a["param_groups"] == b["param_groups"]
+def paired_state_entries(a: dict, b: dict):
+    """Asserts two state_dicts hold the same params and state names in the same order; yields
+    (param index, state name, a's value, b's value)."""
     assert list(a["state"]) == list(b["state"])
     for k in a["state"]:
         assert list(a["state"][k]) == list(b["state"][k])
         for n, v in a["state"][k].items():
-            w = b["state"][k][n]
-            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, f"state {k} {n}"
+            yield k, n, v, b["state"][k][n]
+
+
+def assert_same_state_dict(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    for k, n, v, w in paired_state_entries(a, b):
+        assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, f"state {k} {n}"
 
 
 def check_resume_bitwise(spec: Spec, hp: dict, *, device: str, executor: str, steps: int = 8) -> None:
@@ -418,14 +465,10 @@ def check_torch_state_dict(spec: Spec, hp: dict, *, device: str, steps: int = 5)
     so, sr = ours.state_dict(), ref.state_dict()
     assert [list(g) for g in so["param_groups"]] == [list(g) for g in sr["param_groups"]]
     assert so["param_groups"] == sr["param_groups"]
-    assert list(so["state"]) == list(sr["state"])
-    for k in sr["state"]:
-        assert list(so["state"][k]) == list(sr["state"][k])
-        for n, v in sr["state"][k].items():
-            w = so["state"][k][n]
-            assert type(w) is type(v) and w.dtype == v.dtype and w.shape == v.shape, (k, n)
-            # compact: a saved entry holds only its own elements, not the combined buffer
-            assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), (k, n)
+    for k, n, v, w in paired_state_entries(sr, so):
+        assert type(w) is type(v) and w.dtype == v.dtype and w.shape == v.shape, (k, n)
+        # compact: a saved entry holds only its own elements, not the combined buffer
+        assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), (k, n)
     p_mid = [p.detach().clone() for p in pr]
 
     # torch -> ours
@@ -467,3 +510,364 @@ def lr_schedule_hook(kind: str):
             assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
 
     return between
+
+
+# ------------------------------------------------------------ shared tests
+PATTERNS = {"lr": "learning rate", "eps": "epsilon", "e": "epsilon"}
+
+
+def invalid_values(**values) -> List[Tuple[dict, str]]:
+    """Bad single hyperparameters for `check_invalid`: name=value or name=[values]; the error must name the
+    option (lr as "learning rate", eps / e as "epsilon", the rest by their keyword)."""
+    out = []
+    for name, vs in values.items():
+        for v in vs if isinstance(vs, list) else [vs]:
+            out.append(({name: v}, PATTERNS.get(name, name)))
+    return out
+
+
+def _no_skip(step: int, k: int) -> bool:
+    return False
+
+
+@dataclass
+class Suite:
+    """The tests every Spec-described optimizer shares, configured per optimizer.
+
+    A test module installs them under their usual names with ``globals().update(SUITE.tests())``.
+    ``ref_kind`` "torch" compares with ``spec.torch_cls``, "f64" with the float64 reference.
+    """
+
+    spec: Spec
+    ref_kind: str
+    #: the hyperparameters of the LR scheduler, zero_grad, folded grad scale and resume tests
+    hp: dict
+    #: drawn hyperparameters: random.Random(random_seed + seed) for seed in range(4)
+    random_seed: int
+    #: run_side_by_side kwargs of the param-groups test: layout, seed, frozen, skip
+    groups: dict
+    #: (first hyperparameters, {step: group changes made before that step}) of the changes test
+    changes: Tuple[dict, Dict[int, dict]]
+    #: check_low_precision kwargs of the low-precision test (seed, skip, gscale)
+    low: dict
+    #: bad hyperparameters, as `invalid_values` gives them
+    invalid: Sequence[Tuple[dict, str]]
+    #: when given, the low-precision test runs each of these hyperparameter sets
+    low_variants: Optional[Dict[str, dict]] = None
+    #: the torch state_dict test's hyperparameter sets (None: `hp` alone); only with spec.torch_cls
+    state_dict_variants: Optional[Dict[str, dict]] = None
+    executors: Tuple[str, ...] = ("apex_C", "torch")
+    #: grad size per param index for the random, param-groups and changes runs
+    gscale: Optional[Callable[[int], float]] = None
+    #: params without a grad on some steps in the odd-seeded random runs
+    random_skip: Callable[[int, int], bool] = _no_skip
+    zero_grad_hp: Optional[dict] = None
+    grad_scale_hp: Optional[dict] = None
+    resume_hp: Optional[dict] = None
+    low_hp: Optional[dict] = None
+
+    def tests(self) -> Dict[str, Callable]:
+        s = self
+        run = dict(ref_kind=s.ref_kind, gscale=s.gscale)
+        out = {}
+
+        @pytest.mark.parametrize("executor", s.executors)
+        @pytest.mark.parametrize("seed", range(4))
+        def random_hyperparameters(seed, executor, device, monkeypatch):
+            """Drawn hyperparameters and shapes (seeded): params and every state vs the reference."""
+            expected = use_executor(monkeypatch, executor, device)
+            hp = s.spec.draw(random.Random(s.random_seed + seed))
+            skip = s.random_skip if seed % 2 else _no_skip
+            ours, *_ = run_side_by_side(s.spec, [(4, hp)], device=device, seed=seed, skip=skip, **run)
+            assert ours.last_executor == expected
+
+        which = "torch" if s.ref_kind == "torch" else "reference"
+        out[f"test_matches_{which}_random_hyperparameters"] = random_hyperparameters
+
+        def test_param_groups_frozen_and_skipped_params(device):
+            """Groups with different options; a frozen param; params whose grad is None on some steps."""
+            ours, *_ = run_side_by_side(s.spec, device=device, **s.groups, **run)
+            assert ours.last_executor == expected_executor(device)
+
+        def test_hyperparameter_changes_take_effect(device):
+            first, changes = s.changes
+
+            def between(step, ours, ref):
+                for opt in (ours, ref):
+                    opt.param_groups[0].update(changes.get(step, {}))
+
+            run_side_by_side(s.spec, [(4, first)], device=device, seed=3, between=between, **run)
+
+        @pytest.mark.parametrize("kind", ["step", "lambda"])
+        def test_lr_scheduler(kind, device):
+            run_side_by_side(s.spec, [(3, s.hp)], device=device, seed=4, ref_kind=s.ref_kind, steps=12,
+                             between=lr_schedule_hook(kind))
+
+        @pytest.mark.parametrize("set_to_none", [True, False])
+        def test_zero_grad(set_to_none, device):
+            check_zero_grad(s.spec, s.zero_grad_hp or s.hp, set_to_none, device=device, ref_kind=s.ref_kind)
+
+        def low_precision(hp, dtype, executor, device, monkeypatch):
+            use_executor(monkeypatch, executor, device)
+            opt = check_low_precision(s.spec, hp, dtype, device=device, **s.low)
+            assert opt.last_executor == executor
+
+        def low_precision_one(dtype, executor, device, monkeypatch):
+            low_precision(s.low_hp or s.hp, dtype, executor, device, monkeypatch)
+
+        @pytest.mark.parametrize("variant", list(s.low_variants or ()))
+        def low_precision_variants(variant, dtype, executor, device, monkeypatch):
+            low_precision(s.low_variants[variant], dtype, executor, device, monkeypatch)
+
+        low_test = low_precision_one if s.low_variants is None else low_precision_variants
+        low_test = pytest.mark.parametrize("dtype", LOW, ids=str)(low_test)
+        out["test_low_precision_within_one_ulp"] = pytest.mark.parametrize("executor", ["apex_C", "torch"])(low_test)
+
+        def test_grad_scale_folded(device):
+            check_grad_scale_folded(s.spec, s.grad_scale_hp or s.hp, device=device)
+
+        def test_invalid_hyperparameters(device):
+            check_invalid(s.spec, s.invalid, device=device)
+
+        @pytest.mark.parametrize("executor", ["apex_C", "torch"])
+        def test_resume_is_bitwise(executor, device, monkeypatch):
+            use_executor(monkeypatch, executor, device)
+            check_resume_bitwise(s.spec, s.resume_hp or s.hp, device=device, executor=executor)
+
+        for f in (test_param_groups_frozen_and_skipped_params, test_hyperparameter_changes_take_effect,
+                  test_lr_scheduler, test_zero_grad, test_grad_scale_folded, test_invalid_hyperparameters,
+                  test_resume_is_bitwise):
+            out[f.__name__] = f
+        if s.spec.torch_cls is not None:
+            out["test_state_dict_matches_torch"] = self._state_dict_test()
+        return out
+
+    def _state_dict_test(self) -> Callable:
+        s = self
+        if s.state_dict_variants is None:
+
+            def test_state_dict_matches_torch(device):
+                check_torch_state_dict(s.spec, s.hp, device=device)
+
+            return test_state_dict_matches_torch
+
+        @pytest.mark.parametrize("variant", list(s.state_dict_variants))
+        def test_state_dict_variant_matches_torch(variant, device):
+            check_torch_state_dict(s.spec, s.state_dict_variants[variant], device=device)
+
+        return test_state_dict_variant_matches_torch
+
+
+# ------------------------------------- grouped params (AdamP, LAMB): [[params of group 0], [group 1], ...]
+def flat(groups):
+    return [p for ps in groups for p in ps]
+
+
+def assert_within_ulp(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """|ours - ref| <= 1 ulp of `dtype` at the larger magnitude (no evaluation slack, unlike assert_ulp)."""
+    ours64 = ours.double().cpu()
+    fi = torch.finfo(dtype)
+    mag = torch.maximum(ours64.abs(), ref.abs()).clamp_min(fi.smallest_normal)
+    tol = torch.exp2(torch.floor(torch.log2(mag))) * fi.eps
+    err = (ours64 - ref).abs()
+    bad = err > tol
+    assert not bool(bad.any()), (
+        f"{what}: {int(bad.sum())} elements off by more than 1 ulp of {dtype}; worst error "
+        f"{float((err / tol).max()):.3f} ulp"
+    )
+
+
+def select_executor(opt, executor: str, device: str) -> str:
+    """executor "apex_C" (CPU kernels, the default there) or "torch" (torch ops on the flat buffers, as on
+    other devices); returns the expected `last_executor`."""
+    if executor == "apex_C" and device != "cpu":
+        pytest.skip("the C++ kernels run on CPU buffers")
+    opt.executor = "auto" if executor == "apex_C" else "torch"
+    return executor
+
+
+def set_grads(params, grads, scale: float = 1.0) -> None:
+    for ps, gs in zip(params, grads):
+        for p, g in zip(ps, gs):
+            if g is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = g * scale
+            else:
+                p.grad.copy_(g * scale)  # in place: the combined grad views stay bound
+
+
+def stored_moments(opt, params):
+    """(exp_avg, exp_avg_sq) as the optimizer stored them, grouped like `params` (None before a first step)."""
+    return tuple([[opt.state[p][k] if p in opt.state else None for p in ps] for ps in params]
+                 for k in ("exp_avg", "exp_avg_sq"))
+
+
+class MomentsRef:
+    """float64 params and Adam moments per grouped param, for the references of AdamP and LAMB."""
+
+    def __init__(self, params):
+        self.p = [[p.detach().double().cpu() for p in ps] for ps in params]
+        self.m = [[torch.zeros_like(p) for p in ps] for ps in self.p]
+        self.v = [[torch.zeros_like(p) for p in ps] for ps in self.p]
+        self.steps = [[0 for _ in ps] for ps in self.p]
+
+    def moments(self, gi: int, pi: int, g: torch.Tensor, betas, low=None, stored=None):
+        """Updates m, v (rounded to `low` when given); returns the pair the update uses: ours as stored when
+        `stored` (exp_avg, exp_avg_sq lists) is given (those are checked against ours separately)."""
+        b1, b2 = betas
+        m = b1 * self.m[gi][pi] + (1 - b1) * g
+        v = b2 * self.v[gi][pi] + (1 - b2) * g * g
+        if low is not None:
+            m, v = m.to(low).double(), v.to(low).double()
+        self.m[gi][pi], self.v[gi][pi] = m, v
+        if stored is not None:
+            m, v = stored[0][gi][pi].double().cpu(), stored[1][gi][pi].double().cpu()
+        return m, v
+
+    def load_from(self, opt, params):
+        """Restart from the optimizer's current values (per-step low-precision checks)."""
+        for gi, ps in enumerate(params):
+            for pi, p in enumerate(ps):
+                self.p[gi][pi] = p.detach().double().cpu()
+                st = opt.state.get(p)
+                if st:
+                    self.m[gi][pi] = st["exp_avg"].double().cpu()
+                    self.v[gi][pi] = st["exp_avg_sq"].double().cpu()
+
+
+def step_with_ref(opt, ref, params, grads_at, steps: int, executor: Optional[str] = None, after=None) -> None:
+    """`steps` steps of ours and the reference on grads_at(step); `after(grads)` checks each step."""
+    for step in range(steps):
+        grads = grads_at(step)
+        set_grads(params, grads)
+        opt.step()
+        ref.step(grads)
+        if executor is not None:
+            assert opt.last_executor == executor
+        if after is not None:
+            after(grads)
+
+
+def assert_grouped_fp32(opt, params, ref, *, scaled_atol: bool = False, states: bool = True) -> None:
+    """Params (atol 1e-6, times max(1, max|p|) when scaled_atol), moments and step counts vs the reference."""
+    for gi, ps in enumerate(params):
+        for pi, p in enumerate(ps):
+            atol = 1e-6 * (max(1.0, float(ref.p[gi][pi].abs().max())) if scaled_atol else 1.0)
+            torch.testing.assert_close(p.detach().double().cpu(), ref.p[gi][pi], rtol=1e-5, atol=atol)
+            if not states:
+                continue
+            st = opt.state[p]
+            torch.testing.assert_close(st["exp_avg"].double().cpu(), ref.m[gi][pi], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(st["exp_avg_sq"].double().cpu(), ref.v[gi][pi], rtol=1e-5, atol=1e-9)
+            assert int(st["step"]) == ref.steps[gi][pi]  # params without a grad do not advance
+
+
+def check_low_precision_grouped(opt, params, ref, grads_at, dtype, executor: str, steps: int = 6) -> None:
+    """Per step, from our previous values: stored m, v within 1 ulp of their float64 values, the param within
+    1 ulp of the float64 update formed from the m, v we stored."""
+    for step in range(steps):
+        ref.load_from(opt, params)
+        grads = grads_at(step)
+        set_grads(params, grads)
+        opt.step()
+        assert opt.last_executor == executor
+        ref.step(grads, low=dtype, stored=stored_moments(opt, params))
+        for gi, ps in enumerate(params):
+            for pi, p in enumerate(ps):
+                if grads[gi][pi] is None:
+                    continue
+                st = opt.state[p]
+                assert p.dtype == st["exp_avg"].dtype == dtype
+                assert_within_ulp(st["exp_avg"], ref.m[gi][pi], dtype, f"exp_avg {gi}.{pi} step {step}")
+                assert_within_ulp(st["exp_avg_sq"], ref.v[gi][pi], dtype, f"exp_avg_sq {gi}.{pi} step {step}")
+                assert_within_ulp(p.detach(), ref.p[gi][pi], dtype, f"param {gi}.{pi} step {step}")
+
+
+def lockstep(pa, oa, pb, ob, grads_at, steps: int, scale_b: float = 1.0) -> None:
+    """Both optimizers get the same grads, grads_at(step) (the second ones times scale_b)."""
+    for step in range(steps):
+        grads = grads_at(step)
+        set_grads(pa, grads)
+        set_grads(pb, grads, scale_b)
+        oa.step()
+        ob.step()
+
+
+def assert_executors_agree(ok, pk, ot, pt) -> None:
+    """Params and moments of two runs (kernel, torch executor) within rtol 1e-5."""
+    for a, b in zip(flat(pk), flat(pt)):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        for name, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):  # m may cancel to ~0: absolute floor
+            torch.testing.assert_close(ok.state[a][name], ot.state[b][name], rtol=1e-5, atol=atol)
+
+
+def check_resume_grouped(new_opt, new_params, grads_at, check_saved, state_name: str) -> None:
+    """A run saved after 3 of 6 steps and resumed in a fresh optimizer ends bit for bit like an unbroken run.
+
+    ``grads_at(params, step)`` draws the grads; ``check_saved(state_dict)`` looks at the checkpoint.
+    """
+    full, half = new_params(), new_params()
+    o_full, o_half = new_opt(full), new_opt(half)
+    for step in range(3):
+        for ps, o in ((full, o_full), (half, o_half)):
+            set_grads(ps, grads_at(ps, step))
+            o.step()
+    sd = copy.deepcopy(o_half.state_dict())
+    check_saved(sd)
+    resumed = [[p.detach().clone().requires_grad_() for p in ps] for ps in half]
+    o_res = new_opt(resumed)
+    o_res.load_state_dict(sd)
+    for step in range(3, 6):
+        for ps, o in ((full, o_full), (resumed, o_res)):
+            set_grads(ps, grads_at(ps, step))
+            o.step()
+    for a, b in zip(flat(full), flat(resumed)):
+        assert torch.equal(a, b)
+        assert torch.equal(o_full.state[a][state_name], o_res.state[b][state_name])
+
+
+def check_rejected_option(cls, kw: dict, exc: type, p: torch.Tensor) -> None:
+    """A bad option fails in the constructor and in add_param_group, which then adds nothing."""
+    with pytest.raises(exc):
+        cls([p], **kw)
+    opt = cls([p])
+    with pytest.raises(exc):
+        opt.add_param_group(dict(params=[torch.zeros(2, requires_grad=True)], **kw))
+    assert len(opt.param_groups) == 1
+
+
+def check_sparse_grad_rejected(cls) -> None:
+    """A sparse grad fails the step, leaving the param and the (empty) state as they were."""
+    p = torch.randn(4, 3, requires_grad=True)
+    before = p.detach().clone()
+    opt = cls([p], lr=0.1)
+    p.grad = torch.randn(4, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    assert len(opt.state) == 0
+
+
+def import_timm_module(name: str):
+    """timm's optimizer files need only torch; `import timm` itself pulls torchvision, so it is bypassed."""
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("timm is not installed (optional outside peer)")
+    root = next(iter(spec.submodule_search_locations))
+    saved = {k: sys.modules.get(k) for k in ("timm", "timm.optim")}
+    try:
+        for pkg, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
+            if pkg not in sys.modules:
+                mod = types.ModuleType(pkg)
+                mod.__path__ = [path]
+                sys.modules[pkg] = mod
+        return importlib.import_module(f"timm.optim.{name}")
+    except Exception as exc:  # pragma: no cover - depends on the installed timm
+        pytest.skip(f"timm.optim.{name} cannot be imported here: {exc}")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v

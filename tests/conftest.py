@@ -100,3 +100,18 @@ def _seed():
         sys.modules["numpy"].random.seed(SEED)
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(SEED)
+
+
+@pytest.fixture
+def amp_env():
+    """For the amp tests: one intra-op thread while the test runs (tiny models stall when oversubscribed on a
+    shared 2-core runner), and every amp session torn down after it (amp's state is process-wide)."""
+    import torch
+
+    from apex import amp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    amp.deinitialize()
+    torch.set_num_threads(threads)

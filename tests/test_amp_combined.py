@@ -8,26 +8,19 @@ import types
 
 import pytest
 import torch
+from _amp_harness import bn_mlp
 
 from apex import _core, _device, amp
+
+pytestmark = pytest.mark.usefixtures("amp_env")
 
 LOW = torch.bfloat16
 S = 2.0**16
 
 
-@pytest.fixture(autouse=True)
-def _amp_env():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    amp.deinitialize()
-    torch.set_num_threads(threads)
-
-
 def net(seed=5):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, 3))
+    return bn_mlp(4, 16, 3)
 
 
 def data(n, seed=0):
@@ -37,6 +30,13 @@ def data(n, seed=0):
 
 def loss_of(m, x, y):
     return (m(x).float() - y).pow(2).mean()
+
+
+def o1_backward_by_hand(m, x, y):
+    """O1's math without amp: the forward under autocast, loss_of's fp32 loss, an unscaled backward."""
+    with torch.autocast("cpu", dtype=LOW):
+        out = m(x)
+    (out.float() - y).pow(2).mean().backward()
 
 
 def storage(t):
@@ -113,9 +113,7 @@ def test_combined_matches_uncombined_with_accumulation():
     for step in range(3):
         ro.zero_grad()
         for x, y in batches[2 * step:2 * step + 2]:
-            with torch.autocast("cpu", dtype=LOW):
-                out = ref(x)
-            (out.float() - y).pow(2).mean().backward()
+            o1_backward_by_hand(ref, x, y)
         ro.step()
     for a, b, r in zip(runs[0], runs[1], ref.parameters()):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
@@ -177,9 +175,7 @@ def _reference_params():
     o = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     for x, y in data(4):
         o.zero_grad()
-        with torch.autocast("cpu", dtype=LOW):
-            out = m(x)
-        (out.float() - y).pow(2).mean().backward()
+        o1_backward_by_hand(m, x, y)
         o.step()
     return [p.detach().clone() for p in m.parameters()]
 
@@ -236,9 +232,7 @@ def test_fold_unscale_with_torch_fused_passes_scale_to_kernel():
     assert "grad_scale" not in o.__dict__ and "found_inf" not in o.__dict__
     ref = net()
     ro = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)
-    with torch.autocast("cpu", dtype=LOW):
-        out = ref(x)
-    (out.float() - y).pow(2).mean().backward()
+    o1_backward_by_hand(ref, x, y)
     torch.testing.assert_close(scaled_grad / S, ref[0].weight.grad, rtol=0, atol=0)
     ro.step()
     for a, b in zip(m.parameters(), ref.parameters()):
@@ -264,9 +258,7 @@ def test_fold_unscale_ignored_for_plain_torch_optimizer(caplog):
     with amp.scale_loss(loss_of(m, x, y), o) as scaled:
         scaled.backward()
     ref = net()
-    with torch.autocast("cpu", dtype=LOW):
-        out = ref(x)
-    (out.float() - y).pow(2).mean().backward()
+    o1_backward_by_hand(ref, x, y)
     torch.testing.assert_close(m[0].weight.grad, ref[0].weight.grad, rtol=0, atol=0)  # unscaled at exit
 
 
@@ -302,9 +294,7 @@ def test_apex_optimizer_owns_the_buffers(fold):
     ro = torch.optim.Adam(ref.parameters(), lr=0.01)
     for x, y in data(5):
         ro.zero_grad()
-        with torch.autocast("cpu", dtype=LOW):
-            out = ref(x)
-        (out.float() - y).pow(2).mean().backward()
+        o1_backward_by_hand(ref, x, y)
         ro.step()
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -381,9 +371,7 @@ def test_npu_overflow_flag_replaces_value_scan(monkeypatch, combine):
     amp.initialize(m, o, opt_level="O1", combine_grad=combine or None, verbosity=0)
     (x, y), = data(1)
     ref = net()
-    with torch.autocast("cpu", dtype=LOW):
-        out = ref(x)
-    (out.float() - y).pow(2).mean().backward()
+    o1_backward_by_hand(ref, x, y)
 
     # the register says "overflow" although every value is finite: skipped on the flag alone
     fake.flag = True
@@ -421,31 +409,36 @@ class TwoBranch(torch.nn.Module):
         return self.a(x) + (self.b(x) if use_b else 0)
 
 
-def test_unused_param_keeps_torch_semantics_under_o1():
-    """O1 + combine_grad: after zero_grad(set_to_none=True), a param without a grad is skipped as in torch."""
+def _two_branch_run(opt_cls, level, zero_grad, after_backward=None):
+    """Two iterations under `level` + combine_grad: the second leaves branch b out of the forward."""
     m = TwoBranch()
-    o = torch.optim.Adam(m.parameters(), lr=0.1)
-    amp.initialize(m, o, opt_level="O1", combine_grad=True, verbosity=0)
+    o = opt_cls(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level=level, combine_grad=True, verbosity=0)
     x = torch.randn(8, 4)
     for use_b in (True, False):
-        o.zero_grad(set_to_none=True)
+        zero_grad(o)
         with amp.scale_loss(m(x, use_b).float().sum(), o) as scaled:
             scaled.backward()
-        b_before = m.b.weight.detach().clone()
+        if after_backward is not None:
+            after_backward(m, o)
+    return m, o
+
+
+def test_unused_param_keeps_torch_semantics_under_o1():
+    """O1 + combine_grad: after zero_grad(set_to_none=True), a param without a grad is skipped as in torch."""
+    b_before = []
+
+    def step(m, o):
+        b_before.append(m.b.weight.detach().clone())
         o.step()
-    assert m.b.weight.grad is None and torch.equal(m.b.weight, b_before)
+
+    m, _ = _two_branch_run(torch.optim.Adam, "O1", lambda o: o.zero_grad(set_to_none=True), step)
+    assert m.b.weight.grad is None and torch.equal(m.b.weight, b_before[-1])
 
 
 def test_unused_param_under_o2_gets_zero_master_grad():
     """O2 + combine_grad (documented): a model param that once had a grad keeps a zeroed slot."""
-    m = TwoBranch()
-    o = torch.optim.SGD(m.parameters(), lr=0.1)
-    amp.initialize(m, o, opt_level="O2", combine_grad=True, verbosity=0)
-    x = torch.randn(8, 4)
-    for use_b in (True, False):
-        o.zero_grad()
-        with amp.scale_loss(m(x, use_b).float().sum(), o) as scaled:
-            scaled.backward()
+    _, o = _two_branch_run(torch.optim.SGD, "O2", lambda o: o.zero_grad())
     masters = list(amp.master_params(o))
     b_master = masters[2]
     assert b_master.grad is not None and not b_master.grad.any()
@@ -469,9 +462,7 @@ def test_add_param_group_rebuilds_buffers():
     assert len(flats) == 2 and all(storage(p.grad) == storage(flats[1]) for p in extra.parameters())
     ref = torch.nn.Linear(4, 3)
     ref.load_state_dict(extra.state_dict())
-    with torch.autocast("cpu", dtype=LOW):
-        out = ref(x)
-    (out.float() - y).pow(2).mean().backward()
+    o1_backward_by_hand(ref, x, y)
     torch.testing.assert_close(extra.weight.grad, ref.weight.grad, rtol=0, atol=0)
 
 

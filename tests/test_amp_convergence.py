@@ -13,18 +13,9 @@ import torch
 
 from apex import amp
 
-pytestmark = pytest.mark.full
+pytestmark = [pytest.mark.full, pytest.mark.usefixtures("amp_env")]
 
 STEPS = 200
-
-
-@pytest.fixture(autouse=True)
-def _amp_env():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    amp.deinitialize()
-    torch.set_num_threads(threads)
 
 
 class SmallCNN(torch.nn.Module):

@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+from _amp_harness import bn_mlp
 
 from apex import amp
 from apex.amp._amp_state import _amp_state
@@ -14,26 +15,38 @@ LOW = torch.bfloat16  # the CPU default
 
 
 @pytest.fixture(autouse=True)
-def _amp_env(monkeypatch):
+def _amp_env(monkeypatch, amp_env):
+    """On top of amp_env: no dtype from the environment; the user cast registry restored after each test."""
     from apex.amp import _casts
 
     monkeypatch.delenv("APEX_AMP_DTYPE", raising=False)
     registry = dict(_casts._USER_CAST_REGISTRY)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    amp.deinitialize()
-    torch.set_num_threads(threads)
     _casts._USER_CAST_REGISTRY.clear()
     _casts._USER_CAST_REGISTRY.update(registry)
 
 
 def net():
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return bn_mlp(4, 8, 2)
 
 
 def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def initialized(level, **kw):
+    """A fresh net and its SGD through amp.initialize at `level`."""
+    m = net()
+    o = sgd(m)
+    amp.initialize(m, o, opt_level=level, verbosity=0, **kw)
+    return m, o
+
+
+def assert_outputs_cast(level, dtype):
+    """cast_model_outputs=dtype at `level`: the model returns that dtype."""
+    m = net()
+    amp.initialize(m, opt_level=level, cast_model_outputs=dtype, verbosity=0)
+    assert m(torch.randn(4, 4)).dtype == dtype
 
 
 # ---------------------------------------------------------------- the table
@@ -178,9 +191,7 @@ def test_parallel_wrapped_model_rejected(tmp_path):
 
 
 def test_optimizer_passed_twice():
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    m, o = initialized("O1")
     with pytest.raises(RuntimeError, match=r"should only be passed through amp\.initialize once"):
         amp.initialize(m, o, opt_level="O1", verbosity=0)
     amp.deinitialize()  # even after teardown: O2 masters could not be rebuilt from masters
@@ -273,9 +284,7 @@ def test_master_weights_reject_float64_params():
 
 
 def test_closure_rejected():
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    _, o = initialized("O1")
     with pytest.raises(RuntimeError, match="does not support closure"):
         o.step(lambda: 0.0)
 
@@ -356,9 +365,7 @@ def test_o1_autocast_inside_forward_only():
 
 
 def test_o1_cast_model_outputs():
-    m = net()
-    amp.initialize(m, opt_level="O1", cast_model_outputs=torch.float32, verbosity=0)
-    assert m(torch.randn(4, 4)).dtype == torch.float32
+    assert_outputs_cast("O1", torch.float32)
 
 
 def test_o2_model_cast_inputs_outputs_and_masters():
@@ -379,15 +386,11 @@ def test_o2_model_cast_inputs_outputs_and_masters():
         else:
             assert master is p  # fp32 batchnorm params are their own masters
     amp.deinitialize()
-    m = net()
-    amp.initialize(m, opt_level="O2", cast_model_outputs=torch.bfloat16, verbosity=0)
-    assert m(torch.randn(4, 4)).dtype == torch.bfloat16
+    assert_outputs_cast("O2", torch.bfloat16)
 
 
 def test_o3_pure_low_precision():
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O3", verbosity=0)
+    m, o = initialized("O3")
     assert all(p.dtype == LOW for p in m.parameters())
     assert all(b.dtype == LOW for b in m.buffers() if b.is_floating_point())
     assert list(amp.master_params(o)) == list(m.parameters())
@@ -413,9 +416,7 @@ def test_teardown_restores_instances():
 
 
 def test_lr_scheduler_after_initialize():
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    m, o = initialized("O2")
     sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # wraps optimizer.step.__func__
     loss = m(torch.randn(4, 4)).sum()
     with amp.scale_loss(loss, o) as scaled:
@@ -557,9 +558,7 @@ def test_second_initialize_replaces_function_casts(caplog):
 
 
 def test_error_inside_scale_loss_restores_stashed_grads():
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    m, o = initialized("O1")
     m(torch.randn(4, 4)).float().sum().backward()
     before = [p.grad.clone() for p in m.parameters()]
     with pytest.raises(ValueError, match="boom"):
@@ -571,9 +570,7 @@ def test_error_inside_scale_loss_restores_stashed_grads():
 
 def test_teardown_under_lr_scheduler_wrapper():
     """A scheduler created after initialize wraps amp's step; after teardown that wrapper calls plain torch."""
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    m, o = initialized("O1")
     torch.optim.lr_scheduler.StepLR(o, step_size=1)
     amp.deinitialize()
     loss = m(torch.randn(4, 4)).sum()
@@ -584,9 +581,7 @@ def test_teardown_under_lr_scheduler_wrapper():
 
 
 def test_o2_optimizer_state_dict_carries_masters():
-    m = net()
-    o = sgd(m)
-    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    m, o = initialized("O2")
     sd = o.state_dict()
     masters = sd["apex_amp_master_params"]
     assert [t is None for t in masters] == [p.dtype == torch.float32 for p in m.parameters()]

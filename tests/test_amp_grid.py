@@ -21,8 +21,11 @@ import itertools
 
 import pytest
 import torch
+from _amp_harness import bn_mlp
 
 from apex import amp
+
+pytestmark = pytest.mark.usefixtures("amp_env")
 
 LOW = torch.bfloat16
 
@@ -39,22 +42,11 @@ ITERS = 3
 SCALE0 = 2.0**16
 
 
-@pytest.fixture(autouse=True)
-def _amp_env():
-    # Tiny models: one thread avoids oversubscription stalls on a shared 2-core CI runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    amp.deinitialize()
-    torch.set_num_threads(threads)
-
-
 def make_models(env=CPU):
     torch.manual_seed(1)
     out = []
     for _ in range(2):
-        out.append(torch.nn.Sequential(
-            torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12), torch.nn.ReLU(), torch.nn.Linear(12, 3)).to(env.device))
+        out.append(bn_mlp(6, 12, 3).to(env.device))
     return out
 
 

@@ -7,25 +7,19 @@ import io
 
 import pytest
 import torch
+from _amp_harness import bn_mlp
 
 from apex import amp
 from apex.amp import LossScaler
 
+pytestmark = pytest.mark.usefixtures("amp_env")
+
 INIT = 2.0**16
-
-
-@pytest.fixture(autouse=True)
-def _amp_env():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    amp.deinitialize()
-    torch.set_num_threads(threads)
 
 
 def net():
     torch.manual_seed(3)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return bn_mlp(4, 8, 2)
 
 
 def train_step(m, o, x, overflow=False, loss_id=0):

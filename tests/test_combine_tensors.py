@@ -413,10 +413,14 @@ def test_not_a_list():
 # ---------------------------------------------------------------- checkpoints
 
 
-def _saved_bytes(obj):
+def _bytes_of(obj):
     f = io.BytesIO()
     torch.save(obj, f)
-    return f.tell()
+    return f.getvalue()
+
+
+def _saved_bytes(obj):
+    return len(_bytes_of(obj))
 
 
 def test_module_state_dict_hook_keeps_checkpoints_compact(device):
@@ -438,12 +442,6 @@ def test_module_state_dict_hook_keeps_checkpoints_compact(device):
 
     handle.remove()
     assert _saved_bytes(small.state_dict()) > buf_bytes
-
-
-def _bytes_of(obj):
-    f = io.BytesIO()
-    torch.save(obj, f)
-    return f.getvalue()
 
 
 def test_module_hook_with_prefix_compacts_only_its_entries(device):

@@ -1,7 +1,8 @@
 """The examples run as users run them (fresh interpreter, CPU) and their training actually learns.
 
 Each script is a subprocess so a broken import, argument parser or `__main__` block fails here exactly as it would
-for a user. The step budgets are small: the whole file stays well under a minute on a loaded 2-core machine.
+for a user. Every script in examples/ has a fast-tier run, and every training run must lower its loss. The step
+budgets are small and the runs overlap (measured: 85 s for the file on 2 cores at load average 14).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ TINY = ("--steps", "20", "--batch-size", "8", "--seq-len", "32", "--dim", "32", 
 # machine, so overlapping them keeps the file's wall time well under a minute.
 FAST_RUNS = {name: (name,) for name in QUICKSTARTS}
 FAST_RUNS.update({f"lm-{lvl}": ("train_tiny_lm.py", "--opt-level", lvl, *TINY) for lvl in ("O1", "O2")})
+# 2 spawned gloo ranks, a small MLP with SyncBatchNorm: the script itself checks identical params on every rank
+# and raises unless the loss decreased; the test parses its summary line too
+DDP_TINY = ("--nproc", "2", "--steps", "30", "--batch-size", "16", "--dim", "16", "--timeout", "60")
+FAST_RUNS["ddp"] = ("torchrun_combine_ddp.py", *DDP_TINY)
+# every script in examples/ must be run by a test here (a new example without a test fails test_every_example_runs)
+RUN_HERE = {cmd[0] for cmd in FAST_RUNS.values()}
+LOSS = re.compile(r"loss (-?\d+\.\d+) -> (-?\d+\.\d+)")
 
 
 def _start(name: str, *args: str) -> subprocess.Popen:
@@ -74,6 +82,18 @@ def run_example(name: str, *args: str) -> str:
     return _finish(_start(name, *args), " ".join((name, *args)))
 
 
+def test_every_example_runs_in_the_fast_tier():
+    scripts = {p.name for p in EXAMPLES.glob("*.py")}
+    assert scripts == RUN_HERE, f"examples without a fast-tier run: {sorted(scripts - RUN_HERE)}"
+
+
+def loss_pair(out: str):
+    """(first, last) from the script's "loss A -> B" summary line."""
+    found = LOSS.findall(out)
+    assert len(found) == 1, f"expected one 'loss A -> B' summary, got:\n{out}"
+    return float(found[0][0]), float(found[0][1])
+
+
 def test_the_three_seed_quickstarts_exist():
     for name in ("quickstart_amp_o1.py", "quickstart_combine_grad.py", "quickstart_fused_optimizer.py"):
         assert name in QUICKSTARTS, f"examples/{name} missing; found {QUICKSTARTS}"
@@ -81,9 +101,44 @@ def test_the_three_seed_quickstarts_exist():
 
 @pytest.mark.parametrize("name", QUICKSTARTS)
 def test_quickstart_runs(name, fast_runs):
-    # each quickstart asserts its own outcome (loss decreased, one grad buffer, ...) and prints a summary line
+    # each quickstart asserts its own outcome (loss decreased, one grad buffer, ...) and prints a summary line;
+    # the training ones print "device cpu, ...: loss A -> B", and the loss must have gone down
     out = _finish(*fast_runs[name])
-    assert "cpu" in out or "quickstart OK" in out, out
+    if name == "quickstart_combine.py":  # no training: combine_tensors and the core
+        assert "quickstart OK" in out, out
+        return
+    assert out.startswith("device cpu,"), out
+    first, last = loss_pair(out)
+    assert last < first, out
+
+
+def test_torchrun_example_loss_decreases_and_ranks_agree(fast_runs):
+    out = _finish(*fast_runs["ddp"])
+    assert "2 ranks, O2, 30 steps" in out and "params identical on every rank" in out, out
+    first, last = loss_pair(out)
+    assert last < first, out
+
+
+@pytest.mark.full
+def test_torchrun_example_under_torchrun():
+    # the launch its docstring shows first: torchrun (here `python -m torch.distributed.run`) on a free local port
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(EXAMPLES / "torchrun_combine_ddp.py"), *DDP_TINY[2:]], cwd=str(ROOT), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = _finish(proc, "torchrun torchrun_combine_ddp.py")
+    assert "params identical on every rank" in out, out
+    first, last = loss_pair(out)
+    assert last < first, out
+
+
+def test_torchrun_example_needs_a_launcher(capsys, monkeypatch):
+    # run without torchrun and without --nproc: a clear message and exit code 2, no process group
+    spec = importlib.util.spec_from_file_location("torchrun_combine_ddp", EXAMPLES / "torchrun_combine_ddp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.delenv("RANK", raising=False)
+    assert mod.main(["--steps", "1"]) == 2
+    assert "run under torchrun, or pass --nproc N" in capsys.readouterr().err
 
 
 def parse_result(out: str) -> dict:

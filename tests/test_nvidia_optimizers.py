@@ -81,6 +81,41 @@ def assert_params_close(ours, ref, atol_scale: float, what: str) -> None:
                                    atol=1e-6 * atol_scale, msg=lambda m, i=i: f"{what} {i}: {m}")
 
 
+def step_on(opt, params, gen: torch.Generator, **draw_kw) -> List[Optional[torch.Tensor]]:
+    """One step on grads freshly drawn with draw_grads' options; returns them."""
+    grads = draw_grads(params, gen, **draw_kw)
+    for p, g in zip(params, grads):
+        set_grad(p, g)
+    opt.step()
+    return grads
+
+
+def check_resume_matches_twin(new_opt, params, grads_seq, split: int, check_saved) -> None:
+    """`params` and a twin copy run grads_seq[:split]; the first's checkpoint (looked at by check_saved),
+    loaded into a fresh optimizer on copies of its params, then runs the rest beside the twin: bit for bit
+    the same (same executor)."""
+    twin = clone_params(params)
+    opt, opt_twin = new_opt(params), new_opt(twin)
+    for grads in grads_seq[:split]:
+        for p, q, g in zip(params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        opt.step()
+        opt_twin.step()
+    saved = copy.deepcopy(opt.state_dict())
+    check_saved(saved)
+    resumed_params = clone_params(params)
+    resumed = new_opt(resumed_params)
+    resumed.load_state_dict(saved)
+    for grads in grads_seq[split:]:
+        for p, q, g in zip(resumed_params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        resumed.step()
+        opt_twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, twin))
+
+
 def max_abs(params) -> float:
     return max(float(p.detach().abs().max()) if p.numel() else 0.0 for p in params) or 1.0
 
@@ -161,10 +196,7 @@ def test_fused_adam_no_bias_correction_and_group_step(device, executor):
         opt.executor = executor
         gen = torch.Generator().manual_seed(4)
         for step in range(1, STEPS + 1):
-            grads = draw_grads(params, gen, drop=(0,) if step in (2, 3, 7) else ())
-            for p, g in zip(params, grads):
-                set_grad(p, g)
-            opt.step()
+            grads = step_on(opt, params, gen, drop=(0,) if step in (2, 3, 7) else ())
             for i, g in enumerate(grads):
                 if g is None:
                     continue
@@ -249,28 +281,13 @@ def test_set_grad_none_false_low_precision_params(device):
 def test_fused_adam_state_dict_resume_and_torch_checkpoint(device):
     hp = dict(lr=1e-2, weight_decay=0.01)
     params = make_params(shapes_for(5), device, seed=5)
-    twin = clone_params(params)
-    opt, opt_twin = FusedAdam(params, **hp), FusedAdam(twin, **hp)
     gen = torch.Generator().manual_seed(6)
     grads_seq = [draw_grads(params, gen) for _ in range(8)]
-    for grads in grads_seq[:4]:
-        for p, q, g in zip(params, twin, grads):
-            set_grad(p, g)
-            set_grad(q, g)
-        opt.step()
-        opt_twin.step()
-    saved = copy.deepcopy(opt.state_dict())
-    assert saved["param_groups"][0]["step"] == 4 and set(saved["state"][0]) == {"exp_avg", "exp_avg_sq"}
-    resumed_params = clone_params(params)
-    resumed = FusedAdam(resumed_params, **hp)
-    resumed.load_state_dict(saved)
-    for grads in grads_seq[4:]:
-        for p, q, g in zip(resumed_params, twin, grads):
-            set_grad(p, g)
-            set_grad(q, g)
-        resumed.step()
-        opt_twin.step()
-    assert all(torch.equal(a, b) for a, b in zip(resumed_params, twin))  # same executor: bitwise
+
+    def check_saved(saved):
+        assert saved["param_groups"][0]["step"] == 4 and set(saved["state"][0]) == {"exp_avg", "exp_avg_sq"}
+
+    check_resume_matches_twin(lambda ps: FusedAdam(ps, **hp), params, grads_seq, 4, check_saved)
 
     # a torch.optim.AdamW checkpoint (per-param steps) continues as torch would
     tp = make_params(shapes_for(7), device, seed=7)
@@ -320,10 +337,7 @@ def test_fused_sgd_wd_after_momentum(device, executor, nesterov):
     assert opt.wd_after_momentum and not opt.materialize_master_grads
     gen = torch.Generator().manual_seed(9)
     for step in range(STEPS):
-        grads = draw_grads(params, gen, drop=(1,) if step == 5 else ())
-        for p, g in zip(params, grads):
-            set_grad(p, g)
-        opt.step()
+        grads = step_on(opt, params, gen, drop=(1,) if step == 5 else ())
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -354,10 +368,7 @@ def test_fused_adagrad_w_mode(device, executor):
     opt.executor = executor
     gen = torch.Generator().manual_seed(12)
     for _ in range(STEPS):
-        grads = draw_grads(params, gen)
-        for p, g in zip(params, grads):
-            set_grad(p, g)
-        opt.step()
+        grads = step_on(opt, params, gen)
         for i, g in enumerate(grads):
             g = g.double().cpu()
             h[i] = h[i] + g * g
@@ -533,10 +544,7 @@ def test_fused_novograd_matches_reference(device, executor, case):
     state: Dict[int, dict] = {}
     gen = torch.Generator().manual_seed(50 + case)
     for step in range(1, STEPS + 1):
-        grads = draw_grads(params, gen, drop=(1,) if step in (1, 6) else ())
-        for p, g in zip(params, grads):
-            set_grad(p, g)
-        opt.step()
+        grads = step_on(opt, params, gen, drop=(1,) if step in (1, 6) else ())
         ref = ref_novograd(ref, [None if g is None else g.double().cpu() for g in grads], state, step=step, **hp)
     want = "torch" if b1 == 0 else expected_executor(executor, device)  # beta1 = 0 runs the torch math
     assert opt.last_executor == want
@@ -556,29 +564,13 @@ def test_fused_novograd_errors_and_state_dict(device):
         FusedNovoGrad(params, amsgrad=True)
     with pytest.raises(RuntimeError, match="only support l2/inf norm"):
         FusedNovoGrad(params, norm_type=1)
-    opt = FusedNovoGrad(params, lr=1e-2)
-    twin = clone_params(params)
-    opt_twin = FusedNovoGrad(twin, lr=1e-2)
     gen = torch.Generator().manual_seed(60)
     seq = [draw_grads(params, gen) for _ in range(6)]
-    for grads in seq[:3]:
-        for p, q, g in zip(params, twin, grads):
-            set_grad(p, g)
-            set_grad(q, g)
-        opt.step()
-        opt_twin.step()
-    saved = copy.deepcopy(opt.state_dict())
-    assert saved["state"][0]["exp_avg_sq"].dim() == 0
-    resumed_params = clone_params(params)
-    resumed = FusedNovoGrad(resumed_params, lr=1e-2)
-    resumed.load_state_dict(saved)
-    for grads in seq[3:]:
-        for p, q, g in zip(resumed_params, twin, grads):
-            set_grad(p, g)
-            set_grad(q, g)
-        resumed.step()
-        opt_twin.step()
-    assert all(torch.equal(a, b) for a, b in zip(resumed_params, twin))
+
+    def check_saved(saved):
+        assert saved["state"][0]["exp_avg_sq"].dim() == 0
+
+    check_resume_matches_twin(lambda ps: FusedNovoGrad(ps, lr=1e-2), params, seq, 3, check_saved)
 
 
 # ------------------------------------------------------------------ FusedMixedPrecisionLamb
@@ -598,10 +590,7 @@ def test_mixed_precision_lamb_masters(device, executor, dtype):
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["step"].tolist() == [0]
     gen = torch.Generator().manual_seed(71)
     for _ in range(STEPS):
-        grads = draw_grads(params, gen, scale=0.3)
-        for p, g in zip(params, grads):
-            set_grad(p, g)
-        opt.step()
+        grads = step_on(opt, params, gen, scale=0.3)
         ref.step([[g.double().cpu() for g in grads]])  # the reference sees the grads as the model holds them
     assert opt.last_executor == expected_executor(executor, device)
     assert opt.param_groups[0]["step"].tolist() == [STEPS]
@@ -806,10 +795,7 @@ def test_fused_adam_low_precision_params_fp32_moments(device, executor, dtype):
     unit = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     for step in range(1, 11):
         before = [p.detach().double().cpu() for p in params]
-        grads = draw_grads(params, gen, scale=0.01 if step == 1 else 1.0)  # tiny first grads: fp16 v would underflow
-        for p, g in zip(params, grads):
-            set_grad(p, g)
-        opt.step()
+        grads = step_on(opt, params, gen, scale=0.01 if step == 1 else 1.0)  # tiny first grads: fp16 v would underflow
         for i, (p, g) in enumerate(zip(params, grads)):
             want, ms[i], vs[i] = ref_adam64(before[i], g.double().cpu(), ms[i], vs[i], lr=hp["lr"], b1=hp["b1"],
                                             b2=hp["b2"], eps=hp["eps"], wd=hp["wd"], step=step, adam_w_mode=True,

@@ -7,19 +7,7 @@ import random
 
 import pytest
 import torch
-from _optim_harness import (
-    LOW,
-    Spec,
-    check_grad_scale_folded,
-    check_invalid,
-    check_low_precision,
-    check_resume_bitwise,
-    check_zero_grad,
-    expected_executor,
-    lr_schedule_hook,
-    run_side_by_side,
-    use_executor,
-)
+from _optim_harness import Spec, Suite, invalid_values, run_side_by_side, use_executor
 
 from apex.optimizers import NpuFusedBertAdam
 from apex.optimizers.bert_adam import SCHEDULES
@@ -76,13 +64,22 @@ def grad_sizes(k: int) -> float:
     return (0.05, 3.0, 0.5, 10.0, 1.0, 0.2)[k % 6]
 
 
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-@pytest.mark.parametrize("seed", range(4))
-def test_matches_reference_random_hyperparameters(seed, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    hp = draw(random.Random(500 + seed))
-    ours, *_ = run_side_by_side(SPEC, [(4, hp)], device=device, seed=seed, ref_kind="f64", gscale=grad_sizes)
-    assert ours.last_executor == executor
+SUITE = Suite(
+    SPEC, "f64", HP, random_seed=500, gscale=grad_sizes,
+    groups=dict(layout=[(3, HP), (3, dict(lr=0.005, schedule="warmup_linear", warmup=0.1, t_total=15, b1=0.8,
+                                          b2=0.99, e=1e-8, weight_decay=0.0, max_grad_norm=-1))],
+                seed=15, frozen=(0,), skip=lambda step, k: k == 4 and step % 2 == 0),
+    changes=(HP, {10: dict(max_grad_norm=0.5, schedule="warmup_poly", b1=0.7, t_total=40)}),
+    # (the LR scheduler test: a torch scheduler scales the group lr, the built-in schedule applies on top)
+    low_hp=dict(HP, t_total=12), low=dict(seed=25, gscale=2.0, skip=lambda step, k: k == 0 and step in (1, 2)),
+    zero_grad_hp=dict(HP, max_grad_norm=0.05),
+    # amp's unscale folded into the step: the clip norm is the unscaled grad's
+    grad_scale_hp=dict(HP, max_grad_norm=0.5),
+    resume_hp=dict(HP, t_total=6, warmup=0.3),
+    invalid=invalid_values(lr=-0.1, schedule="warmup_exp", warmup=[1.0, -0.5], t_total=0, b1=1.0, b2=-0.1, e=-1e-6,
+                           weight_decay=-0.01, max_grad_norm=float("nan")),
+)
+globals().update(SUITE.tests())
 
 
 @pytest.mark.parametrize("executor", ["apex_C", "torch"])
@@ -161,54 +158,6 @@ def test_step_count_is_checkpointed(device):
         "lr", "schedule", "warmup", "t_total", "b1", "b2", "e", "weight_decay", "max_grad_norm"}
 
 
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-def test_resume_is_bitwise(executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    check_resume_bitwise(SPEC, dict(HP, t_total=6, warmup=0.3), device=device, executor=executor)
-
-
-def test_param_groups_frozen_and_skipped_params(device):
-    layout = [(3, HP), (3, dict(lr=0.005, schedule="warmup_linear", warmup=0.1, t_total=15, b1=0.8, b2=0.99,
-                                e=1e-8, weight_decay=0.0, max_grad_norm=-1))]
-    ours, *_ = run_side_by_side(SPEC, layout, device=device, seed=15, ref_kind="f64", frozen=(0,),
-                                gscale=grad_sizes, skip=lambda step, k: k == 4 and step % 2 == 0)
-    assert ours.last_executor == expected_executor(device)
-
-
-def test_hyperparameter_changes_take_effect(device):
-    def between(step, ours, ref):
-        for opt in (ours, ref):
-            if step == 10:
-                opt.param_groups[0].update(max_grad_norm=0.5, schedule="warmup_poly", b1=0.7, t_total=40)
-
-    run_side_by_side(SPEC, [(4, HP)], device=device, seed=3, ref_kind="f64", between=between, gscale=grad_sizes)
-
-
-@pytest.mark.parametrize("kind", ["step", "lambda"])
-def test_lr_scheduler(kind, device):
-    """A torch LR scheduler scales the group lr; the built-in schedule applies on top of it."""
-    run_side_by_side(SPEC, [(3, HP)], device=device, seed=4, ref_kind="f64", steps=12, between=lr_schedule_hook(kind))
-
-
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad(set_to_none, device):
-    check_zero_grad(SPEC, dict(HP, max_grad_norm=0.05), set_to_none, device=device, ref_kind="f64")
-
-
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-@pytest.mark.parametrize("dtype", LOW, ids=str)
-def test_low_precision_within_one_ulp(dtype, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    opt = check_low_precision(SPEC, dict(HP, t_total=12), dtype, device=device, seed=25, gscale=2.0,
-                              skip=lambda step, k: k == 0 and step in (1, 2))
-    assert opt.last_executor == executor
-
-
-def test_grad_scale_folded(device):
-    """amp's unscale folded into the step: the clip norm is the unscaled grad's."""
-    check_grad_scale_folded(SPEC, dict(HP, max_grad_norm=0.5), device=device)
-
-
 def test_past_t_total_logs_once(device, caplog):
     p = torch.nn.Parameter(torch.randn(3, device=device))
     opt = NpuFusedBertAdam([p], lr=0.1, t_total=2)
@@ -217,22 +166,6 @@ def test_past_t_total_logs_once(device, caplog):
             p.grad = torch.randn_like(p)
             opt.step()
     assert sum("past t_total" in r.getMessage() for r in caplog.records) == 1
-
-
-def test_invalid_hyperparameters(device):
-    bad = [
-        (dict(lr=-0.1), "learning rate"),
-        (dict(schedule="warmup_exp"), "schedule"),
-        (dict(warmup=1.0), "warmup"),
-        (dict(warmup=-0.5), "warmup"),
-        (dict(t_total=0), "t_total"),
-        (dict(b1=1.0), "b1"),
-        (dict(b2=-0.1), "b2"),
-        (dict(e=-1e-6), "epsilon"),
-        (dict(weight_decay=-0.01), "weight_decay"),
-        (dict(max_grad_norm=float("nan")), "max_grad_norm"),
-    ]
-    check_invalid(SPEC, bad, device=device)
 
 
 def test_lr_is_required():

@@ -18,49 +18,16 @@ import pytest
 import torch
 from _optim_harness import (
     assert_close_rel,
+    assert_shared,
     lr_schedule_hook,
     make_params,
     run_side_by_side,
 )
 from test_optim_adam import ADAM, ADAMW, HP
 
-from apex.contrib import is_combined_tensor_valid
 from apex.optimizers import NpuFusedAdam, NpuFusedAdamW
 
 HP_NO_AMS = dict(HP, amsgrad=False)
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def assert_shared(opt) -> int:
-    """Every param, grad and state entry of `opt` is a view of its flat buffer at its slot; returns #params."""
-    n = 0
-    for gi, group in enumerate(opt.param_groups):
-        cache = opt._groups[gi]
-        assert cache.params is group["params"]
-        assert sum(len(s.params) for s in cache.sets) == len(group["params"])
-        for s in cache.sets:
-            assert is_combined_tensor_valid(s.flat_p, s.params), f"group {gi}: params left their flat buffer"
-            for k, p in enumerate(s.params):
-                where = f"group {gi} param {k}"
-                if p.grad is not None:
-                    assert p.grad is s.grad_views[k], f"{where}: grad is not the bound view"
-                    assert _key(p.grad) == _key(s.flat_g), f"{where}: grad outside the flat grad buffer"
-                    assert p.grad.storage_offset() == s.flat_g.storage_offset() + s.offsets[k]
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                for name in s.state_names:
-                    v, flat = st[name], s.flat_s[name]
-                    assert _key(v) == _key(flat), f"{where}: state {name!r} outside its flat buffer"
-                    assert v.storage_offset() == flat.storage_offset() + s.offsets[k], f"{where}: {name!r} slot"
-                    assert v.shape == p.shape and v.dtype == p.dtype and v.device == p.device
-                if s.has_step:
-                    assert _key(st["step"]) == _key(s.steps) and st["step"].storage_offset() == k
-                n += 1
-    return n
 
 
 class Net(torch.nn.Module):

@@ -4,20 +4,7 @@ import random
 
 import pytest
 import torch
-from _optim_harness import (
-    LOW,
-    Spec,
-    check_grad_scale_folded,
-    check_invalid,
-    check_low_precision,
-    check_resume_bitwise,
-    check_torch_state_dict,
-    check_zero_grad,
-    expected_executor,
-    lr_schedule_hook,
-    run_side_by_side,
-    use_executor,
-)
+from _optim_harness import Spec, Suite, invalid_values, run_side_by_side
 
 from apex.optimizers import NpuFusedRMSprop
 
@@ -56,35 +43,24 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-@pytest.mark.parametrize("seed", range(4))
-def test_matches_torch_random_hyperparameters(seed, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    hp = draw(random.Random(300 + seed))
-    ours, *_ = run_side_by_side(SPEC, [(4, hp)], device=device, seed=seed, ref_kind="torch")
-    assert ours.last_executor == executor
+SUITE = Suite(
+    SPEC, "torch", FULL, random_seed=300,
+    groups=dict(layout=[(3, VARIANTS["centered"]), (2, VARIANTS["momentum"]), (2, VARIANTS["plain"])], seed=13,
+                frozen=(4,), skip=lambda step, k: (k == 1 and step % 3 == 2) or (k == 6 and step < 4)),
+    changes=(FULL, {9: dict(alpha=0.5, weight_decay=0.1, eps=1e-3, momentum=0.3)}),
+    low=dict(seed=23, skip=lambda step, k: k == 2 and step == 4),
+    low_variants={name: VARIANTS[name] for name in sorted(VARIANTS)},
+    state_dict_variants={name: VARIANTS[name] for name in ("plain", "both")},
+    # the same checks and values as rmsprop_tf's (both name the options torch's way)
+    invalid=invalid_values(lr=-0.01, eps=-1.0, momentum=-0.9, weight_decay=-0.1, alpha=-0.5),
+)
+globals().update(SUITE.tests())
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_each_state_layout_matches_torch(variant, device):
     """Only the states an option needs exist (momentum_buffer, grad_avg), each bound to its kernel slot."""
     run_side_by_side(SPEC, [(3, VARIANTS[variant])], device=device, seed=5, ref_kind="torch", steps=10)
-
-
-def test_param_groups_frozen_and_skipped_params(device):
-    layout = [(3, VARIANTS["centered"]), (2, VARIANTS["momentum"]), (2, VARIANTS["plain"])]
-    ours, *_ = run_side_by_side(SPEC, layout, device=device, seed=13, ref_kind="torch", frozen=(4,),
-                                skip=lambda step, k: (k == 1 and step % 3 == 2) or (k == 6 and step < 4))
-    assert ours.last_executor == expected_executor(device)
-
-
-def test_hyperparameter_changes_take_effect(device):
-    def between(step, ours, ref):
-        for opt in (ours, ref):
-            if step == 9:
-                opt.param_groups[0].update(alpha=0.5, weight_decay=0.1, eps=1e-3, momentum=0.3)
-
-    run_side_by_side(SPEC, [(4, FULL)], device=device, seed=3, ref_kind="torch", between=between)
 
 
 def test_momentum_switched_on_later(device):
@@ -100,50 +76,3 @@ def test_momentum_switched_on_later(device):
     sq = 0.99 * sq + 0.01 * p.grad**2
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], p.grad / (sq.sqrt() + 1e-8))
     torch.testing.assert_close(p.detach(), before - 0.01 * opt.state[p]["momentum_buffer"])
-
-
-@pytest.mark.parametrize("kind", ["step", "lambda"])
-def test_lr_scheduler(kind, device):
-    run_side_by_side(SPEC, [(3, FULL)], device=device, seed=4, ref_kind="torch", steps=12,
-                     between=lr_schedule_hook(kind))
-
-
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad(set_to_none, device):
-    check_zero_grad(SPEC, FULL, set_to_none, device=device, ref_kind="torch")
-
-
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-@pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_low_precision_within_one_ulp(variant, dtype, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    opt = check_low_precision(SPEC, VARIANTS[variant], dtype, device=device, seed=23,
-                              skip=lambda step, k: k == 2 and step == 4)
-    assert opt.last_executor == executor
-
-
-def test_grad_scale_folded(device):
-    check_grad_scale_folded(SPEC, FULL, device=device)
-
-
-def test_invalid_hyperparameters(device):
-    bad = [
-        (dict(lr=-0.01), "learning rate"),
-        (dict(eps=-1.0), "epsilon"),
-        (dict(momentum=-0.9), "momentum"),
-        (dict(weight_decay=-0.1), "weight_decay"),
-        (dict(alpha=-0.5), "alpha"),
-    ]
-    check_invalid(SPEC, bad, device=device)
-
-
-@pytest.mark.parametrize("variant", ["plain", "both"])
-def test_state_dict_matches_torch(variant, device):
-    check_torch_state_dict(SPEC, VARIANTS[variant], device=device)
-
-
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-def test_resume_is_bitwise(executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    check_resume_bitwise(SPEC, FULL, device=device, executor=executor)

@@ -4,19 +4,7 @@ import random
 
 import pytest
 import torch
-from _optim_harness import (
-    LOW,
-    Spec,
-    check_grad_scale_folded,
-    check_invalid,
-    check_low_precision,
-    check_resume_bitwise,
-    check_zero_grad,
-    expected_executor,
-    lr_schedule_hook,
-    run_side_by_side,
-    use_executor,
-)
+from _optim_harness import Spec, Suite, invalid_values, run_side_by_side
 
 from apex.optimizers import NpuFusedRMSpropTF
 
@@ -69,13 +57,19 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-@pytest.mark.parametrize("seed", range(4))
-def test_matches_reference_random_hyperparameters(seed, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    hp = draw(random.Random(400 + seed))
-    ours, *_ = run_side_by_side(SPEC, [(4, hp)], device=device, seed=seed, ref_kind="f64")
-    assert ours.last_executor == executor
+SUITE = Suite(
+    SPEC, "f64", FULL, random_seed=400,
+    groups=dict(layout=[(3, VARIANTS["all"]), (3, VARIANTS["momentum-lr-out"])], seed=14, frozen=(5,),
+                skip=lambda step, k: (k == 2 and step % 3 == 0) or (k == 3 and step < 6)),
+    # scalars and the options that change the state layout (momentum, centered) switched mid-run
+    changes=(dict(lr=0.01), {8: dict(alpha=0.6, momentum=0.5, lr_in_momentum=False),
+                             16: dict(centered=True, decoupled_decay=True, weight_decay=0.05)}),
+    low=dict(seed=24, skip=lambda step, k: k == 1 and step == 5),
+    low_variants={name: VARIANTS[name] for name in ("plain", "momentum-lr-in", "all")},
+    invalid=invalid_values(lr=-0.01, eps=-1.0, momentum=-0.9, weight_decay=-0.1, alpha=-0.5),
+    resume_hp=dict(FULL, decoupled_decay=True),
+)
+globals().update(SUITE.tests())
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -111,66 +105,3 @@ def test_decoupled_decay_is_lr_free(device):
     opt.step()
     torch.testing.assert_close(p.detach(), torch.full((4,), 1.8, device=device))
     torch.testing.assert_close(opt.state[p]["square_avg"], torch.ones(4, device=device))  # 1 + 0.1 (1 - 1)
-
-
-def test_param_groups_frozen_and_skipped_params(device):
-    layout = [(3, VARIANTS["all"]), (3, VARIANTS["momentum-lr-out"])]
-    ours, *_ = run_side_by_side(SPEC, layout, device=device, seed=14, ref_kind="f64", frozen=(5,),
-                                skip=lambda step, k: (k == 2 and step % 3 == 0) or (k == 3 and step < 6))
-    assert ours.last_executor == expected_executor(device)
-
-
-def test_hyperparameter_changes_take_effect(device):
-    """Scalars and the options that change the state layout (momentum, centered) switched mid-run."""
-
-    def between(step, ours, ref):
-        for opt in (ours, ref):
-            g = opt.param_groups[0]
-            if step == 8:
-                g.update(alpha=0.6, momentum=0.5, lr_in_momentum=False)
-            if step == 16:
-                g.update(centered=True, decoupled_decay=True, weight_decay=0.05)
-
-    run_side_by_side(SPEC, [(4, dict(lr=0.01))], device=device, seed=3, ref_kind="f64", between=between)
-
-
-@pytest.mark.parametrize("kind", ["step", "lambda"])
-def test_lr_scheduler(kind, device):
-    run_side_by_side(SPEC, [(3, FULL)], device=device, seed=4, ref_kind="f64", steps=12,
-                     between=lr_schedule_hook(kind))
-
-
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad(set_to_none, device):
-    check_zero_grad(SPEC, FULL, set_to_none, device=device, ref_kind="f64")
-
-
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-@pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("variant", ["plain", "momentum-lr-in", "all"])
-def test_low_precision_within_one_ulp(variant, dtype, executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    opt = check_low_precision(SPEC, VARIANTS[variant], dtype, device=device, seed=24,
-                              skip=lambda step, k: k == 1 and step == 5)
-    assert opt.last_executor == executor
-
-
-def test_grad_scale_folded(device):
-    check_grad_scale_folded(SPEC, FULL, device=device)
-
-
-def test_invalid_hyperparameters(device):
-    bad = [
-        (dict(lr=-0.01), "learning rate"),
-        (dict(eps=-1.0), "epsilon"),
-        (dict(momentum=-0.9), "momentum"),
-        (dict(weight_decay=-0.1), "weight_decay"),
-        (dict(alpha=-0.5), "alpha"),
-    ]
-    check_invalid(SPEC, bad, device=device)
-
-
-@pytest.mark.parametrize("executor", ["apex_C", "torch"])
-def test_resume_is_bitwise(executor, device, monkeypatch):
-    use_executor(monkeypatch, executor, device)
-    check_resume_bitwise(SPEC, dict(FULL, decoupled_decay=True), device=device, executor=executor)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -106,19 +106,30 @@ def _flat_check(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {t.dtype}")
 
 
+def _pair_check(op: str, src: torch.Tensor, dst: torch.Tensor, dst_name: str) -> None:
+    """Both buffers usable, and of one size (checked before either is touched)."""
+    _flat_check(src, f"{op} src")
+    _flat_check(dst, f"{op} {dst_name}")
+    if dst.numel() != src.numel():
+        raise ValueError(f"{op}: {dst_name} has {dst.numel()} elements, src has {src.numel()}")
+
+
+def _buf(t: torch.Tensor) -> Tuple[int, int]:
+    """The (address, dtype code) apex_C reads a buffer by; only for tensors `uses_kernel` accepted."""
+    return t.data_ptr(), DTYPE_CODES[t.dtype]
+
+
+def _torch_nonfinite(src: torch.Tensor) -> bool:
+    return bool(src.numel()) and not bool(torch.isfinite(src).all())
+
+
 def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, check: bool = True) -> bool:
     """``out = src * scale`` (``out`` defaults to ``src``); True if any src value is inf/nan."""
-    _flat_check(src, "scale_ src")
     dst = src if out is None else out
-    _flat_check(dst, "scale_ out")
-    if dst.numel() != src.numel():
-        raise ValueError(f"scale_: out has {dst.numel()} elements, src has {src.numel()}")
+    _pair_check("scale_", src, dst, "out")
     if uses_kernel(src, dst):
-        return ext.scale_(
-            src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype],
-            src.numel(), float(scale), check, num_threads(),
-        )
-    bad = bool(check and src.numel() and not torch.isfinite(src).all())
+        return ext.scale_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
+    bad = bool(check) and _torch_nonfinite(src)  # before an in-place scale changes src
     if dst is src:
         src.mul_(scale)
     else:
@@ -128,29 +139,19 @@ def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, 
 
 def axpy_(src: torch.Tensor, dst: torch.Tensor, scale: float, check: bool = True) -> bool:
     """``dst += src * scale``; True if any src value is inf/nan."""
-    _flat_check(src, "axpy_ src")
-    _flat_check(dst, "axpy_ dst")
-    if dst.numel() != src.numel():
-        raise ValueError(f"axpy_: dst has {dst.numel()} elements, src has {src.numel()}")
+    _pair_check("axpy_", src, dst, "dst")
     if uses_kernel(src, dst):
-        return ext.axpy_(
-            src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype],
-            src.numel(), float(scale), check, num_threads(),
-        )
-    bad = bool(check and src.numel() and not torch.isfinite(src).all())
+        return ext.axpy_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
+    bad = bool(check) and _torch_nonfinite(src)
     dst.add_(src.reshape(dst.shape).to(dst.dtype), alpha=scale)
     return bad
 
 
 def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Dtype-converting copy of equal-sized buffers (round to nearest even)."""
-    _flat_check(src, "copy_ src")
-    _flat_check(dst, "copy_ dst")
-    if dst.numel() != src.numel():
-        raise ValueError(f"copy_: dst has {dst.numel()} elements, src has {src.numel()}")
+    _pair_check("copy_", src, dst, "dst")
     if uses_kernel(src, dst):
-        ext.copy_(src.data_ptr(), DTYPE_CODES[src.dtype], dst.data_ptr(), DTYPE_CODES[dst.dtype], src.numel(),
-                  num_threads())
+        ext.copy_(*_buf(src), *_buf(dst), src.numel(), num_threads())
     else:
         dst.copy_(src.reshape(dst.shape))
 
@@ -158,7 +159,7 @@ def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
 def fill_(dst: torch.Tensor, value: float = 0.0) -> None:
     _flat_check(dst, "fill_ dst")
     if uses_kernel(dst):
-        ext.fill_(dst.data_ptr(), DTYPE_CODES[dst.dtype], dst.numel(), float(value), num_threads())
+        ext.fill_(*_buf(dst), dst.numel(), float(value), num_threads())
     else:
         dst.fill_(value)
 
@@ -166,15 +167,15 @@ def fill_(dst: torch.Tensor, value: float = 0.0) -> None:
 def has_nonfinite(src: torch.Tensor) -> bool:
     _flat_check(src, "has_nonfinite src")
     if uses_kernel(src):
-        return ext.has_nonfinite(src.data_ptr(), DTYPE_CODES[src.dtype], src.numel(), num_threads())
-    return bool(src.numel()) and not bool(torch.isfinite(src).all())
+        return ext.has_nonfinite(*_buf(src), src.numel(), num_threads())
+    return _torch_nonfinite(src)
 
 
 def sum_sq(src: torch.Tensor) -> float:
     """Sum of squares, accumulated in float64."""
     _flat_check(src, "sum_sq src")
     if uses_kernel(src):
-        return ext.sum_sq(src.data_ptr(), DTYPE_CODES[src.dtype], src.numel(), num_threads())
+        return ext.sum_sq(*_buf(src), src.numel(), num_threads())
     return float(src.double().pow(2).sum()) if src.numel() else 0.0
 
 
@@ -182,7 +183,7 @@ def max_abs(src: torch.Tensor) -> float:
     """max |x| (nan if any element is nan; 0 for an empty buffer)."""
     _flat_check(src, "max_abs src")
     if uses_kernel(src):
-        return ext.max_abs(src.data_ptr(), DTYPE_CODES[src.dtype], src.numel(), num_threads())
+        return ext.max_abs(*_buf(src), src.numel(), num_threads())
     if not src.numel():
         return 0.0
     if torch.isnan(src).any():

@@ -23,13 +23,13 @@ which runs registered functions with autocast disabled so the user's cast holds.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .._tensor_utils import map_tensors
 from ._amp_state import _amp_state, logger
 
 _local = threading.local()
@@ -45,24 +45,11 @@ _USER_CAST_REGISTRY: Dict[Tuple[int, str], Tuple[Any, str, str]] = {}
 
 def cast_tensors(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor cast to ``dtype``; containers are rebuilt, never mutated."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, (str, bytes)) or value is None:
-        return value
-    if isinstance(value, dict):
-        # copy.copy keeps the mapping's type (OrderedDict, HF ModelOutput, ...) and its attributes.
-        out = copy.copy(value)
-        for k, v in value.items():
-            out[k] = cast_tensors(v, dtype)
-        return out
-    if isinstance(value, tuple):
-        items = [cast_tensors(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return type(value)(cast_tensors(v, dtype) for v in value)
-    return value
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return map_tensors(value, cast)
 
 
 def _floating_dtypes(value: Any, out: List[torch.dtype]) -> None:

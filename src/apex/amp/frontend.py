@@ -45,6 +45,7 @@ class _Session:
         self.optimizers: List[torch.optim.Optimizer] = []
         self.loss_scalers: List[LossScaler] = []
         self.overflow_flag = False  # npu without inf/nan mode: read the float-status register
+        self.pending_flag_overflow: set = set()  # loss ids whose delay_unscale backward raised the register
         self.ddp: Any = None
         self.ddp_replica_count = 4
 

@@ -86,6 +86,8 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         _ddp.call(ddp, "before_backward", [stash.combined for stash in stashes], delay_unscale)
     use_flag = session is not None and session.overflow_flag
     if use_flag:
+        # The register is global: cleared before every backward, read after it. A delay_unscale backward's
+        # overflow is read at its own exit and kept per loss (below), so clearing here never loses it.
         _device.npu_clear_overflow_flag()
     try:
         yield loss.float() * scale
@@ -97,13 +99,16 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     if delay_unscale:
         for stash in stashes:
             stash.after_delayed_exit()
+        if use_flag and _device.npu_get_overflow_flag():
+            session.pending_flag_overflow.add(loss_id)  # reported at this loss's next real exit
         return
     scaler.clear_overflow_state()
     for stash in stashes:
         scaler.record_overflow(stash.post_backward(scale, check=not use_flag, fold=True))
         stash.params_have_scaled_gradients = False
     if use_flag:
-        scaler.record_overflow(_device.npu_get_overflow_flag())
+        scaler.record_overflow(_device.npu_get_overflow_flag() or loss_id in session.pending_flag_overflow)
+        session.pending_flag_overflow.discard(loss_id)
     if ddp is not None:  # every rank skips together
         scaler.record_overflow(bool(_ddp.call(ddp, "agree_overflow", scaler.has_overflow())))
     should_skip = False if delay_overflow_check else scaler.update_scale()

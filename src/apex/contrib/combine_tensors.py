@@ -42,13 +42,13 @@ such views so the file holds only the tensors' own elements.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
 from apex import _device
+from apex._tensor_utils import map_tensors
 
 __all__ = [
     "ALIGN_ELEMENTS",
@@ -409,22 +409,8 @@ def _compact_tensor(t: torch.Tensor, memo: Dict[tuple, torch.Tensor]) -> torch.T
 
 
 def _compact(obj: Any, memo: Dict[tuple, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _compact_tensor(obj, memo)
-    if isinstance(obj, dict):
-        # A shallow copy keeps the dict type and its attributes (a module
-        # state_dict's ``_metadata``); never mutate the input, whose inner
-        # dicts may be an optimizer's live per-parameter state.
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = _compact(v, memo)
-        return out
-    if isinstance(obj, list):
-        return [_compact(v, memo) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_compact(v, memo) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+    # containers are copied, never mutated: inner dicts may be an optimizer's live per-parameter state
+    return map_tensors(obj, lambda t: _compact_tensor(t, memo))
 
 
 def compact_state_dict(obj: Any) -> Any:

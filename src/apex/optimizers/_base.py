@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .. import _core
+from .._tensor_utils import zero_grad_
 from ..contrib.combine_tensors import compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
 
@@ -66,6 +67,30 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         lo_s = f"{'(' if lo_open else '['}{lo}"
         hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else "inf)"
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
+
+
+def check_betas(betas) -> None:
+    """Adam-style ``betas``: a pair, each in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
+    _check_range("beta parameter at index 0", betas[0], 0.0, 1.0)
+    _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
+
+
+def _check_adam_group(group: dict) -> None:
+    """The checks every Adam-family optimizer (Adam, AdamP, LAMB, NovoGrad) runs first: lr, eps, betas, decay."""
+    _check_range("learning rate", group["lr"], 0.0)
+    _check_range("epsilon value", group["eps"], 0.0)
+    check_betas(group["betas"])
+    _check_range("weight_decay value", group["weight_decay"], 0.0)
+
+
+def _call_closure(closure: Optional[Callable[[], Any]]) -> Any:
+    """``closure()`` with grad enabled (steps run under no_grad), or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class _GroupCache:
@@ -292,10 +317,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """One update of every param with a grad (torch.optim semantics); returns closure()'s loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         use_kernel = self._executor == "auto"
         for group, sets in self._prepare_groups():
             for s in sets:
@@ -346,6 +368,23 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
 
+    def _update_runs(self, s: FlatSet, names: Sequence[str],
+                     update: Callable[[torch.Tensor, torch.Tensor, List[Optional[torch.Tensor]], float], None]) -> None:
+        """The loop of the elementwise torch executors, over each run of segments with a grad.
+
+        ``update(p, g, states, step)`` gets fp32 working copies of the run's param, grad and
+        ``names`` states (None for a state the set does not keep) and changes p and the states in
+        place; they are then written back to the flat buffers.
+        """
+        for lo, hi, step, _, _ in s.active_runs():
+            p = self._f32(s.flat_p[lo:hi])
+            states = [self._f32(s.flat_s[n][lo:hi]) if n in s.flat_s else None for n in names]
+            update(p, self._f32(s.flat_g[lo:hi]), states, step)
+            self._write_back(s.flat_p[lo:hi], p)
+            for n, t in zip(names, states):
+                if t is not None:
+                    self._write_back(s.flat_s[n][lo:hi], t)
+
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> dict:
         """torch.optim layout; views into combined buffers are cloned (compact checkpoints)."""
@@ -389,10 +428,5 @@ class CombinedOptimizer(torch.optim.Optimizer):
                         _core.fill_(s.flat_g, 0.0)
                 continue
             for p in ps:
-                g = p.grad
-                if g is not None:
-                    if g.grad_fn is not None:
-                        g.detach_()
-                    else:
-                        g.requires_grad_(False)
-                    g.zero_()
+                if p.grad is not None:
+                    zero_grad_(p.grad)

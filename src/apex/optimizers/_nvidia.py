@@ -23,19 +23,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._base import _check_range, _GroupCache
+from .._tensor_utils import zero_grad_
+from ._base import _GroupCache, check_betas
 from ._flat import FlatSet, check_grad
 
 logger = logging.getLogger("apex.optimizers")
 
 __all__ = ["NvidiaCompatMixin", "ShadowParamsMixin", "ShadowSet", "check_betas", "group_step"]
-
-
-def check_betas(betas) -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
-    _check_range("beta parameter at index 0", betas[0], 0.0, 1.0)
-    _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
 
 
 def group_step(group: dict) -> float:
@@ -232,13 +226,8 @@ class ShadowParamsMixin:
             for s in c.sets:
                 if isinstance(s, ShadowSet):
                     for model in s.out_params:
-                        g = model.grad
-                        if g is not None:
-                            if g.grad_fn is not None:
-                                g.detach_()
-                            else:
-                                g.requires_grad_(False)
-                            g.zero_()
+                        if model.grad is not None:
+                            zero_grad_(model.grad)
 
     def combined_grad_buffers(self) -> List[torch.Tensor]:
         if any(isinstance(s, ShadowSet) for s in self._all_sets()):

@@ -7,7 +7,7 @@ from typing import List
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
-from .sgd import settler
+from .sgd import l2_grad, settler
 
 
 def adadelta_math(p, g, square_avg, acc_delta, *, lr, rho, eps, weight_decay, grad_scale, settle):
@@ -16,10 +16,7 @@ def adadelta_math(p, g, square_avg, acc_delta, *, lr, rho, eps, weight_decay, gr
     ``settle(t)`` rounds a state through its storage dtype in place: later terms read
     the averages as stored, as the kernel does.
     """
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if weight_decay != 0:
-        g = g.add(p, alpha=weight_decay)
+    g = l2_grad(g, p, grad_scale, weight_decay)
     square_avg.mul_(rho).addcmul_(g, g, value=1 - rho)
     settle(square_avg)
     std = square_avg.add(eps).sqrt_()
@@ -62,15 +59,10 @@ class NpuFusedAdadelta(CombinedOptimizer):
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         lr, rho, eps, weight_decay = self._hp(group)
         settle = settler(s.dtype)
-        for lo, hi, _, _, _ in s.active_runs():
-            p = self._f32(s.flat_p[lo:hi])
-            sq = self._f32(s.flat_s["square_avg"][lo:hi])
-            acc = self._f32(s.flat_s["acc_delta"][lo:hi])
-            adadelta_math(
-                p, self._f32(s.flat_g[lo:hi]), sq, acc, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
-                grad_scale=self._grad_scale(), settle=settle,
-            )
-            self._write_back(s.flat_p[lo:hi], p)
-            self._write_back(s.flat_s["square_avg"][lo:hi], sq)
-            self._write_back(s.flat_s["acc_delta"][lo:hi], acc)
+
+        def update(p, g, states, _):
+            adadelta_math(p, g, *states, lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,
+                          grad_scale=self._grad_scale(), settle=settle)
+
+        self._update_runs(s, ["square_avg", "acc_delta"], update)
         self.last_executor = "torch"

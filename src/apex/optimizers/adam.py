@@ -16,8 +16,9 @@ from typing import List
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _check_adam_group
 from ._flat import FlatSet
+from .sgd import l2_grad
 
 # devices whose torch has _fused_adam_/_fused_adamw_ kernels (CPU since torch 2.4)
 _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -31,13 +32,9 @@ def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, am
     With a low-precision `state_dtype` the moments are rounded through it before
     the param update reads them, as torch (and the kernel) read stored states.
     """
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if weight_decay != 0:
-        if decoupled:
-            p.mul_(1 - lr * weight_decay)
-        else:
-            g = g.add(p, alpha=weight_decay)
+    g = l2_grad(g, p, grad_scale, 0.0 if decoupled else weight_decay)
+    if decoupled and weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     if state_dtype != torch.float32:
@@ -75,14 +72,7 @@ class NpuFusedAdam(CombinedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
-        _check_range("learning rate", group["lr"], 0.0)
-        _check_range("epsilon value", group["eps"], 0.0)
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
-        _check_range("beta parameter at index 0", betas[0], 0.0, 1.0)
-        _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
-        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        _check_adam_group(group)
         if bool(group.get("decoupled_weight_decay", self._decoupled)) != self._decoupled:
             other = "NpuFusedAdamW" if not self._decoupled else "NpuFusedAdam"
             raise ValueError(
@@ -116,22 +106,15 @@ class NpuFusedAdam(CombinedOptimizer):
         b1, b2 = group["betas"]
         amsgrad = group["amsgrad"]
         lr = float(group["lr"])
-        for lo, hi, step, _, _ in s.active_runs():
-            p = self._f32(s.flat_p[lo:hi])
-            g = self._f32(s.flat_g[lo:hi])
-            m = self._f32(s.flat_s["exp_avg"][lo:hi])
-            v = self._f32(s.flat_s["exp_avg_sq"][lo:hi])
-            vm = self._f32(s.flat_s["max_exp_avg_sq"][lo:hi]) if amsgrad else None
+
+        def update(p, g, states, step):
             adam_math(
-                p, g, m, v, vm, lr=lr, beta1=b1, beta2=b2, eps=group["eps"],
+                p, g, *states, lr=lr, beta1=b1, beta2=b2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=step, amsgrad=amsgrad, decoupled=self._decoupled,
                 grad_scale=self._grad_scale(), state_dtype=s.dtype,
             )
-            self._write_back(s.flat_p[lo:hi], p)
-            self._write_back(s.flat_s["exp_avg"][lo:hi], m)
-            self._write_back(s.flat_s["exp_avg_sq"][lo:hi], v)
-            if amsgrad:
-                self._write_back(s.flat_s["max_exp_avg_sq"][lo:hi], vm)
+
+        self._update_runs(s, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], update)
 
     def _torch_fused_step(self, s: FlatSet, group: dict) -> None:
         """torch's fused Adam(W) over each run of segments that share a step count."""

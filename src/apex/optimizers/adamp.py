@@ -35,7 +35,7 @@ from typing import List
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _check_adam_group, _check_range
 from ._flat import FlatSet
 
 __all__ = ["NpuFusedAdamP", "adamp_projection"]
@@ -67,14 +67,7 @@ def adamp_projection(p: torch.Tensor, g: torch.Tensor, d: torch.Tensor, *, delta
 
 
 def _validate_adamp_group(group: dict) -> None:
-    _check_range("learning rate", group["lr"], 0.0)
-    _check_range("epsilon value", group["eps"], 0.0)
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
-    _check_range("beta parameter at index 0", betas[0], 0.0, 1.0)
-    _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
-    _check_range("weight_decay value", group["weight_decay"], 0.0)
+    _check_adam_group(group)
     _check_range("delta", group["delta"], 0.0)
     _check_range("wd_ratio", group["wd_ratio"], 0.0)
     if not isinstance(group.get("nesterov", False), bool):

@@ -27,9 +27,10 @@ from typing import List
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
-from ._nvidia import NvidiaCompatMixin, ShadowParamsMixin, check_betas
+from ._nvidia import NvidiaCompatMixin, ShadowParamsMixin
+from .sgd import l2_grad
 
 __all__ = ["FusedAdam", "nvidia_adam_math"]
 
@@ -42,10 +43,7 @@ _LEGACY_STEP_ARGS_MSG = (
 def nvidia_adam_math(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
                      grad_scale, settle=None):
     """One FusedAdam update on fp32 tensors (in place). ``settle(t)`` rounds a state through its storage dtype."""
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if weight_decay != 0 and not adam_w_mode:
-        g = g.add(p, alpha=weight_decay)
+    g = l2_grad(g, p, grad_scale, 0.0 if adam_w_mode else weight_decay)
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     if settle is not None:
@@ -101,10 +99,7 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
-        _check_range("learning rate", group["lr"], 0.0)
-        _check_range("epsilon value", group["eps"], 0.0)
-        check_betas(group["betas"])
-        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        _check_adam_group(group)
 
     def _state_names(self, group: dict) -> List[str]:
         return ["exp_avg", "exp_avg_sq"]
@@ -114,10 +109,7 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
         """One update of every param with a grad. Returns the closure's loss (None without a closure)."""
         if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError(_LEGACY_STEP_ARGS_MSG)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         self._advance_group_steps()
         self._sync_shadows()
         super().step()
@@ -136,16 +128,13 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
         step = self._use_group_step(s, group)
         b1, b2 = group["betas"]
         settle = _settler(s.dtype)
-        for lo, hi, _, _, _ in s.active_runs():
-            p = self._f32(s.flat_p[lo:hi])
-            m = self._f32(s.flat_s["exp_avg"][lo:hi])
-            v = self._f32(s.flat_s["exp_avg_sq"][lo:hi])
+
+        def update(p, g, states, _):  # `step` is the group's (NVIDIA's bias correction)
             nvidia_adam_math(
-                p, self._f32(s.flat_g[lo:hi]), m, v, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                p, g, *states, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=step, adam_w_mode=self.adam_w_mode,
                 bias_correction=group["bias_correction"], grad_scale=self._grad_scale(), settle=settle,
             )
-            self._write_back(s.flat_p[lo:hi], p)
-            self._write_back(s.flat_s["exp_avg"][lo:hi], m)
-            self._write_back(s.flat_s["exp_avg_sq"][lo:hi], v)
+
+        self._update_runs(s, ["exp_avg", "exp_avg_sq"], update)
         self.last_executor = "torch"

@@ -34,9 +34,9 @@ from typing import List, Optional, Union
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group, _check_range
 from ._flat import FlatSet
-from ._nvidia import NvidiaCompatMixin, check_betas
+from ._nvidia import NvidiaCompatMixin
 from .clip import grad_runs, healed_sets, total_grad_norm
 
 __all__ = ["FusedLAMB", "lamb_clip_divisor"]
@@ -89,10 +89,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
-        _check_range("learning rate", group["lr"], 0.0)
-        _check_range("epsilon value", group["eps"], 0.0)
-        check_betas(group["betas"])
-        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        _check_adam_group(group)
         if group.get("max_grad_norm") is not None:
             _check_range("max_grad_norm", group["max_grad_norm"], 0.0)
 
@@ -115,10 +112,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB update of every param with a grad. Returns the closure's loss (None without a closure)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         self._lamb_step()
         return loss
 

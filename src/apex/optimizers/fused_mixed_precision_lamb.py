@@ -32,6 +32,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ._base import _call_closure
 from ._nvidia import ShadowParamsMixin
 from .fused_lamb import FusedLAMB
 
@@ -110,10 +111,7 @@ class FusedMixedPrecisionLamb(ShadowParamsMixin, FusedLAMB):
         unknown = set(kwargs) - {"grad_scaler"}
         if unknown:
             raise TypeError(f"FusedMixedPrecisionLamb.step() got unexpected keyword arguments {sorted(unknown)}")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         scale, found_inf = self._scaler_inputs(kwargs.get("grad_scaler"))
         if found_inf:
             return loss  # NVIDIA: no update and no step count advance on overflow

@@ -41,9 +41,9 @@ from typing import List
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
-from ._nvidia import NvidiaCompatMixin, check_betas
+from ._nvidia import NvidiaCompatMixin
 from .clip import grad_runs
 
 __all__ = ["FusedNovoGrad"]
@@ -95,10 +95,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
-        _check_range("learning rate", group["lr"], 0.0)
-        _check_range("epsilon value", group["eps"], 0.0)
-        check_betas(group["betas"])
-        _check_range("weight_decay value", group["weight_decay"], 0.0)
+        _check_adam_group(group)
         if group["norm_type"] not in (0, 2) or isinstance(group["norm_type"], bool):
             raise RuntimeError(
                 f"FusedNovoGrad only support l2/inf norm now: expected norm_type 2 (L2) or 0 (inf), "
@@ -111,10 +108,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One NovoGrad update of every param with a grad. Returns the closure's loss (None without one)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         self._advance_group_steps()
         self._fell_back = False
         super().step()

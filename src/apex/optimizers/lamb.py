@@ -31,7 +31,7 @@ from typing import List, Optional, Union
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from .clip import grad_runs, healed_sets, total_grad_norm
 
@@ -65,14 +65,7 @@ def lamb_trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, adam: bool = Fa
 
 
 def _validate_lamb_group(group: dict) -> None:
-    _check_range("learning rate", group["lr"], 0.0)
-    _check_range("epsilon value", group["eps"], 0.0)
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
-    _check_range("beta parameter at index 0", betas[0], 0.0, 1.0)
-    _check_range("beta parameter at index 1", betas[1], 0.0, 1.0)
-    _check_range("weight_decay value", group["weight_decay"], 0.0)
+    _check_adam_group(group)
     for key in ("adam", "use_global_grad_norm"):
         if not isinstance(group.get(key, False), bool):
             raise TypeError(f"Invalid {key}: expected a bool, got {type(group[key]).__name__}")
@@ -133,10 +126,7 @@ class NpuFusedLamb(CombinedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         self._global_mul = 1.0
         if any(g["use_global_grad_norm"] for g in self.param_groups):
             # the norm needs every group's grads before any group is updated
@@ -253,10 +243,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         gnorm = self._global_norm() if any(g["use_global_grad_norm"] for g in self.param_groups) else None
         for group in self.param_groups:
             b1, b2 = group["betas"]

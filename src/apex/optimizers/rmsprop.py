@@ -7,7 +7,7 @@ from typing import List
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
-from .sgd import settler
+from .sgd import l2_grad, settler
 
 # The rmsprop kernels read fixed state slots: s0 square_avg, s1 momentum_buffer,
 # s2 grad_avg. A group keeps only the states its options need (torch's layout),
@@ -21,10 +21,7 @@ def rmsprop_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_deca
     ``buf`` is None unless momentum > 0, ``grad_avg`` None unless centered. ``settle(t)``
     rounds a state through its storage dtype in place (later terms read it as stored).
     """
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if weight_decay != 0:
-        g = g.add(p, alpha=weight_decay)
+    g = l2_grad(g, p, grad_scale, weight_decay)
     square_avg.mul_(alpha).addcmul_(g, g, value=1 - alpha)
     settle(square_avg)
     if grad_avg is not None:
@@ -34,12 +31,24 @@ def rmsprop_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_deca
     else:
         avg = square_avg.sqrt()
     avg.add_(eps)
-    if momentum > 0:
-        buf.mul_(momentum).addcdiv_(g, avg)
+    rms_step(p, g, avg, buf, lr=lr, momentum=momentum, lr_in_momentum=False, settle=settle)
+
+
+def rms_step(p, g, rms, buf, *, lr, momentum, lr_in_momentum, settle) -> None:
+    """``p -= lr * g / rms``, through the momentum buffer ``buf`` when momentum > 0.
+
+    ``lr_in_momentum`` (TF): the buffer accumulates ``lr * g / rms`` and is subtracted as is.
+    """
+    if momentum <= 0:
+        p.addcdiv_(g, rms, value=-lr)
+    elif lr_in_momentum:
+        buf.mul_(momentum).addcdiv_(g, rms, value=lr)
+        settle(buf)
+        p.sub_(buf)
+    else:
+        buf.mul_(momentum).addcdiv_(g, rms)
         settle(buf)
         p.add_(buf, alpha=-lr)
-    else:
-        p.addcdiv_(g, avg, value=-lr)
 
 
 class RMSpropFamily(CombinedOptimizer):
@@ -56,26 +65,33 @@ class RMSpropFamily(CombinedOptimizer):
     def _bind_slots(self, s: FlatSet, a) -> None:
         a.s0, a.s1, a.s2 = (s.flat_s[n].data_ptr() if n in s.flat_s else 0 for n in _SLOTS)
 
-    def _states(self, s: FlatSet, lo: int, hi: int):
-        """fp32 working copies of (square_avg, momentum_buffer, grad_avg) slices; None when absent."""
-        return [self._f32(s.flat_s[n][lo:hi]) if n in s.flat_s else None for n in _SLOTS]
-
-    def _write_states(self, s: FlatSet, lo: int, hi: int, states) -> None:
-        for n, t in zip(_SLOTS, states):
-            if t is not None:
-                self._write_back(s.flat_s[n][lo:hi], t)
-
     @staticmethod
     def _hp(group: dict) -> List[float]:
         """The kernels' hyperparameters: lr, alpha, eps, weight_decay, momentum."""
         return [float(group[k]) for k in ("lr", "alpha", "eps", "weight_decay", "momentum")]
 
-    def _validate_common(self, group: dict) -> None:
+    def _validate_group(self, group: dict) -> None:
         _check_range("learning rate", group["lr"], 0.0)
         _check_range("epsilon value", group["eps"], 0.0)
         _check_range("momentum value", group["momentum"], 0.0)
         _check_range("weight_decay value", group["weight_decay"], 0.0)
         _check_range("alpha value", group["alpha"], 0.0)
+
+    #: the torch executor's math (rmsprop_math's arguments, plus what `_math_options` adds)
+    _math = staticmethod(rmsprop_math)
+
+    def _math_options(self, group: dict) -> dict:
+        return {}
+
+    def _torch_step(self, s: FlatSet, group: dict) -> None:
+        hp = dict(zip(("lr", "alpha", "eps", "weight_decay", "momentum"), self._hp(group)))
+        hp.update(self._math_options(group), grad_scale=self._grad_scale(), settle=settler(s.dtype))
+
+        def update(p, g, states, _):
+            self._math(p, g, *states, **hp)
+
+        self._update_runs(s, _SLOTS, update)
+        self.last_executor = "torch"
 
 
 class NpuFusedRMSprop(RMSpropFamily):
@@ -93,24 +109,7 @@ class NpuFusedRMSprop(RMSpropFamily):
         self._validate_group(defaults)
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict) -> None:
-        self._validate_common(group)
-
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         a = self._prepare_args(s, self._hp(group), _core.ext.FLAG_CENTERED if group["centered"] else 0)
         self._bind_slots(s, a)
         _core.ext.rmsprop_step(a)
-
-    def _torch_step(self, s: FlatSet, group: dict) -> None:
-        lr, alpha, eps, weight_decay, momentum = self._hp(group)
-        settle = settler(s.dtype)
-        for lo, hi, _, _, _ in s.active_runs():
-            p = self._f32(s.flat_p[lo:hi])
-            states = self._states(s, lo, hi)
-            rmsprop_math(
-                p, self._f32(s.flat_g[lo:hi]), *states, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                momentum=momentum, grad_scale=self._grad_scale(), settle=settle,
-            )
-            self._write_back(s.flat_p[lo:hi], p)
-            self._write_states(s, lo, hi, states)
-        self.last_executor = "torch"

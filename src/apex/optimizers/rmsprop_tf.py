@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .. import _core
 from ._flat import FlatSet
-from .rmsprop import RMSpropFamily
-from .sgd import settler
+from .rmsprop import RMSpropFamily, rms_step
+from .sgd import l2_grad
 
 
 def rmsprop_tf_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_decay, momentum, decoupled_decay,
@@ -17,13 +17,9 @@ def rmsprop_tf_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_d
     (lr_in_momentum), and decoupled decay shrinks the param by ``wd * p`` (no lr factor,
     as the NPU patch) instead of adding ``wd * p`` to the gradient.
     """
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if weight_decay != 0:
-        if decoupled_decay:
-            p.add_(p, alpha=-weight_decay)
-        else:
-            g = g.add(p, alpha=weight_decay)
+    g = l2_grad(g, p, grad_scale, 0.0 if decoupled_decay else weight_decay)
+    if decoupled_decay and weight_decay != 0:
+        p.add_(p, alpha=-weight_decay)
     one_minus_alpha = 1 - alpha
     square_avg.add_(g * g - square_avg, alpha=one_minus_alpha)
     settle(square_avg)
@@ -33,17 +29,7 @@ def rmsprop_tf_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_d
         rms = square_avg.addcmul(grad_avg, grad_avg, value=-1).add_(eps).sqrt_()
     else:
         rms = square_avg.add(eps).sqrt_()
-    if momentum > 0:
-        if lr_in_momentum:
-            buf.mul_(momentum).addcdiv_(g, rms, value=lr)
-            settle(buf)
-            p.sub_(buf)
-        else:
-            buf.mul_(momentum).addcdiv_(g, rms)
-            settle(buf)
-            p.add_(buf, alpha=-lr)
-    else:
-        p.addcdiv_(g, rms, value=-lr)
+    rms_step(p, g, rms, buf, lr=lr, momentum=momentum, lr_in_momentum=lr_in_momentum, settle=settle)
 
 
 class NpuFusedRMSpropTF(RMSpropFamily):
@@ -73,6 +59,7 @@ class NpuFusedRMSpropTF(RMSpropFamily):
     """
 
     _state_fill = {"square_avg": 1.0}
+    _math = staticmethod(rmsprop_tf_math)
 
     def __init__(self, params, lr=1e-2, alpha=0.9, eps=1e-10, weight_decay=0, momentum=0.0, centered=False,
                  decoupled_decay=False, lr_in_momentum=True):
@@ -83,8 +70,8 @@ class NpuFusedRMSpropTF(RMSpropFamily):
         self._validate_group(defaults)
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict) -> None:
-        self._validate_common(group)
+    def _math_options(self, group: dict) -> dict:
+        return {"decoupled_decay": group["decoupled_decay"], "lr_in_momentum": group["lr_in_momentum"]}
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         ext = _core.ext
@@ -96,19 +83,3 @@ class NpuFusedRMSpropTF(RMSpropFamily):
         a = self._prepare_args(s, self._hp(group), flags)
         self._bind_slots(s, a)
         ext.rmsprop_tf_step(a)
-
-    def _torch_step(self, s: FlatSet, group: dict) -> None:
-        lr, alpha, eps, weight_decay, momentum = self._hp(group)
-        settle = settler(s.dtype)
-        for lo, hi, _, _, _ in s.active_runs():
-            p = self._f32(s.flat_p[lo:hi])
-            states = self._states(s, lo, hi)
-            rmsprop_tf_math(
-                p, self._f32(s.flat_g[lo:hi]), *states, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                momentum=momentum,
-                decoupled_decay=group["decoupled_decay"], lr_in_momentum=group["lr_in_momentum"],
-                grad_scale=self._grad_scale(), settle=settle,
-            )
-            self._write_back(s.flat_p[lo:hi], p)
-            self._write_states(s, lo, hi, states)
-        self.last_executor = "torch"

@@ -25,9 +25,7 @@ def sgd_math(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, firs
     without dampening. ``settle(t)`` rounds a state tensor through its storage
     dtype in place, so the update reads the buffer as stored (as the kernel does).
     """
-    d = g * grad_scale if grad_scale != 1.0 else g
-    if weight_decay != 0:
-        d = d.add(p, alpha=weight_decay)
+    d = l2_grad(g, p, grad_scale, weight_decay)
     if buf is not None:
         if first:
             buf.copy_(d)
@@ -36,6 +34,15 @@ def sgd_math(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, firs
         settle(buf)
         d = d.add(buf, alpha=momentum) if nesterov else buf
     p.add_(d, alpha=-lr)
+
+
+def l2_grad(g: torch.Tensor, p: torch.Tensor, grad_scale: float, weight_decay: float) -> torch.Tensor:
+    """``g * grad_scale + weight_decay * p`` (L2 decay); a new tensor when either term applies, never g changed."""
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay != 0:
+        g = g.add(p, alpha=weight_decay)
+    return g
 
 
 def settler(dtype: torch.dtype) -> Callable[[torch.Tensor], None]:

@@ -166,6 +166,10 @@ def _describe_entry(entry: Optional[LayoutEntry], noun: str) -> str:
     return f"{name!r} of shape {tuple(shape)} ({dtype})"
 
 
+def _plural(noun: str) -> str:
+    return noun[:-1] + "ies" if noun.endswith("y") else noun + "s"  # "state_dict entry" -> "state_dict entries"
+
+
 def agree_layout(entries: Sequence[LayoutEntry], what: str, noun: str = "parameter", group: Any = None,
                  hint: str = "") -> None:
     """Raise the same RuntimeError on every rank unless all ranks hold identical ``entries``.
@@ -188,7 +192,7 @@ def agree_layout(entries: Sequence[LayoutEntry], what: str, noun: str = "paramet
     a = ref[index] if index < len(ref) else None
     b = theirs[index] if index < len(theirs) else None
     raise RuntimeError(
-        f"{what}: the {noun}s differ across ranks. First difference at {noun} {index}: rank 0 has "
+        f"{what}: the {_plural(noun)} differ across ranks. First difference at {noun} {index}: rank 0 has "
         f"{_describe_entry(a, noun)}, rank {rank} has {_describe_entry(b, noun)} (rank 0 lists {len(ref)}, "
         f"rank {rank} lists {len(theirs)}). Every rank must build the same model{hint}."
     )

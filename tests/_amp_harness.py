@@ -1,0 +1,16 @@
+"""Shared pieces of the amp tests (imported by tests/test_amp_*.py).
+
+Every amp test module also uses the `amp_env` fixture of conftest.py (one intra-op thread, amp torn
+down after each test).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bn_mlp(n_in: int, hidden: int, n_out: int) -> torch.nn.Sequential:
+    """Linear -> BatchNorm1d -> ReLU -> Linear: the tiny model of the amp tests (BatchNorm: the layer
+    keep_batchnorm_fp32 keeps in fp32)."""
+    return torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, n_out))
