@@ -35,6 +35,26 @@ MODULES = [
      ["detect_device", "device_available", "default_amp_dtype"]),
 ]
 
+def _decorator_note(cast: str) -> str:
+    return ("NVIDIA: same decorator. The wrapped function casts its floating-point tensor arguments (also inside "
+            f"lists, tuples and dicts) {cast} whenever an O1 session is active, inside or outside the model's "
+            "forward, except inside `disable_casts()`; otherwise it runs unchanged. Inside the forward autocast "
+            "still governs the ops it runs, unless the session has `user_cast_preferred=True` (the NPU patch's "
+            "option), which runs it with autocast disabled so its cast holds.")
+
+
+def _register_note(decorator: str) -> str:
+    return ("NVIDIA: same names and arguments; applies while an O1 session is active and wraps only the named "
+            "module attribute (no global patching; tensor methods and references taken earlier are not "
+            f"intercepted), casting as `{decorator}` does; teardown restores the attribute. Registering during a "
+            "session takes effect at once, and registrations carry over to later sessions. A missing or "
+            "non-callable attribute raises ValueError. NPU patch: `user_cast_preferred=True` makes the registered "
+            "cast win over autocast (in the patch, over its built-in cast lists).")
+
+
+_ON_EVERY_DEVICE = ("Runs on cpu (apex_C kernels), cuda and npu (torch ops on the flat buffers), where NVIDIA's "
+                    "needs CUDA; bf16 params work.")
+
 # How a name differs from the original Ascend "Apex Patch" (NPU) and from NVIDIA Apex. Facts only; each one is
 # exercised by the test suite named in parentheses where that is not obvious.
 NOTES = {
@@ -90,6 +110,157 @@ NOTES = {
     "apex.parallel.DistributedDataParallel": (
         "NVIDIA's arguments; built on torch.distributed (no home-made transport), gloo on CPU included."),
     "apex.parallel.SyncBatchNorm": "Works on CPU with gloo too (torch.nn.SyncBatchNorm refuses CPU tensors).",
+    # ---- apex.amp (the NPU patch's amp is NVIDIA's with the extras listed under initialize)
+    "apex.amp.disable_casts": (
+        "NVIDIA: same name, a context manager. Here it switches off both parts of O1's casting for the block: "
+        "the autocast around the forward and the registered-function / decorator casts. It nests, holds per "
+        "thread, and changes nothing outside an O1 session."),
+    "apex.amp.half_function": _decorator_note("to the session's low-precision dtype (fp16, or bf16 by default "
+                                              "on cpu)"),
+    "apex.amp.float_function": _decorator_note("to float32"),
+    "apex.amp.promote_function": _decorator_note("to the widest floating dtype among them"),
+    "apex.amp.register_half_function": _register_note("half_function"),
+    "apex.amp.register_float_function": _register_note("float_function"),
+    "apex.amp.register_promote_function": _register_note("promote_function"),
+    "apex.amp.load_state_dict": (
+        "NVIDIA: same format, so its amp checkpoints load; as there, unexpected keys raise RuntimeError and "
+        "entries beyond `num_losses` are skipped. Here every entry is validated first (a dict "
+        "with a positive `loss_scale`, a 1-element tensor accepted, and a non-negative int `unskipped`) and "
+        "nothing is set when one is bad; the warnings go to the `apex.amp` logger."),
+    "apex.amp.master_params": (
+        "NVIDIA: same generator over the optimizer's param groups: the fp32 masters under O2, the model params "
+        "otherwise. Their grads are unscaled when `scale_loss` exits, with or without `combine_grad`, so clip "
+        "them between the exit and `step()`; not with `fold_unscale=True`, where the grads stay scaled."),
+    # ---- apex.optimizers: the NPU patch's classes
+    "apex.optimizers.Lamb": (
+        "NPU patch: its non-fused LAMB, with NpuFusedLamb's semantics (no bias correction, weight norm clamped "
+        "to 10, `adam=True` forces trust ratio 1) and its per-param logging entries (`weight_norm`, `adam_norm`, "
+        "`trust_ratio`); added here: `use_global_grad_norm`, for parity with NpuFusedLamb. A plain "
+        "`torch.optim.Optimizer` (one tensor at a time, nothing combined); the math runs in fp32 for every "
+        "param dtype, states are stored in the param dtype. NVIDIA: no `Lamb` (its LAMB is `FusedLAMB`, with "
+        "bias correction)."),
+    "apex.optimizers.NpuFusedAdadelta": (
+        "As NpuFusedAdam (standalone, bf16, either zero_grad), with torch.optim.Adadelta's semantics and "
+        "defaults; state dicts load to and from torch.optim.Adadelta (one asking for `maximize` or other options "
+        "we lack raises ValueError and changes nothing). NVIDIA: no such class."),
+    "apex.optimizers.NpuFusedAdamP": (
+        "NPU patch: same signature and defaults. AdamP as timm computes it (Adam with bias correction, optional "
+        "Nesterov; for params with more than one dimension the radial part is projected out and the decoupled "
+        "decay scaled by `wd_ratio` when the largest |cosine| of grad and param, per channel then per layer, is "
+        "below `delta / sqrt(row length)`). Works standalone, with bf16 and with either zero_grad (see "
+        "NpuFusedAdam). NVIDIA: no such class."),
+    "apex.optimizers.NpuFusedRMSprop": (
+        "As NpuFusedAdam (standalone, bf16, either zero_grad), with torch.optim.RMSprop's semantics (momentum, "
+        "centered) and state layout; state dicts load to and from torch.optim.RMSprop. NVIDIA: no such class. "
+        "For the TensorFlow formulation see `NpuFusedRMSpropTF`."),
+    # ---- apex.optimizers: NVIDIA's classes
+    "apex.optimizers.FusedAdagrad": (
+        "NVIDIA: same signature, defaults and math (no learning-rate decay, accumulator from 0, "
+        "`adagrad_w_mode=True` decouples the decay; `state[p]` holds `sum` only). " + _ON_EVERY_DEVICE
+        + " NPU patch: no NpuFused counterpart."),
+    "apex.optimizers.FusedLAMB": (
+        "NVIDIA: same signature, defaults and math (global grad-norm clipping by the constructor's "
+        "`max_grad_norm`, bias correction, per-group step, trust ratio where `weight_decay != 0` or `use_nvlamb`; "
+        "`amsgrad=True` raises). " + _ON_EVERY_DEVICE + " The grads are left as they are (NVIDIA writes the update "
+        "into `p.grad`); `max_grad_norm=None` turns clipping off. NPU patch: its LAMB is `NpuFusedLamb`, a "
+        "different algorithm (no bias correction, weight norm clamped to 10, no clipping)."),
+    "apex.optimizers.FusedMixedPrecisionLamb": (
+        "NVIDIA: same signature and semantics: fp32 masters and moments for `reduced_precision_dtype` params, "
+        "made at the first step, the rounded result written back to the model; `group['lr']` and "
+        "`group['step']` are tensors; torch's GradScaler folds its unscale into the update and skips inf/nan "
+        "steps. " + _ON_EVERY_DEVICE + " A param rebound after the first step (`p.data = ...`, `model.to(...)`) "
+        "gets a new master instead of being overwritten from the old one. NPU patch: no counterpart."),
+    "apex.optimizers.FusedNovoGrad": (
+        "NVIDIA: same signature, defaults and math (per-tensor second moment, `norm_type` 2 or 0, `init_zero`, "
+        "`reg_inside_moment`; `amsgrad=True` raises). " + _ON_EVERY_DEVICE + " The per-tensor norm is kept in "
+        "`state[p]['exp_avg_sq']` (0-d) rather than per group and dtype in `group['exp_avg_sq']`, so skipped or "
+        "added params work; a bad `norm_type` raises when the group is added, not at the first step. NPU patch: "
+        "no counterpart."),
+    "apex.optimizers.FusedSGD": (
+        "NVIDIA: same signature; torch.optim.SGD's math, plus `wd_after_momentum=True` (decay added after the "
+        "momentum). " + _ON_EVERY_DEVICE + " `materialize_master_grads` is accepted but changes nothing (our amp "
+        "hands grads over through combined buffers); `zero_grad()` is torch's. A subclass of `NpuFusedSGD` "
+        "(the NPU patch's SGD): with `wd_after_momentum=False` the update is the same."),
+    # ---- apex.contrib
+    "apex.contrib.ALIGN_ELEMENTS": (
+        "New here. Slot alignment of the combined layout: each slot starts a multiple of 32 elements (64 bytes "
+        "for half types, 128 for fp32) after the buffer start and holds exactly its tensor. The NPU patch rounded "
+        "each slot up to 16 elements and added 32 more, for torch_npu's private storage formats, which here go "
+        "to torch_npu's own op instead. NVIDIA: none."),
+    "apex.contrib.change_data_ptr": (
+        "NPU patch: a C++ function with the same arguments `(dst, src, offset)`. Here Python over torch APIs: "
+        "`dst` keeps its identity, shape and strides and becomes a view into "
+        "`src`; bad arguments raise TypeError / ValueError / IndexError with `dst` unchanged, and `dst` is "
+        "returned. NVIDIA: none."),
+    "apex.contrib.combine_npu": (
+        "The NPU patch's name and arguments `(tensors, require_copy_value=True)`; the same function as "
+        "`combine_tensors` (see there for the layout, which differs from the patch's). An empty list returns "
+        "None, as the patch's did. NVIDIA: none."),
+    "apex.contrib.npu_combine_tensors": (
+        "torch_npu's later name for the NPU patch's `combine_npu`; the same function as `combine_tensors`. On "
+        "npu, tensors with a private storage format are handed to torch_npu's own op. NVIDIA: none."),
+    "apex.contrib.get_part_combined_tensor": (
+        "NPU patch: same name and arguments `(combined, index, size)`; returns a view sharing the buffer's "
+        "memory. Here non-int arguments raise TypeError, negative ones ValueError and a range past the buffer "
+        "IndexError. NVIDIA: none."),
+    "apex.contrib.is_combined_tensor_valid": (
+        "NPU patch: same name and arguments, but stricter: the patch only checked that each data pointer lay "
+        "inside the buffer; here each tensor must start exactly at its planned slot, with the buffer's dtype, "
+        "dense, so a tensor rebound elsewhere or a list in another order is invalid. npu tensors in a private "
+        "format are judged by torch_npu's own check. NVIDIA: none."),
+    "apex.contrib.plan_layout": (
+        "New here: the slot offsets and buffer length `combine_tensors` uses, also the layout of amp's "
+        "`combine_grad` buffers and of DistributedDataParallel's flat grad buffers. Accepts tensors or element "
+        "counts. NVIDIA and the NPU patch: none."),
+    "apex.contrib.register_compact_state_dict_hook": (
+        "New here (companion of `compact_state_dict`): makes an `nn.Module`'s or an optimizer's `state_dict()` "
+        "return compact clones of tensors that view a larger storage (such as a combined buffer); returns a "
+        "handle whose `remove()` undoes it. "
+        "NVIDIA and the NPU patch: none."),
+    # ---- apex.parallel
+    "apex.parallel.CollectiveError": (
+        "New here. A RuntimeError subclass (so existing `except RuntimeError` still catches it) raised by "
+        "DistributedDataParallel, Reducer, `flat_dist_call`, SyncBatchNorm's CPU path and amp's `combine_ddp` "
+        "when a collective fails or times out; the message names the operation, the original error is the "
+        "`__cause__`."),
+    "apex.parallel.convert_syncbn_model": (
+        "NVIDIA: same arguments `(module, process_group=None, channel_last=False)`. Here every `BatchNorm*d` "
+        "becomes our SyncBatchNorm keeping the same parameter and buffer objects (optimizers built earlier keep "
+        "working), their dtype and device, training mode and `qconfig`."),
+    "apex.parallel.create_syncbn_process_group": (
+        "NVIDIA: same name and argument. 0 returns None (the default group); every rank must call it (creating "
+        "groups is collective); a size that is not a non-negative int dividing the world size raises "
+        "ValueError."),
+    "apex.parallel.default_backend": (
+        "New here: the torch.distributed backend for a device, gloo (cpu), nccl (cuda) or hccl (npu), for "
+        "`init_process_group`; None means the device apex detects."),
+    "apex.parallel.flat_dist_call": (
+        "NVIDIA: same first arguments `(tensors, call, extra_args=None)` and the same averaging of an all-reduce "
+        "over the ranks. Here tensors are grouped by dtype and device into flat chunks of at most 96 MiB, empty "
+        "tensors are skipped, `call` is invoked with `group=` (the new `group` argument, default the world "
+        "group), and failures raise `CollectiveError`."),
+    "apex.parallel.LARC": (
+        "NVIDIA: same arguments, defaults and math; the grads are rescaled in place and `param_groups`, `state`, "
+        "`state_dict` ... are the wrapped optimizer's. Here LARC is a `torch.optim.Optimizer` subclass, so "
+        "`amp.initialize` and LR schedulers accept it; norms are accumulated in fp32 for fp16/bf16 params; "
+        "`step(closure)` evaluates the closure; the weight decay is restored even if the wrapped step raises; "
+        "it pickles and deep-copies."),
+    "apex.parallel.Reducer": (
+        "NVIDIA: same `Reducer(module_or_grads_list)` and `reduce()`: a module's params are broadcast from rank 0 "
+        "at construction and `reduce()` averages the grads over the ranks. New here: `process_group`; a clear "
+        "RuntimeError without an initialized process group and TypeError for an argument that is neither a "
+        "module nor a list of tensors."),
+    # ---- apex._device
+    "apex._device.default_amp_dtype": (
+        "New here: float16 on cuda and npu, bfloat16 on cpu; `APEX_AMP_DTYPE` overrides it on every device. "
+        "NVIDIA amp's half is always fp16."),
+    "apex._device.detect_device": (
+        "New here: npu (torch_npu importable and reporting a device) > cuda > cpu; `APEX_DEVICE` overrides it, "
+        "an unknown name raises ValueError and an unusable device RuntimeError. torch_npu is imported lazily, at "
+        "the first question about npu, never by `import apex`."),
+    "apex._device.device_available": (
+        "New here: whether \"cpu\", \"cuda\" or \"npu\" is usable on this machine (a torch_npu that fails to "
+        "import counts as no npu); other names raise ValueError."),
 }
 
 

@@ -32,6 +32,7 @@ import copy
 
 import pytest
 import torch
+from _optim_harness import assert_shared, assert_unchanged, check_sparse_grad_rejected, snapshot
 
 from apex import _core, amp
 from apex.optimizers import (
@@ -70,13 +71,6 @@ FUSED = sorted(SPECS)
 ALL = [*FUSED, "lamb_ref"]
 TORCH_TWINS = sorted(n for n in FUSED if SPECS[n][2] is not None)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-LAMB_REF_GAPS = pytest.mark.xfail(
-    strict=True,
-    reason="BUG (apex.optimizers.Lamb): accepts complex/integer params and raises on a sparse grad only after "
-           "updating the params before it; see the audit report",
-)
-
 
 def make_opt(name: str, params, **overrides):
     if name == "lamb_ref":
@@ -123,35 +117,6 @@ def assert_models_equal(a, b, what=""):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert p.dtype == q.dtype, f"{what} {name}: dtype {p.dtype} != {q.dtype}"
         assert torch.equal(p, q), f"{what} {name}: max diff {(p.double() - q.double()).abs().max().item()}"
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def assert_shared(opt) -> int:
-    """Params, grads and every state entry are views of the flat buffers at their slots; returns #params checked."""
-    n = 0
-    for gi, group in enumerate(opt.param_groups):
-        sets = opt._groups[gi].sets
-        assert sum(len(s.params) for s in sets) == len(group["params"]), f"group {gi}: params missing from sets"
-        for s in sets:
-            for k, p in enumerate(s.params):
-                where = f"group {gi} param {k}"
-                assert _key(p) == _key(s.flat_p) and p.storage_offset() == s.flat_p.storage_offset() + s.offsets[k], \
-                    f"{where}: param outside its slot"
-                if p.grad is not None:
-                    assert _key(p.grad) == _key(s.flat_g), f"{where}: grad outside the flat grad buffer"
-                    assert p.grad.storage_offset() == s.flat_g.storage_offset() + s.offsets[k], f"{where}: grad slot"
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                for name in s.state_names:
-                    v, flat = st[name], s.flat_s[name]
-                    assert _key(v) == _key(flat), f"{where}: state {name!r} outside its flat buffer"
-                    assert v.storage_offset() == flat.storage_offset() + s.offsets[k], f"{where}: {name!r} slot"
-                n += 1
-    return n
 
 
 class KernelSpy:
@@ -212,10 +177,6 @@ def test_cpu_runs_the_kernel_for_every_optimizer_and_dtype(name, dtype, monkeypa
             assert (err <= tol + 1e-30).all(), f"{pn}: kernel vs torch executor beyond 4 ulps ({err.max().item()})"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (rmsprop kernel and torch executor): the centered variance "
-                   "square_avg - grad_avg**2 is taken in fp32 from the stored states; when square_avg underflowed to 0 "
-                   "in fp16 it is a tiny negative number and sqrt gives NaN, where torch (which rounds it to -0 in "
-                   "fp16) stays finite; see the audit report")
 @pytest.mark.parametrize("executor", ["auto", "torch"])
 def test_centered_rmsprop_fp16_tiny_second_moment(executor):
     """fp16 param 1.0, grad 1e-3, centered, eps=1e-4: 0.01 * g**2 = 1e-8 flushes to 0 in fp16 while grad_avg = 1e-5
@@ -241,33 +202,7 @@ def test_lamb_reference_class_is_not_combined():
 
 
 # ------------------------------------------------------------------ clear errors, nothing changed
-def _snapshot(opt, params):
-    return (copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params], [p.data_ptr() for p in params],
-            getattr(opt, "recombine_count", None), len(opt.param_groups))
-
-
-def _assert_unchanged(opt, params, snap):
-    sd, values, ptrs, count, n_groups = snap
-    assert len(opt.param_groups) == n_groups, "a param group was added"
-    assert [p.data_ptr() for p in params] == ptrs, "params were rebound"
-    for k, (p, v) in enumerate(zip(params, values)):
-        assert torch.equal(p, v), f"param {k} changed"
-    now = opt.state_dict()
-    assert now["param_groups"] == sd["param_groups"]
-    assert list(now["state"]) == list(sd["state"])
-    for k, st in sd["state"].items():
-        assert list(now["state"][k]) == list(st)
-        for n, v in st.items():
-            assert torch.equal(now["state"][k][n], v) if isinstance(v, torch.Tensor) else now["state"][k][n] == v
-    assert getattr(opt, "recombine_count", None) == count
-
-
-def _bad_params(name):
-    marks = [LAMB_REF_GAPS] if name == "lamb_ref" else []
-    return pytest.param(name, marks=marks)
-
-
-@pytest.mark.parametrize("name", [_bad_params(n) for n in ALL])
+@pytest.mark.parametrize("name", ALL)
 def test_complex_and_integer_params_are_rejected(name):
     """Complex params: torch.optim.Adam/AdamW/SGD/RMSprop optimize them as real pairs; we raise instead (a clear
     TypeError naming view_as_real), at construction, at add_param_group, and at a step after ``p.data = complex``."""
@@ -278,10 +213,10 @@ def test_complex_and_integer_params_are_rejected(name):
     (m,), (o,) = twin_models(name, n=1)
     train(m, o, 2)
     params = list(m.parameters())
-    snap = _snapshot(o, params)
+    snap = snapshot(o, params)
     with pytest.raises(TypeError, match=r"complex.*view_as_real"):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]})
-    _assert_unchanged(o, params, snap)
+    assert_unchanged(o, params, snap)
     # a param turned complex by user code after combining
     o.zero_grad(set_to_none=True)
     backward(m, 5)
@@ -289,30 +224,16 @@ def test_complex_and_integer_params_are_rejected(name):
     m.l2.bias.data = torch.complex(old, torch.zeros_like(old))
     m.l2.bias.grad = None
     params_now = list(m.parameters())
-    snap = _snapshot(o, params_now)
+    snap = snapshot(o, params_now)
     with pytest.raises(TypeError, match=r"complex.*view_as_real"):
         o.step()
-    _assert_unchanged(o, params_now, snap)
+    assert_unchanged(o, params_now, snap)
 
 
-@pytest.mark.parametrize("name", [_bad_params(n) for n in ALL])
+@pytest.mark.parametrize("name", ALL)
 def test_sparse_grad_is_rejected_and_changes_nothing(name):
     """A sparse grad among dense ones: RuntimeError naming the problem, before any param or state is touched."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(4, 2)
-    emb = torch.nn.Embedding(10, 4, sparse=True)
-    params = [*lin.parameters(), emb.weight]
-    opt = make_opt(name, params)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    lin(emb(torch.tensor([1, 2, 3]))).sum().backward()
-    assert emb.weight.grad.is_sparse
-    snap = _snapshot(opt, params)
-    with pytest.raises(RuntimeError, match="sparse"):
-        opt.step()
-    _assert_unchanged(opt, params, snap)
+    check_sparse_grad_rejected(lambda params: make_opt(name, params), stepped=True, match="sparse")
 
 
 # ------------------------------------------------------------------ closure
@@ -375,10 +296,10 @@ def test_torch_state_dict_with_unsupported_option(name, option):
     sd = ot.state_dict()
     sd["param_groups"][0][option] = True
     params = list(m.parameters())
-    snap = _snapshot(o, params)
+    snap = snapshot(o, params)
     with pytest.raises(ValueError, match=f"does not implement {option}=True; expected {option}=False"):
         o.load_state_dict(sd)
-    _assert_unchanged(o, params, snap)
+    assert_unchanged(o, params, snap)
     train(m, o, 1, start=2)
     assert o.recombine_count == 1 and o.last_executor == "apex_C"
 
@@ -461,6 +382,19 @@ def test_thirty_undisturbed_steps_combine_once(name):
     flat_ptrs = [s.flat_p.data_ptr() for c in o._groups.values() for s in c.sets]
     train(m, o, 1, start=30)
     assert [s.flat_p.data_ptr() for c in o._groups.values() for s in c.sets] == flat_ptrs
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_deepcopy_after_steps_trains_on(name):
+    """copy.deepcopy((model, optimizer)) after steps (torch keeps only its own fields in a copy): the copy
+    re-combines once and trains bit-identically to the original."""
+    (m,), (o,) = twin_models(name, n=1)
+    train(m, o, 3)
+    m2, o2 = copy.deepcopy((m, o))
+    train(m, o, 3, start=3)
+    train(m2, o2, 3, start=3)
+    assert o2.recombine_count == 1 and o2.last_executor == "apex_C"
+    assert_models_equal(m, m2, "deepcopy")
 
 
 def _break_param_data(model, opt, twin, twin_opt):
@@ -552,13 +486,7 @@ def swap_on_conversion():
     torch.__future__.set_swap_module_params_on_conversion(before)
 
 
-BERT_META = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="NpuFusedBertAdam's torch executor calls torch.repeat_interleave without output_size (a device->host sync "
-           "on cuda/npu; impossible on meta); see the audit report")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[BERT_META] if n == "bert_adam" else []) for n in FUSED])
+@pytest.mark.parametrize("name", FUSED)
 def test_model_to_device_recombines_once(name, swap_on_conversion):
     """model.to(meta) (the other device of a CPU-only machine) after steps: one re-combine, buffers and every
     state entry on the new device; meta tensors have no values, so only the healing is checked."""
@@ -637,3 +565,14 @@ def test_every_fused_optimizer_under_amp(name, level, set_to_none, amp_session):
         assert o.recombine_count == 1
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": steps}
     assert_models_equal(m, ref, f"{name} under {level}")
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_generator_in_a_group_dict_keeps_its_params(name):
+    """{"params": model.parameters()} (a generator) is read once: the group holds every param, as in torch."""
+    cls, hp, _, _ = SPECS[name]
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    o = cls([{"params": m.parameters()}], **hp)
+    assert [id(p) for p in o.param_groups[0]["params"]] == [id(p) for p in m.parameters()]
+    o.add_param_group({"params": (p for p in torch.nn.Linear(2, 2).parameters())})
+    assert len(o.param_groups[1]["params"]) == 2

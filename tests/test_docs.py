@@ -141,3 +141,17 @@ def test_api_reference_covers_every_public_name():
     for qual in gen.NOTES:
         modname, name = qual.rsplit(".", 1)
         assert hasattr(importlib.import_module(modname), name), f"NOTES names {qual}, which does not exist"
+
+
+def test_every_public_name_has_a_differences_note():
+    """Each name's entry in docs/api.md says how it differs from the NPU patch and NVIDIA Apex (NOTES)."""
+    gen = _load_gen_api()
+    missing = [f"{modname}.{name}" for modname, _, names in gen.MODULES
+               for name in (names if names is not None else importlib.import_module(modname).__all__)
+               if f"{modname}.{name}" not in gen.NOTES]
+    assert not missing, f"docs/_gen_api.py NOTES has no Differences note for {missing}"
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    sections = re.split(r"^### ", text, flags=re.M)[1:]  # one per documented name, up to the next heading
+    assert sections, "docs/api.md has no ### entries"
+    bare = [s.splitlines()[0] for s in sections if "\n*Differences:* " not in s.split("\n## ", 1)[0]]
+    assert not bare, f"docs/api.md entries without a *Differences:* note: {bare}"

@@ -19,9 +19,12 @@ import torch
 from _optim_harness import (
     assert_close_rel,
     assert_shared,
+    assert_unchanged,
+    check_sparse_grad_rejected,
     lr_schedule_hook,
     make_params,
     run_side_by_side,
+    snapshot,
 )
 from test_optim_adam import ADAM, ADAMW, HP
 
@@ -510,41 +513,9 @@ def test_replacing_the_group_param_list_recombines():
 
 
 # ------------------------------------------------------------------ errors change nothing
-def _snapshot(opt, params):
-    sd = copy.deepcopy(opt.state_dict())
-    return sd, [p.detach().clone() for p in params], [p.data_ptr() for p in params], opt.recombine_count
-
-
-def _assert_unchanged(opt, params, snap):
-    sd, values, ptrs, count = snap
-    assert [p.data_ptr() for p in params] == ptrs, "params were rebound"
-    assert all(torch.equal(p, v) for p, v in zip(params, values)), "params changed"
-    now = opt.state_dict()
-    assert now["param_groups"] == sd["param_groups"]
-    assert list(now["state"]) == list(sd["state"])
-    for k, st in sd["state"].items():
-        for n, v in st.items():
-            assert torch.equal(now["state"][k][n], v), (k, n)
-    assert opt.recombine_count == count
-
-
 @pytest.mark.parametrize("combined", [False, True], ids=["before-combine", "after-combine"])
 def test_sparse_grad_is_rejected_and_changes_nothing(combined):
-    emb = torch.nn.Embedding(10, 4, sparse=True)
-    lin = torch.nn.Linear(4, 2)
-    params = [*lin.parameters(), emb.weight]
-    opt = NpuFusedAdam(params)
-    if combined:
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    lin(emb(torch.tensor([1, 2, 3]))).sum().backward()
-    assert emb.weight.grad.is_sparse
-    snap = _snapshot(opt, params)
-    with pytest.raises(RuntimeError, match=r"sparse gradients.*expected a dense"):
-        opt.step()
-    _assert_unchanged(opt, params, snap)
+    check_sparse_grad_rejected(NpuFusedAdam, stepped=combined, match=r"sparse gradients.*expected a dense")
 
 
 @pytest.mark.parametrize(
@@ -577,10 +548,10 @@ def test_param_cast_to_unsupported_dtype_is_rejected_at_step():
     params = list(model.parameters())
     model.l2.bias.data = model.l2.bias.detach().double()
     model.l2.bias.grad = None
-    snap = _snapshot(ours, params)
+    snap = snapshot(ours, params)
     with pytest.raises(TypeError, match=r"param 3 has torch\.float64"):
         ours.step()
-    _assert_unchanged(ours, params, snap)
+    assert_unchanged(ours, params, snap)
 
 
 @pytest.mark.parametrize("option", ["maximize", "capturable", "differentiable"])
@@ -590,10 +561,10 @@ def test_torch_state_dict_with_unsupported_option_is_rejected(option):
     params = list(model.parameters())
     sd = ref.state_dict()
     sd["param_groups"][0][option] = True
-    snap = _snapshot(ours, params)
+    snap = snapshot(ours, params)
     with pytest.raises(ValueError, match=f"does not implement {option}=True; expected {option}=False"):
         ours.load_state_dict(sd)
-    _assert_unchanged(ours, params, snap)
+    assert_unchanged(ours, params, snap)
     train(model, ours, x)
     assert ours.recombine_count == 1
 

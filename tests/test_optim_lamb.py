@@ -275,10 +275,34 @@ def test_invalid_arguments(cls, kw, exc):
     harness.check_rejected_option(cls, kw, exc, torch.zeros(3, requires_grad=True))
 
 
-def test_bad_params_and_grads_leave_state_unchanged():
-    with pytest.raises(TypeError, match="floating point"):
-        NpuFusedLamb([torch.zeros(3, dtype=torch.int64)])
-    harness.check_sparse_grad_rejected(NpuFusedLamb)
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", [NpuFusedLamb, Lamb])
+def test_bad_params_and_grads_leave_state_unchanged(cls, stepped):
+    with pytest.raises(TypeError, match=r"floating point params; param 0 has dtype torch\.int64"):
+        cls([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(TypeError, match=r"complex params \(param 0 has dtype torch.complex64\).*view_as_real"):
+        cls([torch.zeros(3, dtype=torch.complex64, requires_grad=True)])
+    harness.check_sparse_grad_rejected(cls, stepped=stepped)
+
+
+def test_reference_lamb_takes_a_generator_in_a_group_dict():
+    lin = torch.nn.Linear(3, 2)
+    opt = Lamb([{"params": lin.parameters()}])
+    assert opt.param_groups[0]["params"] == list(lin.parameters())
+
+
+def test_reference_lamb_rejects_a_grad_of_another_shape_before_any_update():
+    """``p.data = <other shape>`` leaves the old grad behind; Lamb raises before updating the params before it."""
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))]
+    opt = Lamb(params, lr=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    params[1].data = torch.randn(5)
+    snap = harness.snapshot(opt, params)
+    with pytest.raises(RuntimeError, match=r"grad of param 1 has shape \(4,\); expected the param's \(5,\)"):
+        opt.step()
+    harness.assert_unchanged(opt, params, snap)
 
 
 # --------------------------------------------------------------------------- timm (optional outside peer)

@@ -18,7 +18,8 @@ def ref_rmsprop(p, g, st, t, hp, new):
     var = used["square_avg"]
     if hp["centered"]:
         out["grad_avg"] = alpha * st.get("grad_avg", z) + (1 - alpha) * g
-        var = var - (new if new is not None else out)["grad_avg"] ** 2
+        # clamped at 0 as ours (rounded low-precision states can make it slightly negative)
+        var = (var - (new if new is not None else out)["grad_avg"] ** 2).clamp(min=0)
     step = g / (torch.sqrt(var) + hp["eps"])
     if hp["momentum"] > 0:
         out["momentum_buffer"] = hp["momentum"] * st.get("momentum_buffer", z) + step

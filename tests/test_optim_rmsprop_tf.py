@@ -27,7 +27,7 @@ def ref_rmsprop_tf(p, g, st, t, hp, new):
     if hp["centered"]:
         ga0 = st.get("grad_avg", z)
         out["grad_avg"] = ga0 + (1 - a) * (g - ga0)
-        var = var - (new if new is not None else out)["grad_avg"] ** 2
+        var = (var - (new if new is not None else out)["grad_avg"] ** 2).clamp(min=0)  # variance >= 0, as the kernel
     rms = torch.sqrt(var + hp["eps"])
     if hp["momentum"] > 0:
         scale = lr if hp["lr_in_momentum"] else 1.0

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .._tensor_utils import zero_grad_
 from ._amp_state import logger, maybe_log
 from ._combined import CombinedGrads
 from ._model import InstancePatch
@@ -70,17 +71,13 @@ def unscale_(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:
-    g = p.grad
-    if g is None:
+    """One param's grad as torch's ``zero_grad`` treats it: dropped, or zeroed in place."""
+    if p.grad is None:
         return
     if set_to_none:
         p.grad = None
-        return
-    if g.grad_fn is not None:
-        g.detach_()
     else:
-        g.requires_grad_(False)
-    g.zero_()
+        zero_grad_(p.grad)
 
 
 # ---------------------------------------------------------------- the stash

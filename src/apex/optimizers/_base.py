@@ -106,6 +106,19 @@ class _GroupCache:
         self.ptrs = list(map(_data_ptr, params))  # in group order, after combining
 
 
+def check_param_kind(owner: str, i: int, p) -> None:
+    """Param i must be a real floating point tensor (any float dtype; callers narrow it further)."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"optimizer params must be tensors; param {i} is {type(p).__name__}")
+    if p.is_complex():
+        raise TypeError(
+            f"{owner} does not support complex params (param {i} has dtype {p.dtype}); "
+            "optimize torch.view_as_real(param) instead"
+        )
+    if not p.is_floating_point():
+        raise TypeError(f"{owner} can only optimize floating point params; param {i} has dtype {p.dtype}")
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
     """torch.optim.Optimizer whose params, grads and states live in flat buffers.
 
@@ -168,17 +181,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         devices = set()
         for i, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer params must be tensors; param {i} is {type(p).__name__}")
-            if p.is_complex():
-                raise TypeError(
-                    f"{type(self).__name__} does not support complex params (param {i} has dtype {p.dtype}); "
-                    "optimize torch.view_as_real(param) instead"
-                )
-            if not p.is_floating_point():
-                raise TypeError(
-                    f"{type(self).__name__} can only optimize floating point params; param {i} has dtype {p.dtype}"
-                )
+            check_param_kind(type(self).__name__, i, p)
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(
                     f"{type(self).__name__} supports float32, float16 and bfloat16 params; param {i} has {p.dtype}"
@@ -195,8 +198,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         params = param_group["params"]
-        if not isinstance(params, (set, frozenset)):  # torch itself rejects sets, with its own message
-            self._check_params([params] if isinstance(params, torch.Tensor) else list(params))
+        if isinstance(params, torch.Tensor):
+            self._check_params([params])
+        elif not isinstance(params, (set, frozenset)):  # torch itself rejects sets, with its own message
+            # materialised once, as torch does: a generator read by the check would reach torch empty
+            param_group["params"] = params = list(params)
+            self._check_params(params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_torch_options(probe)

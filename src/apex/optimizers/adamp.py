@@ -141,8 +141,12 @@ class NpuFusedAdamP(CombinedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, delta=delta, wd_ratio=wd_ratio,
                         nesterov=nesterov)
         _validate_adamp_group(defaults)
-        self._plans: weakref.WeakKeyDictionary[FlatSet, _RowPlan] = weakref.WeakKeyDictionary()
         super().__init__(params, defaults)
+
+    def _init_combined(self) -> None:
+        # also run when a copy (deepcopy / unpickle) restores only torch's fields
+        super()._init_combined()
+        self._plans: weakref.WeakKeyDictionary[FlatSet, _RowPlan] = weakref.WeakKeyDictionary()
 
     def _validate_group(self, group: dict) -> None:
         _validate_adamp_group(group)

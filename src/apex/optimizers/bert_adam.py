@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from typing import Callable, Dict, List
 
 import torch
@@ -87,6 +88,18 @@ def bert_adam_math(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, grad_mul,
     p.add_(u, alpha=-lr)
 
 
+class _SegmentLayout:
+    """Slot sizes of one FlatSet (a param plus its padding), as python ints and on the buffers' device.
+
+    Built once per set: a rebuilt set is a new FlatSet, and the weak cache drops the old one's.
+    """
+
+    def __init__(self, s: FlatSet):
+        bounds = [*s.offsets, s.total]
+        self.sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        self.lengths = torch.tensor(self.sizes, dtype=torch.int64, device=s.device)
+
+
 class NpuFusedBertAdam(CombinedOptimizer):
     """BERT's Adam (pytorch-pretrained-bert ``BertAdam``), fused over combined buffers.
 
@@ -123,8 +136,13 @@ class NpuFusedBertAdam(CombinedOptimizer):
             weight_decay=weight_decay, max_grad_norm=max_grad_norm,
         )
         self._validate_group(defaults)
-        self._warned_past_end = False
         super().__init__(params, defaults)
+
+    def _init_combined(self) -> None:
+        # also run when a copy (deepcopy / unpickle) restores only torch's fields
+        super()._init_combined()
+        self._warned_past_end = False
+        self._layouts: weakref.WeakKeyDictionary[FlatSet, _SegmentLayout] = weakref.WeakKeyDictionary()
 
     def _validate_group(self, group: dict) -> None:
         if group["lr"] is not required:  # a missing lr is reported by torch.optim.Optimizer
@@ -182,14 +200,22 @@ class NpuFusedBertAdam(CombinedOptimizer):
         coefs = torch.clamp(group["max_grad_norm"] / (norms + 1e-6), max=1.0)
         return coefs.mul_(scale).to(torch.float32)
 
+    def _layout(self, s: FlatSet) -> _SegmentLayout:
+        layout = self._layouts.get(s)
+        if layout is None:
+            layout = self._layouts[s] = _SegmentLayout(s)
+        return layout
+
     def _clip_coefs_torch(self, s: FlatSet, group: dict) -> torch.Tensor:
-        """Per-segment clip coefficient x grad scale (fp32, on the buffers' device)."""
-        lengths = s.seg[1:] - s.seg[:-1]
-        ids = torch.repeat_interleave(torch.arange(s.nseg), lengths).to(s.device)
-        sq = torch.zeros(s.nseg, dtype=torch.float32, device=s.device)
-        sq.index_add_(0, ids, s.flat_g.float().square())
+        """Per-segment clip coefficient x grad scale (fp32, on the buffers' device).
+
+        One fp32 norm per segment (slot padding is zero, so it adds nothing), with no
+        host-side index or device->host sync.
+        """
+        pieces = torch.split(s.flat_g, self._layout(s).sizes)
+        norms = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32))
         scale = self._grad_scale()
-        coefs = torch.clamp(group["max_grad_norm"] / (sq.sqrt_().mul_(abs(scale)) + 1e-6), max=1.0)
+        coefs = torch.clamp(group["max_grad_norm"] / (norms.mul_(abs(scale)) + 1e-6), max=1.0)
         return coefs.mul_(scale)
 
     # ------------------------------------------------------------ executors
@@ -229,12 +255,12 @@ class NpuFusedBertAdam(CombinedOptimizer):
         coefs = self._clip_coefs_torch(s, group) if group["max_grad_norm"] > 0 else None
         runs = s.active_runs()
         self._note_progress(group, self._counts_before(s, group))
-        lengths = (s.seg[1:] - s.seg[:-1]).to(s.device)
+        lengths = self._layout(s).lengths if coefs is not None else None
         for lo, hi, step, k, j in runs:
             if coefs is None:
                 grad_mul = self._grad_scale()
-            else:
-                grad_mul = torch.repeat_interleave(coefs[k:j], lengths[k:j])
+            else:  # output_size: no device->host sync to size the result
+                grad_mul = torch.repeat_interleave(coefs[k:j], lengths[k:j], output_size=hi - lo)
             p = self._f32(s.flat_p[lo:hi])
             m = self._f32(s.flat_s["exp_avg"][lo:hi])
             v = self._f32(s.flat_s["exp_avg_sq"][lo:hi])

@@ -31,7 +31,7 @@ from typing import List, Optional, Union
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _call_closure, _check_adam_group
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind
 from ._flat import FlatSet
 from .clip import grad_runs, healed_sets, total_grad_norm
 
@@ -69,6 +69,14 @@ def _validate_lamb_group(group: dict) -> None:
     for key in ("adam", "use_global_grad_norm"):
         if not isinstance(group.get(key, False), bool):
             raise TypeError(f"Invalid {key}: expected a bool, got {type(group[key]).__name__}")
+
+
+def _lamb_defaults(lr, betas, eps, weight_decay, adam, use_global_grad_norm) -> dict:
+    """Both LAMB classes' defaults from their (shared) signature, validated."""
+    defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
+                    use_global_grad_norm=use_global_grad_norm)
+    _validate_lamb_group(defaults)
+    return defaults
 
 
 def _global_multiplier(norm: float) -> float:
@@ -111,12 +119,13 @@ class NpuFusedLamb(CombinedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
                  use_global_grad_norm=False):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
-                        use_global_grad_norm=use_global_grad_norm)
-        _validate_lamb_group(defaults)
+        super().__init__(params, _lamb_defaults(lr, betas, eps, weight_decay, adam, use_global_grad_norm))
+
+    def _init_combined(self) -> None:
+        # also run when a copy (deepcopy / unpickle) restores only torch's fields
+        super()._init_combined()
         self._plans: weakref.WeakKeyDictionary[FlatSet, _KernelPlan] = weakref.WeakKeyDictionary()
         self._global_mul: Union[float, torch.Tensor] = 1.0
-        super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
         _validate_lamb_group(group)
@@ -210,28 +219,60 @@ class NpuFusedLamb(CombinedOptimizer):
 
 
 # ------------------------------------------------------------------ per-tensor reference
+def _check_params(opt: torch.optim.Optimizer, params) -> None:
+    """Real floating point params only, in CombinedOptimizer's words (any float dtype: the math runs in fp32)."""
+    for i, p in enumerate(params):
+        check_param_kind(type(opt).__name__, i, p)
+
+
 class Lamb(torch.optim.Optimizer):
     """Non-fused LAMB, one tensor at a time in torch ops: same semantics as NpuFusedLamb.
 
     Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
     use_global_grad_norm=False (the last is an addition to the seed's Lamb, for parity with
     NpuFusedLamb). Math is in float32 whatever the param dtype; states are stored in the param
-    dtype. As the seed's Lamb, ``state[p]`` also records the last ``weight_norm``, ``adam_norm``
-    and ``trust_ratio`` (0-d tensors) for logging.
+    dtype; complex and integer params are rejected (TypeError), and a step checks every param and
+    grad (sparse, shape) before it updates any. As the seed's Lamb, ``state[p]`` also records the
+    last ``weight_norm``, ``adam_norm`` and ``trust_ratio`` (0-d tensors) for logging.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
                  use_global_grad_norm=False):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam,
-                        use_global_grad_norm=use_global_grad_norm)
-        _validate_lamb_group(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, _lamb_defaults(lr, betas, eps, weight_decay, adam, use_global_grad_norm))
 
     def add_param_group(self, param_group: dict) -> None:
+        # torch.optim.Optimizer.__init__ adds its groups through here, so this covers construction too
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            _check_params(self, [params])
+        elif not isinstance(params, (set, frozenset)):  # torch rejects sets itself, with its own message
+            # materialised as torch does: a generator read here would reach torch empty
+            param_group["params"] = params = list(params)
+            _check_params(self, params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         _validate_lamb_group(probe)
         super().add_param_group(param_group)
+
+    def _check_step_inputs(self) -> None:
+        """Everything a step could fail on, for every group, before the first param or state is touched."""
+        for group in self.param_groups:
+            _check_params(self, group["params"])
+            for k, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.layout != torch.strided:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients: param {k} has a grad with "
+                        f"layout {g.layout}; expected a dense (strided) grad"
+                    )
+                if g.shape != p.shape:
+                    raise RuntimeError(
+                        f"grad of param {k} has shape {tuple(g.shape)}; expected the param's {tuple(p.shape)}"
+                    )
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -244,14 +285,13 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _call_closure(closure)
+        self._check_step_inputs()
         gnorm = self._global_norm() if any(g["use_global_grad_norm"] for g in self.param_groups) else None
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0)

@@ -27,7 +27,9 @@ def rmsprop_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_deca
     if grad_avg is not None:
         grad_avg.lerp_(g, 1 - alpha)
         settle(grad_avg)
-        avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+        # square_avg - grad_avg**2 >= 0 in exact math, but from rounded states (an fp16 square_avg
+        # flushing to zero) it can be slightly negative: clamp as the kernel does (NaN stays NaN)
+        avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).clamp_(min=0).sqrt_()
     else:
         avg = square_avg.sqrt()
     avg.add_(eps)

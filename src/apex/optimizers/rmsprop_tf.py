@@ -26,7 +26,7 @@ def rmsprop_tf_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_d
     if grad_avg is not None:
         grad_avg.add_(g - grad_avg, alpha=one_minus_alpha)
         settle(grad_avg)
-        rms = square_avg.addcmul(grad_avg, grad_avg, value=-1).add_(eps).sqrt_()
+        rms = square_avg.addcmul(grad_avg, grad_avg, value=-1).clamp_(min=0).add_(eps).sqrt_()  # as the kernel
     else:
         rms = square_avg.add(eps).sqrt_()
     rms_step(p, g, rms, buf, lr=lr, momentum=momentum, lr_in_momentum=lr_in_momentum, settle=settle)
