@@ -15,8 +15,8 @@ struct OptArgs {
   int pdt = F32;
   const void* g = nullptr;  // grads, dtype gdt
   int gdt = F32;
-  void* s[3] = {nullptr, nullptr, nullptr};  // state buffers, dtype sdt (meaning per kernel)
-  int sdt = F32;
+  void* s[3] = {nullptr, nullptr, nullptr};  // state buffers, stored in the param dtype pdt (meaning per kernel)
+  int sdt = F32;  // recorded by the bridge for diagnostics; kernels read states as pdt (torch keeps them so)
   void* out = nullptr;  // optional second copy of the updated param (dtype odt), e.g. O2 model weights
   int odt = F32;
   const idx_t* seg = nullptr;  // nseg+1 slot starts (last = end of the used buffer)
@@ -37,14 +37,13 @@ struct OptArgs {
   double* seg_out = nullptr;  // per-segment reduction outputs, for kernels that produce them
 };
 
-// Flag bits (shared names so Python and C++ agree; see apex/_core.py).
+// Flag bits; Python reads them as apex_C.FLAG_* (exported in module.cpp).
 enum OptFlags : int {
   kNesterov = 1 << 0,
   kAmsgrad = 1 << 1,
   kDecoupled = 1 << 2,  // AdamW-style decoupled weight decay
   kCentered = 1 << 3,
   kLrInMomentum = 1 << 4,
-  kFirstStepSeen = 1 << 5,
   kNoBiasCorrection = 1 << 6,  // Adam: skip bias correction (NVIDIA FusedAdam bias_correction=False)
   kBiasCorrection = 1 << 7,    // LAMB: apply Adam bias correction from `steps` (NVIDIA FusedLAMB)
   kBeta3 = 1 << 8,             // LAMB: m's grad coefficient is hp[4] instead of 1-beta1 (grad_averaging)
