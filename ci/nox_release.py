@@ -412,7 +412,8 @@ def release(session: nox.Session) -> None:
     (RELEASE / "SHA256SUMS").write_text("".join(f"{sha256(p)}  {p.name}\n" for p in files))
     session.log(f"release: {len(files)} files in {RELEASE} (+ SHA256SUMS); verify with "
                 f"`cd {RELEASE.relative_to(ROOT)} && sha256sum -c SHA256SUMS`")
-    session.run("sha256sum", "-c", "SHA256SUMS", external=True, silent=True)
+    with session.chdir(RELEASE):  # the sums file names the files relative to its own folder
+        session.run("sha256sum", "-c", "SHA256SUMS", external=True, silent=True)
     for p in files:
         session.log(f"  {p.name:70} {p.stat().st_size / 1e6:6.2f} MB")
 
