@@ -106,6 +106,23 @@ class _GroupCache:
         self.ptrs = list(map(_data_ptr, params))  # in group order, after combining
 
 
+def group_params(param_group) -> Optional[List[torch.Tensor]]:
+    """The params of a group being added, as a list to check; None for a set (torch rejects those itself).
+
+    A lone tensor is wrapped; any other iterable is materialised once and stored back, as torch
+    does: a generator read by the check would otherwise reach torch empty.
+    """
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)):
+        return None
+    param_group["params"] = params = list(params)
+    return params
+
+
 def check_param_kind(owner: str, i: int, p) -> None:
     """Param i must be a real floating point tensor (any float dtype; callers narrow it further)."""
     if not isinstance(p, torch.Tensor):
@@ -195,14 +212,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
             )
 
     def add_param_group(self, param_group: dict) -> None:
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            self._check_params([params])
-        elif not isinstance(params, (set, frozenset)):  # torch itself rejects sets, with its own message
-            # materialised once, as torch does: a generator read by the check would reach torch empty
-            param_group["params"] = params = list(params)
+        params = group_params(param_group)
+        if params is not None:
             self._check_params(params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})

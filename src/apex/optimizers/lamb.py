@@ -31,7 +31,7 @@ from typing import List, Optional, Union
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind, group_params
 from ._flat import FlatSet
 from .clip import grad_runs, healed_sets, total_grad_norm
 
@@ -242,14 +242,8 @@ class Lamb(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         # torch.optim.Optimizer.__init__ adds its groups through here, so this covers construction too
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            _check_params(self, [params])
-        elif not isinstance(params, (set, frozenset)):  # torch rejects sets itself, with its own message
-            # materialised as torch does: a generator read here would reach torch empty
-            param_group["params"] = params = list(params)
+        params = group_params(param_group)
+        if params is not None:
             _check_params(self, params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
