@@ -1,0 +1,430 @@
+"""NVIDIA's ``amp_C`` multi-tensor ops, on every device.
+
+Each op has NVIDIA's signature: ``op(chunk_size, noop_flag, tensor_lists, *args)``, where
+``noop_flag`` is a one-element integer tensor (``torch.zeros(1, dtype=torch.int)``) and
+``tensor_lists`` a list of equally long lists of tensors (tensor ``i`` of every list has one
+element count). Call them directly or through
+:data:`apex.multi_tensor_apply.multi_tensor_applier`, which supplies ``chunk_size``.
+
+The flag, as upstream:
+
+* set to 1 when a non-finite value is seen by ``multi_tensor_scale`` (in the inputs),
+  ``multi_tensor_axpby`` (in the checked argument), the ``multi_tensor_l2norm`` family (a
+  non-finite norm) and ``multi_tensor_lamb`` (a non-finite param or update norm); never cleared;
+* read by ``multi_tensor_sgd`` only: when it is already set, the op changes nothing. The other
+  optimizer ops (adam, lamb, novograd, adagrad) update even then, as upstream's do
+  (their kernels propagate inf/nan on purpose); callers test the flag before calling them.
+
+Numerics: fp32 arithmetic whatever the storage dtype, one rounding per stored value, as
+upstream's kernels. ``chunk_size`` only sets how upstream's kernels cut work into CUDA
+blocks; results here do not depend on it (reductions accumulate in float64 per tensor).
+
+Executors: on CPU the elementwise checks, scales and sums of squares go through
+``apex._core`` (the C++ core's one-pass kernels for contiguous fp32/fp16/bf16 tensors) and the
+optimizer updates through the optimizers' per-tensor math; on CUDA / NPU the same code runs as
+torch ops. ``available`` is True: nothing here needs a compiled extension.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from apex import _core
+from apex.optimizers.fused_adam import nvidia_adam_math
+from apex.optimizers.sgd import sgd_math
+
+__all__ = [
+    "available",
+    "multi_tensor_adagrad",
+    "multi_tensor_adam",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_lamb",
+    "multi_tensor_novograd",
+    "multi_tensor_scale",
+    "multi_tensor_sgd",
+    "multi_tensor_unscale_l2norm",
+]
+
+available = True
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOATS = (*_KERNEL_DTYPES, torch.float64)
+
+
+# ---------------------------------------------------------------- argument checks
+def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
+                depths: Sequence[int]) -> List[List[torch.Tensor]]:
+    """Validate the common arguments; returns the lists as lists. Raises before anything is written."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(noop_flag, torch.Tensor):
+        raise TypeError(f"{op}: noop_flag must be a one-element integer tensor, got {type(noop_flag).__name__}")
+    if noop_flag.numel() < 1 or noop_flag.is_floating_point() or noop_flag.is_complex():
+        raise TypeError(f"{op}: noop_flag must be a one-element integer tensor (torch.zeros(1, dtype=torch.int)), "
+                        f"got {noop_flag.dtype} with {noop_flag.numel()} elements")
+    if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in tensor_lists):
+        raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got {type(tensor_lists).__name__}")
+    lists = [list(x) for x in tensor_lists]
+    if len(lists) not in depths:
+        expected = " or ".join(str(d) for d in depths)
+        raise ValueError(f"{op}: expected {expected} tensor lists, got {len(lists)}")
+    n = len(lists[0])
+    for li, tl in enumerate(lists):
+        if len(tl) != n:
+            raise ValueError(f"{op}: tensor list {li} has {len(tl)} tensors, list 0 has {n}")
+        for ti, t in enumerate(tl):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: tensor_lists[{li}][{ti}] must be a tensor, got {type(t).__name__}")
+            if t.dtype not in _FLOATS:
+                raise TypeError(f"{op}: tensor_lists[{li}][{ti}] must be float32, float16, bfloat16 or float64, "
+                                f"got {t.dtype}")
+            ref = lists[0][ti]
+            if t.numel() != ref.numel():
+                raise ValueError(f"{op}: tensor_lists[{li}][{ti}] has {t.numel()} elements, "
+                                 f"tensor_lists[0][{ti}] has {ref.numel()}")
+            if t.device != ref.device:
+                raise ValueError(f"{op}: tensor_lists[{li}][{ti}] is on {t.device}, tensor_lists[0][{ti}] on "
+                                 f"{ref.device}")
+    return lists
+
+
+def _flag_is_set(noop_flag: torch.Tensor) -> bool:
+    return bool(noop_flag.reshape(-1)[0].item() != 0)
+
+
+def _set_flag(noop_flag: torch.Tensor) -> None:
+    noop_flag.reshape(-1)[0:1].fill_(1)
+
+
+def _number(value: Any, name: str, op: str) -> float:
+    """A Python float from a number or a one-element tensor (upstream's capturable ops pass tensors)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{op}: {name} must be a number or a one-element tensor, got {value.numel()} elements")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A float32 working copy (a new tensor even for float32 input)."""
+    return t.detach().to(torch.float32, copy=True)
+
+
+def _store(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a float32 result into ``dst`` (rounding once), unless it was computed in place there."""
+    if value.dtype == dst.dtype and value.data_ptr() == dst.data_ptr() and value.stride() == dst.stride():
+        return
+    dst.detach().copy_(value)
+
+
+def _nonfinite(t: torch.Tensor) -> bool:
+    if t.dtype in _KERNEL_DTYPES:
+        return _core.has_nonfinite(t.detach())
+    return bool(t.numel()) and not bool(torch.isfinite(t).all())
+
+
+def _sum_sq(t: torch.Tensor) -> float:
+    if t.dtype in _KERNEL_DTYPES:
+        return _core.sum_sq(t.detach())
+    return float(t.detach().double().pow(2).sum()) if t.numel() else 0.0
+
+
+# ---------------------------------------------------------------- elementwise ops
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
+    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]`` (dtypes may differ, e.g. fp16 grads into
+    fp32 masters); sets the flag if any input holds inf/nan. Runs even when the flag is already set."""
+    op = "multi_tensor_scale"
+    src, dst = _check_call(op, chunk_size, noop_flag, tensor_lists, (2,))
+    scale = _number(scale, "scale", op)
+    bad = False
+    for s, d in zip(src, dst):
+        if s.dtype in _KERNEL_DTYPES and d.dtype in _KERNEL_DTYPES:
+            bad |= _core.scale_(s.detach(), scale, out=d.detach())
+        else:
+            bad |= _nonfinite(s)
+            d.detach().copy_(s.detach().to(torch.float64) * scale)
+    if bad:
+        _set_flag(noop_flag)
+
+
+def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float,
+                       arg_to_check: int) -> None:
+    """``out[i] = a * x[i] + b * y[i]`` for ``tensor_lists = [x, y, out]`` (``out`` may be ``x`` or ``y``).
+
+    ``arg_to_check``: -1 checks x and y for inf/nan, 0 only x, 1 only y; a hit sets the flag.
+    """
+    op = "multi_tensor_axpby"
+    xs, ys, outs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
+    a, b = _number(a, "a", op), _number(b, "b", op)
+    if arg_to_check not in (-1, 0, 1):
+        raise ValueError(f"{op}: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check!r}")
+    bad = False
+    for x, y, out in zip(xs, ys, outs):
+        if arg_to_check in (-1, 0):
+            bad |= _nonfinite(x)
+        if arg_to_check in (-1, 1):
+            bad |= _nonfinite(y)
+        distinct = out is not x and out is not y and not _shares_memory(out, x) and not _shares_memory(out, y)
+        if distinct and out.dtype == torch.float32 and all(t.dtype in _KERNEL_DTYPES for t in (x, y)):
+            _core.scale_(x.detach(), a, out=out.detach(), check=False)   # out = a*x (fp32)
+            _core.axpy_(y.detach(), out.detach(), b, check=False)        # out += b*y
+        else:
+            _store(out, _f32(x).mul_(a).add_(_f32(y), alpha=b))
+    if bad:
+        _set_flag(noop_flag)
+
+
+def _shares_memory(u: torch.Tensor, v: torch.Tensor) -> bool:
+    if u.numel() == 0 or v.numel() == 0:
+        return False
+    return u.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- norms
+def _norms(op: str, noop_flag: torch.Tensor, tensors: List[torch.Tensor], factor: float,
+           per_tensor: Optional[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+    if per_tensor is not None and not isinstance(per_tensor, bool):
+        raise TypeError(f"{op}: per_tensor must be a bool or None, got {type(per_tensor).__name__}")
+    device = tensors[0].device if tensors else noop_flag.device
+    sums = [_sum_sq(t) * factor * factor for t in tensors]
+    total = math.fsum(sums)
+    # Upstream accumulates in fp32: a sum that does not fit it is an overflow too.
+    as_f32 = torch.tensor([total, *sums], dtype=torch.float64).to(torch.float32)
+    if not bool(torch.isfinite(as_f32).all()):
+        _set_flag(noop_flag)
+    norm = torch.tensor([total], dtype=torch.float64).sqrt().to(device=device, dtype=torch.float32)
+    if per_tensor:
+        each = torch.tensor(sums, dtype=torch.float64).sqrt().to(device=device, dtype=torch.float32)
+    else:
+        each = torch.empty(0, dtype=torch.float32, device=device)
+    return norm, each
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                        per_tensor: Optional[bool] = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(total, per_tensor_norms)``: the L2 norm of all tensors of ``tensor_lists = [tensors]`` as a float32
+    tensor of shape ``[1]``, and with ``per_tensor=True`` each tensor's norm (shape ``[n]``; else shape
+    ``[0]``), on the tensors' device. Sets the flag when a norm is not finite."""
+    op = "multi_tensor_l2norm"
+    (tensors,) = _check_call(op, chunk_size, noop_flag, tensor_lists, (1,))
+    return _norms(op, noop_flag, tensors, 1.0, per_tensor)
+
+
+def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                           per_tensor: Optional[bool] = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`multi_tensor_l2norm` (upstream's variant for mixed-precision lists; every dtype is
+    accumulated at full precision here anyway)."""
+    op = "multi_tensor_l2norm_mp"
+    (tensors,) = _check_call(op, chunk_size, noop_flag, tensor_lists, (1,))
+    return _norms(op, noop_flag, tensors, 1.0, per_tensor)
+
+
+def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, inv_scale,
+                                per_tensor: Optional[bool] = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The norms of ``tensors * inv_scale`` (``inv_scale`` a one-element tensor or a number), as
+    :func:`multi_tensor_l2norm`; the tensors are only read."""
+    op = "multi_tensor_unscale_l2norm"
+    (tensors,) = _check_call(op, chunk_size, noop_flag, tensor_lists, (1,))
+    factor = abs(_number(inv_scale, "inv_scale", op))
+    return _norms(op, noop_flag, tensors, factor, per_tensor)
+
+
+# ---------------------------------------------------------------- optimizer ops
+def _bias_corrections(beta1: float, beta2: float, step: float, on: bool) -> Tuple[float, float]:
+    return (1 - beta1**step, 1 - beta2**step) if on else (1.0, 1.0)
+
+
+def _check_mode(op: str, mode: Any) -> int:
+    if mode not in (0, 1):
+        raise ValueError(f"{op}: mode must be 0 (L2 decay) or 1 (decoupled decay), got {mode!r}")
+    return int(mode)
+
+
+def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr, beta1: float, beta2: float,
+                      epsilon: float, step, mode: int, bias_correction: int, weight_decay: float,
+                      inv_scale=None) -> None:
+    """Adam on ``tensor_lists = [grads, params, exp_avg, exp_avg_sq]`` (in place; grads unchanged).
+
+    ``mode`` 0: L2 decay added to the grad (torch.optim.Adam); 1: decoupled decay (AdamW).
+    ``bias_correction`` 1 divides the moments by ``1 - beta^step``. ``lr`` and ``step`` may be
+    one-element tensors, and a trailing ``inv_scale`` multiplies the grads first (upstream's
+    capturable form). Updates even when the flag is set, as upstream's op.
+    """
+    op = "multi_tensor_adam"
+    gs, ps, ms, vs = _check_call(op, chunk_size, noop_flag, tensor_lists, (4,))
+    lr, step = _number(lr, "lr", op), _number(step, "step", op)
+    mode = _check_mode(op, mode)
+    grad_scale = 1.0 if inv_scale is None else _number(inv_scale, "inv_scale", op)
+    beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
+    eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
+    for g, p, m, v in zip(gs, ps, ms, vs):
+        p32, m32, v32 = _work(p), _work(m), _work(v)
+        nvidia_adam_math(p32, g.detach().float(), m32, v32, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=wd, step=step, adam_w_mode=mode == 1, bias_correction=bool(bias_correction),
+                         grad_scale=grad_scale)
+        _store(p, p32)
+        _store(m, m32)
+        _store(v, v32)
+
+
+def _work(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when it can be updated in place as float32, else a float32 working copy."""
+    if t.dtype == torch.float32:
+        return t.detach()
+    return _f32(t)
+
+
+def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
+                     dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
+                     scale: float = 1.0) -> None:
+    """SGD on ``tensor_lists = [grads, params, momentum_buffers]`` or ``[..., model_params]`` (the fourth
+    list receives each updated param rounded to its dtype, e.g. fp16 copies of fp32 masters).
+
+    Grads are multiplied by ``scale`` first. ``first_run`` starts each momentum buffer as the
+    (decayed) grad. Does nothing when the flag is already set.
+    """
+    op = "multi_tensor_sgd"
+    lists = _check_call(op, chunk_size, noop_flag, tensor_lists, (3, 4))
+    wd, momentum = _number(wd, "wd", op), _number(momentum, "momentum", op)
+    dampening, lr = _number(dampening, "dampening", op), _number(lr, "lr", op)
+    scale = _number(scale, "scale", op)
+    if _flag_is_set(noop_flag):
+        return
+    copies = lists[3] if len(lists) == 4 else [None] * len(lists[0])
+    for g, p, buf, out in zip(lists[0], lists[1], lists[2], copies):
+        p32 = _work(p)
+        b32 = _work(buf) if momentum != 0 else None
+        decay = p32 * wd if wd != 0 and wd_after_momentum else None
+        sgd_math(p32, g.detach().float(), b32, lr=lr, momentum=momentum, dampening=dampening,
+                 weight_decay=0.0 if wd_after_momentum else wd, nesterov=bool(nesterov), first=bool(first_run),
+                 grad_scale=scale, settle=lambda t: None)
+        if decay is not None:
+            p32.add_(decay, alpha=-lr)
+        _store(p, p32)
+        if b32 is not None:
+            _store(buf, b32)
+        if out is not None:
+            out.detach().copy_(p32)
+
+
+def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float,
+                      beta2: float, epsilon: float, step, bias_correction: int, weight_decay: float,
+                      grad_averaging: int, mode: int, global_grad_norm, max_grad_norm: float,
+                      use_nvlamb: Optional[bool] = None) -> None:
+    """LAMB on ``tensor_lists = [grads, params, exp_avg, exp_avg_sq]``, as upstream's op.
+
+    Grads are divided by ``global_grad_norm / max_grad_norm`` when the norm exceeds
+    ``max_grad_norm``; ``grad_averaging`` 1 makes the first moment's grad weight ``1 - beta1``
+    (else 1); ``mode`` 0 adds the decay to the grad, 1 to the update. The trust ratio
+    ``||p|| / ||update||`` (1 if either is 0) applies where ``weight_decay != 0`` or ``use_nvlamb``.
+    As upstream, each grad tensor holds its update afterwards.
+    """
+    op = "multi_tensor_lamb"
+    gs, ps, ms, vs = _check_call(op, chunk_size, noop_flag, tensor_lists, (4,))
+    lr, step = _number(lr, "lr", op), _number(step, "step", op)
+    beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
+    eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
+    mode = _check_mode(op, mode)
+    norm, max_norm = _number(global_grad_norm, "global_grad_norm", op), _number(max_grad_norm, "max_grad_norm", op)
+    clip = norm / max_norm if norm > max_norm else 1.0
+    bc1, bc2 = _bias_corrections(beta1, beta2, step, bool(bias_correction))
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    ratio_on = bool(use_nvlamb) or wd != 0
+    param_norms = _norms(op, noop_flag, ps, 1.0, True)[1].tolist() if ps else []
+    updates = []
+    for g, p, m, v in zip(gs, ps, ms, vs):
+        p32, m32, v32 = _f32(p), _work(m), _work(v)
+        g32 = g.detach().float() / clip
+        if mode == 0 and wd != 0:
+            g32 = g32.add(p32, alpha=wd)
+        m32.mul_(beta1).add_(g32, alpha=beta3)
+        v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+        u = (m32 / bc1).div_((v32 / bc2).sqrt_().add_(eps))
+        if mode == 1 and wd != 0:
+            u.add_(p32, alpha=wd)
+        _store(m, m32)
+        _store(v, v32)
+        _store(g, u)
+        updates.append(u)
+    update_norms = _norms(op, noop_flag, updates, 1.0, True)[1].tolist() if updates else []
+    for p, u, pn, un in zip(ps, updates, param_norms, update_norms):
+        ratio = pn / un if ratio_on and pn != 0 and un != 0 else 1.0
+        p32 = _work(p)
+        p32.add_(u, alpha=-lr * ratio)
+        _store(p, p32)
+
+
+def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
+                          lr: float, beta1: float, beta2: float, epsilon: float, step, bias_correction: int,
+                          weight_decay: float, grad_averaging: int, mode: int, norm_type: int) -> None:
+    """NovoGrad on ``tensor_lists = [grads, params, exp_avg]`` with ``grad_norms[i]`` the (already
+    blended) second moment of tensor ``i``, as upstream's op::
+
+        d = grad_norms[i] / bc2 + eps          bc2 = sqrt(1 - beta2^step) (1 without bias_correction)
+        mode 0: m = beta1 m + beta3 (g / d + wd p);   p -= lr m / bc1
+        mode 1: m = beta1 m + beta3 g;                p -= lr ((m / bc1) / d + wd p)
+
+    with ``bc1 = 1 - beta1^step`` and ``beta3 = 1 - beta1`` when ``grad_averaging`` else 1.
+    ``norm_type`` (2 or 0) names how the norms were computed.
+    """
+    op = "multi_tensor_novograd"
+    gs, ps, ms = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
+    if not isinstance(grad_norms, torch.Tensor) or grad_norms.numel() != len(gs):
+        got = grad_norms.numel() if isinstance(grad_norms, torch.Tensor) else type(grad_norms).__name__
+        raise ValueError(f"{op}: grad_norms must be a tensor with one norm per tensor ({len(gs)}), got {got}")
+    if norm_type not in (0, 2):
+        raise ValueError(f"{op}: norm_type must be 2 (L2) or 0 (inf), got {norm_type!r}")
+    lr, step = _number(lr, "lr", op), _number(step, "step", op)
+    beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
+    eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
+    mode = _check_mode(op, mode)
+    bc1, bc2 = _bias_corrections(beta1, beta2, step, bool(bias_correction))
+    bc2 = math.sqrt(bc2)
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for g, p, m, gn in zip(gs, ps, ms, grad_norms.detach().float().reshape(-1).tolist()):
+        p32, m32 = _work(p), _work(m)
+        d = gn / bc2 + eps
+        g32 = g.detach().float()
+        if mode == 0:
+            g32 = g32 / d
+            if wd != 0:
+                g32.add_(p32, alpha=wd)
+            m32.mul_(beta1).add_(g32, alpha=beta3)
+            p32.add_(m32, alpha=-lr / bc1)
+        else:
+            m32.mul_(beta1).add_(g32, alpha=beta3)
+            u = m32 / bc1 / d
+            if wd != 0:
+                u.add_(p32, alpha=wd)
+            p32.add_(u, alpha=-lr)
+        _store(p, p32)
+        _store(m, m32)
+
+
+def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
+                         mode: int, weight_decay: float) -> None:
+    """Adagrad on ``tensor_lists = [grads, params, sums]``: mode 0 adds ``weight_decay * p`` to the grad
+    (L2), mode 1 to the update (decoupled); ``h += g^2``, ``p -= lr * g / (sqrt(h) + eps)``."""
+    op = "multi_tensor_adagrad"
+    gs, ps, hs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
+    lr, eps, wd = _number(lr, "lr", op), _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
+    mode = _check_mode(op, mode)
+    for g, p, h in zip(gs, ps, hs):
+        p32, h32 = _work(p), _work(h)
+        g32 = g.detach().float()
+        if mode == 0 and wd != 0:
+            g32 = g32.add(p32, alpha=wd)
+        h32.addcmul_(g32, g32)
+        u = g32 / h32.sqrt().add_(eps)
+        if mode == 1 and wd != 0:
+            u.add_(p32, alpha=wd)
+        p32.add_(u, alpha=-lr)
+        _store(p, p32)
+        _store(h, h32)
