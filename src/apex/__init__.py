@@ -1,19 +1,23 @@
 """apex: mixed-precision training for PyTorch on Ascend NPU, CUDA and CPU.
 
-Subpackages load on first use (``apex.amp``, ``apex.optimizers``,
-``apex.parallel``, ``apex.contrib``), so ``import apex`` stays cheap.
+Subpackages load on first use (``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
+``apex.contrib``, and NVIDIA Apex's ``apex.fp16_utils``, ``apex.normalization`` and
+``apex.multi_tensor_apply``), so ``import apex`` stays cheap.
 """
 
 import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("amp", "optimizers", "parallel", "contrib", "fp16_utils", "normalization")
+_SUBMODULES = ("amp", "optimizers", "parallel", "contrib", "fp16_utils", "normalization", "multi_tensor_apply")
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
-        return importlib.import_module(f"apex.{name}")
+        try:
+            return importlib.import_module(f"apex.{name}")
+        except ImportError as err:
+            raise ImportError(f"apex.{name} is part of this apex but failed to import: {err}") from err
     raise AttributeError(f"module 'apex' has no attribute {name!r}")
 
 

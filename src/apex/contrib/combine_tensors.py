@@ -43,12 +43,14 @@ such views so the file holds only the tensors' own elements.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
 from apex import _device
 from apex._tensor_utils import map_tensors
+from apex.contrib._ascend_compat import CallableModule, get_aligned_storage_size
 
 __all__ = [
     "ALIGN_ELEMENTS",
@@ -56,6 +58,7 @@ __all__ = [
     "combine_npu",
     "combine_tensors",
     "compact_state_dict",
+    "get_aligned_storage_size",
     "get_part_combined_tensor",
     "is_combined_tensor_valid",
     "npu_combine_tensors",
@@ -451,3 +454,9 @@ def register_compact_state_dict_hook(target: Any) -> Any:
     raise TypeError(
         f"register_compact_state_dict_hook: expected an nn.Module or Optimizer, got {type(target).__name__}"
     )
+
+
+# `apex.contrib.combine_tensors` is this module (the Ascend layout: `ct.combine_npu(...)`), and calling it
+# calls combine_tensors() (`from apex.contrib import combine_tensors; combine_tensors(params)`).
+sys.modules[__name__].__class__ = CallableModule
+__call_target__ = "combine_tensors"

@@ -1,0 +1,69 @@
+"""Pieces of the Ascend patch's ``apex.contrib.combine_tensors`` API beyond combining itself.
+
+* :func:`get_aligned_storage_size`: the Ascend patch's slot size rule, ``ceil(n / align) * align
+  + pad`` elements for a tensor whose storage holds ``n`` elements.
+* :class:`CallableModule`: lets ``apex.contrib.combine_tensors`` be the *module* (so ``import
+  apex.contrib.combine_tensors as ct; ct.combine_npu(...)`` works, as in the Ascend layout)
+  and still be callable as the function (``from apex.contrib import combine_tensors;
+  combine_tensors(params)``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+from typing import Any
+
+import torch
+
+from apex import _device
+
+__all__ = ["CallableModule", "get_aligned_storage_size"]
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _storage_elements(tensor: torch.Tensor) -> int:
+    """Elements of storage behind ``tensor``: on npu what torch_npu reports (its private formats pad the
+    storage), elsewhere the elements the tensor spans from its first one (its numel when dense)."""
+    if tensor.device.type == "npu":
+        native = _device._torch_npu_attr(("get_storage_size",))
+        if native is not None:
+            return int(native(tensor))
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.size(), tensor.stride()))
+
+
+def get_aligned_storage_size(tensor: torch.Tensor, align: int = 16, pad: int = 32) -> int:
+    """``ceil(n / align) * align + pad``: the elements the Ascend patch reserved for a tensor whose storage
+    holds ``n`` elements (with the defaults: rounded up to 16 elements, plus 32 more).
+
+    ``n`` is torch_npu's storage size on npu (which counts private-format padding), elsewhere the
+    elements the tensor spans (its numel for a dense tensor). This is the patch's rule, not this
+    package's layout: :func:`apex.contrib.plan_layout` gives where ``combine_tensors`` puts each slot.
+
+    Raises TypeError for a non-tensor or non-int ``align``/``pad``, ValueError for ``align < 1`` or
+    ``pad < 0``, and RuntimeError (the patch's error type) for dtypes other than float32, float16 and
+    bfloat16 (the patch accepted float32 and float16 only).
+    """
+    where = "get_aligned_storage_size"
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, got {type(tensor).__name__}")
+    for name, value, low in (("align", align, 1), ("pad", pad, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{where}: {name} must be >= {low}, got {value}")
+    if tensor.dtype not in _SUPPORTED:
+        raise RuntimeError(f"{where}: combined tensors hold float32, float16 or bfloat16, got {tensor.dtype}")
+    n = _storage_elements(tensor)
+    return math.ceil(n / align) * int(align) + int(pad)
+
+
+class CallableModule(types.ModuleType):
+    """A module that, when called, calls its attribute named by ``__call_target__``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, self.__call_target__)(*args, **kwargs)

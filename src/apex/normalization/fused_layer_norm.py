@@ -1,0 +1,279 @@
+"""LayerNorm and RMSNorm with NVIDIA Apex's names and signatures, on torch's own kernels.
+
+Definitions, over the last ``len(normalized_shape)`` dimensions::
+
+    layer norm:  y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias     (biased variance)
+    RMS norm:    y = x / sqrt(mean(x^2) + eps) * weight
+
+Statistics are computed in fp32 for fp16/bf16 inputs (torch's opmath), and each output is
+rounded once. Output dtype: the input's for the plain forms, the weight's for the
+``mixed_dtype_*`` forms and the ``MixedFused*`` modules (upstream's rule: e.g. an fp32 residual
+stream normalised into bf16 activations by bf16 weights).
+
+Layer norm runs on ``torch.nn.functional.layer_norm``; RMS norm on
+``torch.nn.functional.rms_norm`` where torch has it (2.4 and later), else on the formula above.
+Autograd is torch's. ``memory_efficient`` (upstream: the backward recomputes from the output
+instead of saving the input) is accepted and recorded; it changes nothing here.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "fused_layer_norm",
+    "fused_layer_norm_affine",
+    "fused_rms_norm",
+    "fused_rms_norm_affine",
+    "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+]
+
+ShapeLike = Union[int, Sequence[int], torch.Size]
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def _shape(normalized_shape: ShapeLike, where: str) -> Tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape = (int(normalized_shape),)
+    elif isinstance(normalized_shape, (list, tuple, torch.Size)) and all(
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape):
+        shape = tuple(int(d) for d in normalized_shape)
+    else:
+        raise TypeError(f"{where}: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    if not shape or any(d <= 0 for d in shape):
+        raise ValueError(f"{where}: normalized_shape must be non-empty with positive sizes, got {shape}")
+    return shape
+
+
+def _check(where: str, x: torch.Tensor, shape: Tuple[int, ...], eps: float,
+           params: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: input must be a floating-point tensor, got {got}")
+    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+        raise ValueError(f"{where}: input of shape {tuple(x.shape)} does not end with normalized_shape {shape}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
+        raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
+    for name, p in params:
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            raise TypeError(f"{where}: {name} must be a floating-point tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(p.shape)}, expected normalized_shape {shape}")
+        if p.device != x.device:
+            raise ValueError(f"{where}: {name} is on {p.device}, the input on {x.device}")
+
+
+def _layer_norm(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    same = all(t is None or t.dtype == x.dtype for t in (weight, bias)) and out_dtype == x.dtype
+    if same:
+        return F.layer_norm(x, shape, weight, bias, eps)
+    # Mixed dtypes: normalise in fp32 (what torch does inside for half types anyway), round once.
+    up = [None if t is None else t.float() for t in (weight, bias)]
+    return F.layer_norm(x.float(), shape, up[0], up[1], eps).to(out_dtype)
+
+
+def _rms_formula(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Tensor], eps: float,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    dims = tuple(range(-len(shape), 0))
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(out_dtype)
+
+
+def _rms_norm(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Tensor], eps: float,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    if not _HAS_RMS_NORM:
+        return _rms_formula(x, shape, weight, eps, out_dtype)
+    if (weight is None or weight.dtype == x.dtype) and out_dtype == x.dtype:
+        return F.rms_norm(x, shape, weight, eps)
+    return F.rms_norm(x.float(), shape, None if weight is None else weight.float(), eps).to(out_dtype)
+
+
+# ---------------------------------------------------------------- functional forms (upstream's eps default 1e-6)
+def fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                            normalized_shape: ShapeLike, eps: float = 1e-6,
+                            memory_efficient: bool = False) -> torch.Tensor:
+    """Layer norm with ``weight`` and ``bias``; the output has the input's dtype."""
+    shape = _shape(normalized_shape, "fused_layer_norm_affine")
+    _check("fused_layer_norm_affine", input, shape, eps, [("weight", weight), ("bias", bias)])
+    return _layer_norm(input, shape, weight, bias, eps, input.dtype)
+
+
+def fused_layer_norm(input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6,
+                     memory_efficient: bool = False) -> torch.Tensor:
+    """Layer norm without affine parameters."""
+    shape = _shape(normalized_shape, "fused_layer_norm")
+    _check("fused_layer_norm", input, shape, eps, [])
+    return _layer_norm(input, shape, None, None, eps, input.dtype)
+
+
+def mixed_dtype_fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                                        normalized_shape: ShapeLike, eps: float = 1e-6,
+                                        memory_efficient: bool = False) -> torch.Tensor:
+    """Layer norm whose output has the *weight's* dtype (input and weights may differ in dtype)."""
+    shape = _shape(normalized_shape, "mixed_dtype_fused_layer_norm_affine")
+    _check("mixed_dtype_fused_layer_norm_affine", input, shape, eps, [("weight", weight), ("bias", bias)])
+    if weight is None:
+        raise TypeError("mixed_dtype_fused_layer_norm_affine: weight is required (it sets the output dtype)")
+    return _layer_norm(input, shape, weight, bias, eps, weight.dtype)
+
+
+def fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: ShapeLike,
+                          eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
+    """RMS norm with ``weight``; the output has the input's dtype."""
+    shape = _shape(normalized_shape, "fused_rms_norm_affine")
+    _check("fused_rms_norm_affine", input, shape, eps, [("weight", weight)])
+    return _rms_norm(input, shape, weight, eps, input.dtype)
+
+
+def fused_rms_norm(input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6,
+                   memory_efficient: bool = False) -> torch.Tensor:
+    """RMS norm without a weight."""
+    shape = _shape(normalized_shape, "fused_rms_norm")
+    _check("fused_rms_norm", input, shape, eps, [])
+    return _rms_norm(input, shape, None, eps, input.dtype)
+
+
+def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor,
+                                      normalized_shape: ShapeLike, eps: float = 1e-6,
+                                      memory_efficient: bool = False) -> torch.Tensor:
+    """RMS norm whose output has the *weight's* dtype."""
+    shape = _shape(normalized_shape, "mixed_dtype_fused_rms_norm_affine")
+    _check("mixed_dtype_fused_rms_norm_affine", input, shape, eps, [("weight", weight)])
+    if weight is None:
+        raise TypeError("mixed_dtype_fused_rms_norm_affine: weight is required (it sets the output dtype)")
+    return _rms_norm(input, shape, weight, eps, weight.dtype)
+
+
+# ---------------------------------------------------------------- modules (upstream's eps default 1e-5)
+class FusedLayerNorm(nn.Module):
+    """``torch.nn.LayerNorm``'s behaviour under upstream's name and signature.
+
+    Args: normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False.
+    With ``elementwise_affine``: ``weight`` (ones) and ``bias`` (zeros) of ``normalized_shape``.
+    """
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_shape(normalized_shape, type(self).__name__))
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
+            raise ValueError(f"{type(self).__name__}: eps must be a number >= 0, got {eps!r}")
+        self.eps = eps
+        self.elementwise_affine = bool(elementwise_affine)
+        self.memory_efficient = bool(memory_efficient)
+        if self.elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        shape = tuple(self.normalized_shape)
+        if self.elementwise_affine:
+            return fused_layer_norm_affine(input, self.weight, self.bias, shape, self.eps, self.memory_efficient)
+        return fused_layer_norm(input, shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self) -> str:
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+
+
+class FusedRMSNorm(nn.Module):
+    """RMS norm (Zhang & Sennrich 2019) under upstream's name and signature; what transformers' T5 uses.
+
+    Args: normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False.
+    With ``elementwise_affine``: ``weight`` (ones) of ``normalized_shape``; no bias.
+    """
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_shape(normalized_shape, type(self).__name__))
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
+            raise ValueError(f"{type(self).__name__}: eps must be a number >= 0, got {eps!r}")
+        self.eps = eps
+        self.elementwise_affine = bool(elementwise_affine)
+        self.memory_efficient = bool(memory_efficient)
+        if self.elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        shape = tuple(self.normalized_shape)
+        if self.elementwise_affine:
+            return fused_rms_norm_affine(input, self.weight, shape, self.eps, self.memory_efficient)
+        return fused_rms_norm(input, shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self) -> str:
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+
+
+def _no_affine_switch(cls_name: str, kwargs: dict) -> None:
+    if "elementwise_affine" in kwargs:
+        raise ValueError(f"{cls_name} does not support the `elementwise_affine` argument: it always has weights")
+    if kwargs:
+        raise TypeError(f"{cls_name}: unexpected keyword arguments {sorted(kwargs)}")
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """FusedLayerNorm whose output has the weights' dtype (Megatron's mixed-precision layer norm).
+
+    Args: normalized_shape, eps=1e-5, *, memory_efficient=False. Always affine; passing
+    ``elementwise_affine`` raises ValueError, as upstream.
+    """
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False,
+                 **kwargs) -> None:
+        _no_affine_switch(type(self).__name__, kwargs)
+        super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
+                         memory_efficient=memory_efficient)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias, tuple(self.normalized_shape),
+                                                   self.eps, self.memory_efficient)
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """FusedRMSNorm whose output has the weight's dtype.
+
+    Args: normalized_shape, eps=1e-5, *, memory_efficient=False. Always affine; passing
+    ``elementwise_affine`` raises ValueError, as upstream.
+    """
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False,
+                 **kwargs) -> None:
+        _no_affine_switch(type(self).__name__, kwargs)
+        super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
+                         memory_efficient=memory_efficient)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return mixed_dtype_fused_rms_norm_affine(input, self.weight, tuple(self.normalized_shape), self.eps,
+                                                 self.memory_efficient)
