@@ -1,0 +1,399 @@
+"""apex.multi_tensor_apply: the applier and the amp_C-compatible multi-tensor ops.
+
+References are torch.optim optimizers or the formulas in float64; the noop flag semantics are
+upstream's (set on inf/nan by scale / axpby / l2norm / lamb; only sgd skips when it is set).
+"""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from apex.multi_tensor_apply import MultiTensorApply, amp_C, multi_tensor_applier, register_amp_C
+
+SHAPES = [(7,), (3, 5), (1,), (0,), (33, 2)]
+
+
+def _flag(device="cpu"):
+    return torch.zeros(1, dtype=torch.int, device=device)
+
+
+def _tensors(dtype=torch.float32, device="cpu", shapes=SHAPES):
+    return [torch.randn(s, dtype=torch.float32, device=device).to(dtype) for s in shapes]
+
+
+# ---------------------------------------------------------------- the applier
+def test_applier_passes_its_chunk_size():
+    seen = []
+    applier = MultiTensorApply(1234)
+    assert applier(lambda *a: seen.append(a) or "ret", "flag", [[1]], 5) == "ret"
+    assert seen == [(1234, "flag", [[1]], 5)]
+    assert multi_tensor_applier.chunk_size == 2048 * 32
+    assert MultiTensorApply.available and amp_C.available
+    multi_tensor_applier.check_avail()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_applier_rejects_bad_chunk_size(bad):
+    with pytest.raises(ValueError, match="chunk_size"):
+        MultiTensorApply(bad)
+
+
+def test_applier_rejects_non_callable_op():
+    with pytest.raises(TypeError, match="callable"):
+        multi_tensor_applier("multi_tensor_scale", _flag(), [[], []], 1.0)
+
+
+def test_register_amp_c(monkeypatch):
+    monkeypatch.delitem(sys.modules, "amp_C", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    assert register_amp_C() is amp_C
+    import amp_C as imported
+
+    assert imported is amp_C
+    other = type(sys)("amp_C")
+    monkeypatch.setitem(sys.modules, "amp_C", other)
+    assert register_amp_C() is other  # an amp_C already in use is kept
+    assert register_amp_C(force=True) is amp_C and sys.modules["amp_C"] is amp_C
+
+
+# ---------------------------------------------------------------- scale / axpby
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                                 (torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_scale_matches_torch(src_dtype, dst_dtype):
+    src = _tensors(src_dtype)
+    dst = [torch.empty(t.shape, dtype=dst_dtype) for t in src]
+    flag = _flag()
+    multi_tensor_applier(amp_C.multi_tensor_scale, flag, [src, dst], 0.25)
+    for s, d in zip(src, dst):
+        torch.testing.assert_close(d, (s.double() * 0.25).to(dst_dtype), rtol=0, atol=0)
+    assert flag.item() == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_scale_sets_flag_on_nonfinite_input_and_still_writes(bad):
+    src = _tensors()
+    src[1][0, 2] = bad
+    dst = [torch.zeros_like(t) for t in src]
+    flag = _flag()
+    amp_C.multi_tensor_scale(65536, flag, [src, dst], 2.0)
+    assert flag.item() == 1
+    torch.testing.assert_close(dst[0], src[0] * 2)
+    # the flag is never cleared by a clean call
+    amp_C.multi_tensor_scale(65536, flag, [[torch.ones(3)], [torch.zeros(3)]], 1.0)
+    assert flag.item() == 1
+
+
+def test_scale_in_place():
+    xs = _tensors()
+    ref = [x * 3 for x in xs]
+    amp_C.multi_tensor_scale(2048, _flag(), [xs, xs], 3.0)
+    for x, r in zip(xs, ref):
+        torch.testing.assert_close(x, r)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_axpby_matches_float64(out_dtype):
+    xs, ys = _tensors(), _tensors(torch.float16)
+    outs = [torch.empty(x.shape, dtype=out_dtype) for x in xs]
+    flag = _flag()
+    amp_C.multi_tensor_axpby(2048, flag, [xs, ys, outs], 0.5, -1.5, -1)
+    for x, y, o in zip(xs, ys, outs):
+        ref = (0.5 * x.double() - 1.5 * y.double()).to(out_dtype)
+        torch.testing.assert_close(o, ref, rtol=2e-7 if out_dtype == torch.float32 else 0, atol=1e-6 if
+                                   out_dtype == torch.float32 else 0)
+    assert flag.item() == 0
+
+
+def test_axpby_output_may_alias_an_input():
+    xs, ys = _tensors(), _tensors()
+    ref = [2 * x + 3 * y for x, y in zip(xs, ys)]
+    amp_C.multi_tensor_axpby(2048, _flag(), [xs, ys, ys], 2.0, 3.0, -1)
+    for y, r in zip(ys, ref):
+        torch.testing.assert_close(y, r)
+
+
+@pytest.mark.parametrize("arg_to_check,bad_in,expect", [(-1, 0, 1), (-1, 1, 1), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+                                                         (1, 1, 1)])
+def test_axpby_arg_to_check(arg_to_check, bad_in, expect):
+    xs, ys = _tensors(), _tensors()
+    [xs, ys][bad_in][0][3] = float("nan")
+    outs = [torch.empty_like(x) for x in xs]
+    flag = _flag()
+    amp_C.multi_tensor_axpby(2048, flag, [xs, ys, outs], 1.0, 1.0, arg_to_check)
+    assert flag.item() == expect
+
+
+# ---------------------------------------------------------------- norms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_l2norm_matches_torch(dtype):
+    xs = _tensors(dtype)
+    flag = _flag()
+    total, per = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [xs], True)
+    assert total.shape == (1,) and total.dtype == torch.float32
+    assert per.shape == (len(xs),) and per.dtype == torch.float32
+    ref_total = torch.linalg.vector_norm(torch.cat([x.double().reshape(-1) for x in xs]))
+    torch.testing.assert_close(total.double(), ref_total.reshape(1), rtol=1e-6, atol=0)
+    for n, x in zip(per.tolist(), xs):
+        assert n == pytest.approx(float(torch.linalg.vector_norm(x.double())), rel=1e-6)
+    assert flag.item() == 0
+
+
+def test_l2norm_without_per_tensor_returns_an_empty_second_tensor():
+    xs = _tensors()
+    for per_tensor in (False, None):
+        total, per = amp_C.multi_tensor_l2norm(2048, _flag(), [xs], per_tensor)
+        assert per.shape == (0,) and total.shape == (1,)
+    total, per = amp_C.multi_tensor_l2norm(2048, _flag(), [xs])
+    assert per.numel() == 0
+    torch.testing.assert_close(amp_C.multi_tensor_l2norm_mp(2048, _flag(), [xs])[0], total)
+
+
+def test_l2norm_of_nothing_is_zero():
+    total, per = amp_C.multi_tensor_l2norm(2048, _flag(), [[]], True)
+    assert total.tolist() == [0.0] and per.numel() == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_l2norm_sets_flag(bad):
+    xs = _tensors()
+    xs[2][0] = bad
+    flag = _flag()
+    total, _ = amp_C.multi_tensor_l2norm(2048, flag, [xs], False)
+    assert flag.item() == 1 and not math.isfinite(total.item())
+
+
+def test_l2norm_flags_an_fp32_overflowing_sum():
+    flag = _flag()
+    amp_C.multi_tensor_l2norm(2048, flag, [[torch.full((4,), 3e19)]], False)
+    assert flag.item() == 1
+
+
+def test_unscale_l2norm():
+    xs = _tensors(torch.float16)
+    inv = torch.tensor([1 / 64.0])
+    before = [x.clone() for x in xs]
+    total, per = amp_C.multi_tensor_unscale_l2norm(2048, _flag(), [xs], inv, True)
+    ref = [float(torch.linalg.vector_norm(x.double() / 64)) for x in xs]
+    assert per.tolist() == pytest.approx(ref, rel=1e-6)
+    assert total.item() == pytest.approx(math.sqrt(sum(r * r for r in ref)), rel=1e-6)
+    for x, b in zip(xs, before):
+        assert torch.equal(x, b)  # read only
+
+
+# ---------------------------------------------------------------- optimizer ops
+def _params(n_steps_shapes=((5, 3), (4,), (1,), (17,))):
+    return [torch.randn(s) for s in n_steps_shapes]
+
+
+@pytest.mark.parametrize("mode,wd", [(0, 0.0), (0, 0.1), (1, 0.0), (1, 0.1)])
+def test_adam_matches_torch(mode, wd):
+    params = _params()
+    ref = [p.clone().requires_grad_(True) for p in params]
+    cls = torch.optim.AdamW if mode == 1 else torch.optim.Adam
+    opt = cls(ref, lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=wd)
+    ms = [torch.zeros_like(p) for p in params]
+    vs = [torch.zeros_like(p) for p in params]
+    for step in range(1, 4):
+        grads = [torch.randn_like(p) for p in params]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        amp_C.multi_tensor_adam(2048, _flag(), [grads, params, ms, vs], 1e-2, 0.8, 0.95, 1e-7, step, mode, 1, wd)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-6)
+    for m, r in zip(ms, ref):
+        torch.testing.assert_close(m, opt.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
+
+
+def test_adam_without_bias_correction_and_low_precision():
+    p64 = torch.randn(9, dtype=torch.float64)
+    g64 = torch.randn(9, dtype=torch.float64)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        p, g = p64.to(dtype), g64.to(dtype)
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        amp_C.multi_tensor_adam(2048, _flag(), [[g], [p], [m], [v]], 0.1, 0.9, 0.99, 1e-8, 1, 0, 0, 0.0)
+        pr, gr = p64.to(dtype).double(), g64.to(dtype).double()
+        mr, vr = 0.1 * gr, 0.01 * gr * gr
+        expect = pr - 0.1 * mr / (vr.sqrt() + 1e-8)
+        torch.testing.assert_close(p.double(), expect, rtol=tol, atol=tol)
+        assert p.dtype == dtype
+
+
+def test_adam_accepts_tensor_lr_step_and_inv_scale():
+    p1, p2 = torch.randn(6), None
+    p2 = p1.clone()
+    g = torch.randn(6)
+    m1, v1, m2, v2 = (torch.zeros(6) for _ in range(4))
+    amp_C.multi_tensor_adam(2048, _flag(), [[g * 8], [p1], [m1], [v1]], torch.tensor([0.01]), 0.9, 0.999, 1e-8,
+                            torch.tensor([1], dtype=torch.int), 1, 1, 0.0, torch.tensor([0.125]))
+    amp_C.multi_tensor_adam(2048, _flag(), [[g], [p2], [m2], [v2]], 0.01, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    torch.testing.assert_close(p1, p2)
+
+
+@pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0.0, False, 0.0, 0.0), (0.9, False, 1e-2, 0.0),
+                                                            (0.9, True, 1e-2, 0.0), (0.5, False, 0.0, 0.3)])
+def test_sgd_matches_torch(momentum, nesterov, wd, dampening):
+    params = _params()
+    ref = [p.clone().requires_grad_(True) for p in params]
+    opt = torch.optim.SGD(ref, lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=wd)
+    bufs = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        amp_C.multi_tensor_sgd(2048, _flag(), [grads, params, bufs], wd, momentum, dampening, 0.1, nesterov,
+                               step == 0, False, 1.0)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_sgd_skips_when_flag_set_and_writes_model_copies():
+    p, g, b = torch.randn(8), torch.randn(8), torch.zeros(8)
+    before = p.clone()
+    flag = _flag()
+    flag.fill_(1)
+    amp_C.multi_tensor_sgd(2048, flag, [[g], [p], [b]], 0.0, 0.9, 0.0, 0.1, False, True, False)
+    assert torch.equal(p, before) and torch.equal(b, torch.zeros(8))
+    half = torch.empty(8, dtype=torch.float16)
+    amp_C.multi_tensor_sgd(2048, _flag(), [[g.half()], [p], [b], [half]], 0.0, 0.9, 0.0, 0.1, False, True, False,
+                           0.5)
+    expect = before - 0.1 * (g.half().float() * 0.5)
+    torch.testing.assert_close(p, expect)
+    assert torch.equal(half, p.half())
+    torch.testing.assert_close(b, g.half().float() * 0.5)
+
+
+def test_sgd_weight_decay_after_momentum():
+    p, g, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), torch.randn(8)
+    p32, g32, b32 = p.float(), g.float(), b.clone()
+    amp_C.multi_tensor_sgd(2048, _flag(), [[g32], [p32], [b32]], 0.1, 0.9, 0.0, 0.5, False, False, True)
+    mom = 0.9 * b.double() + g
+    expect = p - 0.5 * (mom + 0.1 * p)
+    torch.testing.assert_close(p32.double(), expect, rtol=1e-6, atol=1e-6)
+
+
+def _lamb_reference(g, p, m, v, *, lr, b1, b2, eps, step, wd, mode, ggn, max_norm, averaging, nvlamb):
+    clip = ggn / max_norm if ggn > max_norm else 1.0
+    g = g / clip
+    if mode == 0:
+        g = g + wd * p
+    b3 = 1 - b1 if averaging else 1.0
+    m = b1 * m + b3 * g
+    v = b2 * v + (1 - b2) * g * g
+    u = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+    if mode == 1:
+        u = u + wd * p
+    pn, un = p.norm(), u.norm()
+    ratio = pn / un if (nvlamb or wd != 0) and pn != 0 and un != 0 else 1.0
+    return p - lr * ratio * u, m, v, u
+
+
+@pytest.mark.parametrize("mode,wd,nvlamb", [(1, 0.01, False), (0, 0.01, False), (1, 0.0, False), (1, 0.0, True)])
+def test_lamb_matches_formula(mode, wd, nvlamb):
+    shapes = [(6, 4), (5,), (1,)]
+    p64 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    g64 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    m64 = [torch.rand(s, dtype=torch.float64) for s in shapes]
+    v64 = [torch.rand(s, dtype=torch.float64) for s in shapes]
+    ps, gs, ms, vs = ([t.float() for t in ts] for ts in (p64, g64, m64, v64))
+    ggn = float(torch.sqrt(sum((g * g).sum() for g in g64)))
+    flag = _flag()
+    amp_C.multi_tensor_lamb(2048, flag, [gs, ps, ms, vs], 0.01, 0.9, 0.999, 1e-6, 3, 1, wd, 1, mode,
+                            torch.tensor([ggn]), 1.0, nvlamb)
+    for i in range(len(shapes)):
+        ep, em, ev, eu = _lamb_reference(g64[i], p64[i], m64[i], v64[i], lr=0.01, b1=0.9, b2=0.999, eps=1e-6,
+                                         step=3, wd=wd, mode=mode, ggn=ggn, max_norm=1.0, averaging=True,
+                                         nvlamb=nvlamb)
+        torch.testing.assert_close(ps[i].double(), ep, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ms[i].double(), em, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(vs[i].double(), ev, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gs[i].double(), eu, rtol=1e-5, atol=1e-5)  # upstream leaves the update there
+    assert flag.item() == 0
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_novograd_matches_formula(mode):
+    shapes = [(4, 3), (7,)]
+    p64 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    g64 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    m64 = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    norms = torch.tensor([1.5, 0.7])
+    ps, gs, ms = ([t.float() for t in ts] for ts in (p64, g64, m64))
+    lr, b1, b2, eps, step, wd = 0.05, 0.9, 0.98, 1e-8, 4, 0.01
+    amp_C.multi_tensor_novograd(2048, _flag(), [gs, ps, ms], norms, lr, b1, b2, eps, step, 1, wd, 1, mode, 2)
+    bc1, bc2 = 1 - b1**step, math.sqrt(1 - b2**step)
+    for i in range(len(shapes)):
+        d = float(norms[i]) / bc2 + eps
+        if mode == 0:
+            m = b1 * m64[i] + (1 - b1) * (g64[i] / d + wd * p64[i])
+            p = p64[i] - lr * m / bc1
+        else:
+            m = b1 * m64[i] + (1 - b1) * g64[i]
+            p = p64[i] - lr * ((m / bc1) / d + wd * p64[i])
+        torch.testing.assert_close(ps[i].double(), p, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ms[i].double(), m, rtol=1e-5, atol=1e-6)
+
+
+def test_adagrad_matches_torch_and_decoupled_formula():
+    params = _params()
+    ref = [p.clone().requires_grad_(True) for p in params]
+    opt = torch.optim.Adagrad(ref, lr=0.1, eps=1e-10, weight_decay=0.01)
+    hs = [torch.zeros_like(p) for p in params]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        amp_C.multi_tensor_adagrad(2048, _flag(), [grads, params, hs], 0.1, 1e-10, 0, 0.01)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-6)
+    p64, g64 = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    p, h = p64.float(), torch.zeros(5)
+    amp_C.multi_tensor_adagrad(2048, _flag(), [[g64.float()], [p], [h]], 0.1, 1e-10, 1, 0.01)
+    expect = p64 - 0.1 * (g64 / (g64.abs() + 1e-10) + 0.01 * p64)
+    torch.testing.assert_close(p.double(), expect, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- bad arguments
+def test_bad_arguments_raise_before_writing():
+    xs = _tensors()
+    outs = [torch.zeros_like(x) for x in xs]
+    with pytest.raises(ValueError, match="expected 2 tensor lists, got 1"):
+        amp_C.multi_tensor_scale(2048, _flag(), [xs], 1.0)
+    with pytest.raises(ValueError, match="tensor list 1 has 4 tensors"):
+        amp_C.multi_tensor_scale(2048, _flag(), [xs, outs[:-1]], 1.0)
+    with pytest.raises(ValueError, match=r"tensor_lists\[1\]\[0\] has 6 elements"):
+        amp_C.multi_tensor_scale(2048, _flag(), [xs, [torch.zeros(6), *outs[1:]]], 1.0)
+    with pytest.raises(TypeError, match="noop_flag"):
+        amp_C.multi_tensor_scale(2048, torch.zeros(1), [xs, outs], 1.0)
+    with pytest.raises(TypeError, match="noop_flag"):
+        amp_C.multi_tensor_scale(2048, 0, [xs, outs], 1.0)
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
+        amp_C.multi_tensor_l2norm(2048, _flag(), [[torch.ones(3, dtype=torch.int64)]])
+    with pytest.raises(ValueError, match="chunk_size"):
+        amp_C.multi_tensor_l2norm(0, _flag(), [xs])
+    with pytest.raises(ValueError, match="mode"):
+        amp_C.multi_tensor_adam(2048, _flag(), [xs, outs, outs, outs], 1e-3, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)
+    with pytest.raises(ValueError, match="arg_to_check"):
+        amp_C.multi_tensor_axpby(2048, _flag(), [xs, xs, outs], 1.0, 1.0, 3)
+    with pytest.raises(ValueError, match="grad_norms"):
+        amp_C.multi_tensor_novograd(2048, _flag(), [xs, outs, outs], torch.ones(2), 1e-3, 0.9, 0.9, 1e-8, 1, 1,
+                                    0.0, 1, 0, 2)
+    with pytest.raises(TypeError, match="list of lists"):
+        amp_C.multi_tensor_scale(2048, _flag(), xs, 1.0)
+    assert all(not o.any() for o in outs)
+
+
+def test_ops_run_on_the_test_device(device):
+    xs = _tensors(device=device)
+    flag = _flag(device)
+    total, per = amp_C.multi_tensor_l2norm(2048, flag, [xs], True)
+    assert total.device.type == device and per.device.type == device
+    ref = torch.linalg.vector_norm(torch.cat([x.double().reshape(-1) for x in xs]).cpu())
+    assert total.item() == pytest.approx(float(ref), rel=1e-6)
+    outs = [torch.empty_like(x) for x in xs]
+    amp_C.multi_tensor_scale(2048, flag, [xs, outs], 2.0)
+    assert flag.item() == 0 and all(torch.equal(o, x * 2) for o, x in zip(outs, xs))
