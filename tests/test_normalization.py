@@ -1,0 +1,170 @@
+"""apex.normalization: FusedLayerNorm / FusedRMSNorm families against torch and float64 references."""
+
+import pytest
+import torch
+from torch import nn
+
+import apex.normalization.fused_layer_norm as fln
+from apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
+from apex.normalization.fused_layer_norm import (
+    fused_layer_norm,
+    fused_layer_norm_affine,
+    fused_rms_norm,
+    fused_rms_norm_affine,
+    mixed_dtype_fused_layer_norm_affine,
+    mixed_dtype_fused_rms_norm_affine,
+)
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+DTYPES = list(TOL)
+
+
+def _rms_ref(x, shape, w, eps):
+    dims = tuple(range(-len(shape), 0))
+    x = x.double()
+    y = x / torch.sqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    return y * w.double() if w is not None else y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5,), (3, 7), (1,)])
+def test_fused_layer_norm_matches_torch_forward_backward(dtype, shape):
+    torch.manual_seed(0)
+    ours, ref = FusedLayerNorm(shape), nn.LayerNorm(shape)
+    with torch.no_grad():
+        for m in (ours, ref):
+            m.weight.copy_(torch.linspace(0.5, 1.5, m.weight.numel()).reshape(shape))
+            m.bias.copy_(torch.linspace(-0.2, 0.3, m.bias.numel()).reshape(shape))
+    ours, ref = ours.to(dtype), ref.double()
+    x = torch.randn(4, 2, *shape).to(dtype).requires_grad_(True)
+    xr = x.detach().double().requires_grad_(True)
+    y, yr = ours(x), ref(xr)
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y.double(), yr, **TOL[dtype])
+    dy = torch.randn_like(yr)
+    y.backward(dy.to(dtype))
+    yr.backward(dy)
+    tol = dict(rtol=TOL[dtype]["rtol"] * 4, atol=TOL[dtype]["atol"] * 4)
+    torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
+    torch.testing.assert_close(ours.weight.grad.double(), ref.weight.grad, **tol)
+    torch.testing.assert_close(ours.bias.grad.double(), ref.bias.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rms_norm_matches_float64(dtype):
+    torch.manual_seed(1)
+    m = FusedRMSNorm(6, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(torch.linspace(0.5, 1.5, 6))
+    m = m.to(dtype)
+    x = torch.randn(3, 5, 6).to(dtype).requires_grad_(True)
+    xr = x.detach().double().requires_grad_(True)
+    wr = m.weight.detach().double().requires_grad_(True)
+    y, yr = m(x), _rms_ref(xr, (6,), wr, 1e-6)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), yr, **TOL[dtype])
+    dy = torch.randn_like(yr)
+    y.backward(dy.to(dtype))
+    yr.backward(dy)
+    tol = dict(rtol=TOL[dtype]["rtol"] * 4, atol=TOL[dtype]["atol"] * 4)
+    torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
+    torch.testing.assert_close(m.weight.grad.double(), wr.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_formula_fallback_matches_torch_kernel(monkeypatch, dtype):
+    x = torch.randn(4, 2, 3).to(dtype)
+    w = torch.rand(2, 3).to(dtype)
+    with_kernel = fused_rms_norm_affine(x, w, (2, 3), 1e-5)
+    monkeypatch.setattr(fln, "_HAS_RMS_NORM", False)  # torch < 2.4 has no rms_norm
+    fallback = fused_rms_norm_affine(x, w, (2, 3), 1e-5)
+    torch.testing.assert_close(fallback, with_kernel, **TOL[dtype])
+    torch.testing.assert_close(fallback.double(), _rms_ref(x, (2, 3), w, 1e-5), **TOL[dtype])
+
+
+def test_no_affine_and_functional_forms():
+    x = torch.randn(3, 8)
+    m = FusedLayerNorm(8, elementwise_affine=False)
+    assert m.weight is None and m.bias is None and not list(m.parameters())
+    torch.testing.assert_close(m(x), torch.nn.functional.layer_norm(x, (8,), eps=1e-5))
+    torch.testing.assert_close(fused_layer_norm(x, 8), torch.nn.functional.layer_norm(x, (8,), eps=1e-6))
+    w, b = torch.rand(8), torch.rand(8)
+    torch.testing.assert_close(fused_layer_norm_affine(x, w, b, (8,)),
+                               torch.nn.functional.layer_norm(x, (8,), w, b, eps=1e-6))
+    r = FusedRMSNorm([8], elementwise_affine=False)
+    assert r.weight is None
+    torch.testing.assert_close(r(x).double(), _rms_ref(x, (8,), None, 1e-5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_rms_norm(x, 8).double(), _rms_ref(x, (8,), None, 1e-6), rtol=1e-5, atol=1e-6)
+    assert "elementwise_affine=True" in repr(FusedRMSNorm(4)) and FusedLayerNorm((2, 3)).normalized_shape == (2, 3)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mixed_forms_return_the_weight_dtype(wdtype):
+    x = torch.randn(4, 6)  # e.g. an fp32 residual stream
+    ln = MixedFusedLayerNorm(6).to(wdtype)
+    y = ln(x)
+    assert y.dtype == wdtype
+    ref = torch.nn.functional.layer_norm(x.double(), (6,), ln.weight.double(), ln.bias.double(), 1e-5)
+    torch.testing.assert_close(y.double(), ref, **TOL[wdtype])
+    rms = MixedFusedRMSNorm(6).to(wdtype)
+    assert rms(x).dtype == wdtype
+    torch.testing.assert_close(rms(x).double(), _rms_ref(x, (6,), rms.weight, 1e-5), **TOL[wdtype])
+    w = torch.ones(6, dtype=wdtype)
+    assert mixed_dtype_fused_layer_norm_affine(x.half(), w, torch.zeros(6, dtype=wdtype), 6).dtype == wdtype
+    assert mixed_dtype_fused_rms_norm_affine(x.half(), w, 6).dtype == wdtype
+
+
+def test_plain_forms_keep_the_input_dtype_with_other_weight_dtypes():
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    y = fused_layer_norm_affine(x, torch.ones(4), torch.zeros(4), 4)
+    assert y.dtype == torch.bfloat16
+    assert fused_rms_norm_affine(x, torch.ones(4), 4).dtype == torch.bfloat16
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="elementwise_affine"):
+        MixedFusedLayerNorm(4, elementwise_affine=False)
+    with pytest.raises(ValueError, match="elementwise_affine"):
+        MixedFusedRMSNorm(4, elementwise_affine=True)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        MixedFusedRMSNorm(4, bogus=1)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        FusedLayerNorm("8")
+    with pytest.raises(ValueError, match="positive"):
+        FusedRMSNorm(0)
+    with pytest.raises(ValueError, match="eps"):
+        FusedLayerNorm(4, eps=-1.0)
+    with pytest.raises(ValueError, match="does not end with normalized_shape"):
+        FusedLayerNorm(4)(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="weight has shape"):
+        fused_rms_norm_affine(torch.randn(2, 4), torch.ones(3), 4)
+    with pytest.raises(TypeError, match="floating-point"):
+        fused_layer_norm(torch.ones(2, 4, dtype=torch.int64), 4)
+
+
+def test_runs_on_the_test_device(device):
+    x = torch.randn(3, 16, device=device)
+    m = FusedLayerNorm(16).to(device)
+    torch.testing.assert_close(m(x).cpu(), torch.nn.functional.layer_norm(x.cpu(), (16,), eps=1e-5),
+                               rtol=1e-5, atol=1e-5)
+    r = FusedRMSNorm(16).to(device)
+    torch.testing.assert_close(r(x).cpu().double(), _rms_ref(x.cpu(), (16,), None, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.full
+def test_transformers_t5_uses_fused_rms_norm():
+    import sys
+
+    sys.modules.pop("transformers.models.t5.modeling_t5", None)
+    from transformers import T5Config
+    from transformers.models.t5 import modeling_t5
+
+    assert modeling_t5.T5LayerNorm is FusedRMSNorm
+    cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                   decoder_start_token_id=0, pad_token_id=0)
+    model = modeling_t5.T5ForConditionalGeneration(cfg)
+    ids = torch.randint(0, 64, (2, 5))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
