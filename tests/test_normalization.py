@@ -168,3 +168,19 @@ def test_transformers_t5_uses_fused_rms_norm():
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     assert torch.isfinite(out.loss)
+
+
+def test_upstream_function_classes_apply_the_functional_forms():
+    x = torch.randn(3, 5, requires_grad=True)
+    w, b = torch.rand(5, requires_grad=True), torch.rand(5)
+    y = fln.FusedLayerNormAffineFunction.apply(x, w, b, (5,), 1e-5, False)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (5,), w, b, 1e-5))
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    torch.testing.assert_close(fln.FusedRMSNormAffineFunction.apply(x, w, (5,), 1e-5),
+                               fused_rms_norm_affine(x, w, (5,), 1e-5))
+    torch.testing.assert_close(fln.FusedLayerNormFunction.apply(x, (5,), 1e-5), fused_layer_norm(x, (5,), 1e-5))
+    torch.testing.assert_close(fln.FusedRMSNormFunction.apply(x, (5,), 1e-5), fused_rms_norm(x, (5,), 1e-5))
+    wb = w.detach().bfloat16()
+    assert fln.FusedLayerNormAffineMixedDtypesFunction.apply(x, wb, b.bfloat16(), (5,), 1e-5).dtype == torch.bfloat16
+    assert fln.FusedRMSNormAffineMixedDtypesFunction.apply(x, wb, (5,), 1e-5).dtype == torch.bfloat16

@@ -27,7 +27,13 @@ from torch.nn import functional as F
 
 __all__ = [
     "FusedLayerNorm",
+    "FusedLayerNormAffineFunction",
+    "FusedLayerNormAffineMixedDtypesFunction",
+    "FusedLayerNormFunction",
     "FusedRMSNorm",
+    "FusedRMSNormAffineFunction",
+    "FusedRMSNormAffineMixedDtypesFunction",
+    "FusedRMSNormFunction",
     "MixedFusedLayerNorm",
     "MixedFusedRMSNorm",
     "fused_layer_norm",
@@ -158,6 +164,58 @@ def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor,
     if weight is None:
         raise TypeError("mixed_dtype_fused_rms_norm_affine: weight is required (it sets the output dtype)")
     return _rms_norm(input, shape, weight, eps, weight.dtype)
+
+
+# ---------------------------------------------------------------- upstream's autograd.Function names
+class _ApplyForm:
+    """Upstream exposes its kernels as ``torch.autograd.Function`` classes that code calls as
+    ``Cls.apply(input, ..., normalized_shape, eps, memory_efficient=False)`` (Megatron does). Here
+    ``apply`` runs the functional form with the same positional arguments; autograd is torch's."""
+
+    _form = None
+
+    @classmethod
+    def apply(cls, *args, **kwargs) -> torch.Tensor:
+        return cls._form(*args, **kwargs)
+
+
+class FusedLayerNormAffineFunction(_ApplyForm):
+    """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``:
+    :func:`fused_layer_norm_affine`."""
+
+    _form = staticmethod(fused_layer_norm_affine)
+
+
+class FusedLayerNormFunction(_ApplyForm):
+    """``apply(input, normalized_shape, eps, memory_efficient=False)``: :func:`fused_layer_norm`."""
+
+    _form = staticmethod(fused_layer_norm)
+
+
+class FusedLayerNormAffineMixedDtypesFunction(_ApplyForm):
+    """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``:
+    :func:`mixed_dtype_fused_layer_norm_affine`."""
+
+    _form = staticmethod(mixed_dtype_fused_layer_norm_affine)
+
+
+class FusedRMSNormAffineFunction(_ApplyForm):
+    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``: :func:`fused_rms_norm_affine`."""
+
+    _form = staticmethod(fused_rms_norm_affine)
+
+
+class FusedRMSNormFunction(_ApplyForm):
+    """``apply(input, normalized_shape, eps, memory_efficient=False)``: :func:`fused_rms_norm`."""
+
+    _form = staticmethod(fused_rms_norm)
+
+
+class FusedRMSNormAffineMixedDtypesFunction(_ApplyForm):
+    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``:
+    :func:`mixed_dtype_fused_rms_norm_affine`."""
+
+    _form = staticmethod(mixed_dtype_fused_rms_norm_affine)
 
 
 # ---------------------------------------------------------------- modules (upstream's eps default 1e-5)
