@@ -30,6 +30,22 @@ MODULES = [
     ("apex.parallel", "Distributed data parallel on torch.distributed (gloo / nccl / hccl), LARC and SyncBatchNorm"
      + (" (see [distributed.md](distributed.md))." if (Path(__file__).resolve().parent / "distributed.md").exists()
         else "."), None),
+    ("apex.fp16_utils", "Manual mixed precision, NVIDIA Apex's API from before amp: fp16 models with fp32 "
+     "batchnorm, fp32 master weights and loss scaling around any optimizer (see "
+     "[upstream-compat.md](upstream-compat.md)).", None),
+    ("apex.multi_tensor_apply", "NVIDIA Apex's `multi_tensor_applier`, which calls the multi-tensor ops of "
+     "`apex.multi_tensor_apply.amp_C` (or NVIDIA's compiled `amp_C`) with a fixed chunk size.", None),
+    ("apex.multi_tensor_apply.amp_C", "NVIDIA's `amp_C` multi-tensor ops with upstream's signatures "
+     "`(chunk_size, noop_flag, tensor_lists, *args)`, on CPU (through the C++ core and the optimizers' math), "
+     "CUDA and NPU (torch ops). Not a top-level `amp_C`: see `register_amp_C`.", None),
+    ("apex.normalization", "NVIDIA Apex's fused layer norm and RMS norm modules, on torch's own kernels on every "
+     "device.", None),
+    ("apex.normalization.fused_layer_norm", "The functional forms and upstream's `*Function.apply` names (the "
+     "modules are listed under `apex.normalization`).",
+     ["fused_layer_norm", "fused_layer_norm_affine", "fused_rms_norm", "fused_rms_norm_affine",
+      "mixed_dtype_fused_layer_norm_affine", "mixed_dtype_fused_rms_norm_affine", "FusedLayerNormAffineFunction",
+      "FusedLayerNormFunction", "FusedLayerNormAffineMixedDtypesFunction", "FusedRMSNormAffineFunction",
+      "FusedRMSNormFunction", "FusedRMSNormAffineMixedDtypesFunction"]),
     ("apex._device", "The device layer (private module, stable for examples and tests): one place that decides "
      "npu > cuda > cpu and never imports torch_npu when it is absent.",
      ["detect_device", "device_available", "default_amp_dtype"]),
@@ -103,7 +119,9 @@ NOTES = {
     "apex.contrib.combine_tensors": (
         "The NPU patch's `combine_npu` (also exported under that name and torch_npu's `npu_combine_tensors`). "
         "Slots are aligned to `ALIGN_ELEMENTS` elements; the buffer is zero-filled so padding stays zero. Works on "
-        "cpu and cuda through torch APIs; on npu, tensors in a private storage format go to torch_npu's op."),
+        "cpu and cuda through torch APIs; on npu, tensors in a private storage format go to torch_npu's op. "
+        "`apex.contrib.combine_tensors` is the submodule, as in the NPU patch's layout (`import "
+        "apex.contrib.combine_tensors as ct; ct.combine_npu(...)`), and calling it calls this function."),
     "apex.contrib.compact_state_dict": (
         "Not in the NPU patch: saving a model or optimizer whose tensors are combined views would otherwise "
         "write the whole flat buffer once per view."),
@@ -250,6 +268,88 @@ NOTES = {
         "at construction and `reduce()` averages the grads over the ranks. New here: `process_group`; a clear "
         "RuntimeError without an initialized process group and TypeError for an argument that is neither a "
         "module nor a list of tensors."),
+    # ---- apex.contrib (Ascend API additions)
+    "apex.contrib.get_aligned_storage_size": (
+        "NPU patch: same name, arguments `(tensor, align=16, pad=32)` and rule `ceil(n / align) * align + pad`, "
+        "n being torch_npu's storage size on npu and the elements the tensor spans elsewhere. It describes the "
+        "patch's layout, not ours (use `plan_layout`); bf16 is accepted too, other dtypes raise RuntimeError as "
+        "in the patch. NVIDIA: none."),
+    # ---- apex.fp16_utils
+    "apex.fp16_utils.FP16_Optimizer": (
+        "NVIDIA: same constructor, `backward`, `step` (closures too), `zero_grad(set_grads_to_None)`, "
+        "`update_master_grads`, `clip_master_grads`, `inspect_master_grad_data`, `loss_scale`, "
+        "`state_dict`/`load_state_dict`. Here it needs no CUDA, accepts bf16 params like fp16 ones, checks a "
+        "loaded state before changing anything, and saves the scaler as a plain dict (loads with "
+        "`torch.load(weights_only=True)`; a saved scaler object is accepted too). Messages print only with "
+        "`verbose=True`. NPU patch: none."),
+    "apex.fp16_utils.DynamicLossScaler": (
+        "NVIDIA: same arguments, defaults (2**32, 2, 1000), attributes and update rule (backoff floored at 1, "
+        "growth when the iterations since the last overflow are a multiple of the window). Here the overflow "
+        "check is one core pass per grad on CPU, arguments are checked, and `state_dict()` exists."),
+    "apex.fp16_utils.LossScaler": (
+        "NVIDIA: same static scaler; `backward(loss, retain_graph=False)`. Here the scale must be a positive "
+        "finite number."),
+    "apex.fp16_utils.BN_convert_float": "NVIDIA: same; affine batchnorm layers go back to fp32, in place.",
+    "apex.fp16_utils.FP16Model": (
+        "NVIDIA: same; only floating-point tensor inputs are cast to fp16 (other arguments pass through)."),
+    "apex.fp16_utils.clip_grad_norm": "NVIDIA: the same alias of torch's `clip_grad_norm_`.",
+    "apex.fp16_utils.convert_module": "NVIDIA: same; a non-floating dtype raises TypeError.",
+    "apex.fp16_utils.convert_network": "NVIDIA: same (affine batchnorm skipped, RNN weights re-flattened).",
+    "apex.fp16_utils.master_params_to_model_params": (
+        "NVIDIA: same, flat masters included; mismatched lists raise ValueError before any copy."),
+    "apex.fp16_utils.model_grads_to_master_grads": (
+        "NVIDIA: same; a model param without a grad leaves its master without one; mismatched lists raise."),
+    "apex.fp16_utils.network_to_half": "NVIDIA: same `Sequential(tofp16(), BN_convert_float(network.half()))`.",
+    "apex.fp16_utils.prep_param_lists": (
+        "NVIDIA: same, including `flat_master=True` (one flat fp32 master with an allocated grad); mixed dtypes "
+        "with `flat_master` raise TypeError."),
+    "apex.fp16_utils.to_python_float": "NVIDIA: same.",
+    "apex.fp16_utils.tofp16": "NVIDIA: same.",
+    # ---- apex.multi_tensor_apply
+    "apex.multi_tensor_apply.MultiTensorApply": (
+        "NVIDIA: same class, `chunk_size`, `available`, `check_avail()`; `available` is always True here "
+        "(no compiled extension is needed). A non-callable op raises TypeError."),
+    "apex.multi_tensor_apply.multi_tensor_applier": "NVIDIA: same object, chunk size 2048 * 32.",
+    "apex.multi_tensor_apply.register_amp_C": (
+        "New here: this package ships no top-level `amp_C` (it would clash with NVIDIA's compiled one); this "
+        "binds ours to `import amp_C` where no other is importable, or always with `force=True`."),
+    "apex.multi_tensor_apply.amp_C.available": "Always True (upstream's applier tests whether `amp_C` imports).",
+    "apex.multi_tensor_apply.amp_C.multi_tensor_scale": (
+        "NVIDIA: same signature and flag rule (set on inf/nan in the inputs; runs even when set). Here on every "
+        "device; on CPU one core pass per tensor."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_axpby": (
+        "NVIDIA: same signature, `arg_to_check` (-1 both, 0 x, 1 y) and flag rule; `out` may alias `x` or `y`."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_l2norm": (
+        "NVIDIA: same signature and return `(norm[1], per_tensor[n] or [0])`, float32 on the tensors' device; "
+        "sets the flag on a non-finite norm. Here sums of squares accumulate in float64 per tensor (upstream: "
+        "fp32 per chunk); an empty list gives 0 (upstream indexes the first tensor)."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_l2norm_mp": (
+        "NVIDIA: same signature; the same result as `multi_tensor_l2norm` here."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_unscale_l2norm": (
+        "NVIDIA: same signature: the norms of `tensors * inv_scale`, tensors only read."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_adam": (
+        "NVIDIA: same signature, modes and bias correction; updates even when the flag is set, as upstream. "
+        "Also takes upstream's capturable form (tensor `lr`/`step`, trailing `inv_scale`); any float dtypes."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_sgd": (
+        "NVIDIA: same signature (trailing `scale` optional), 3 or 4 lists, `first_run`, `wd_after_momentum`; "
+        "skips when the flag is set. Here every dtype combination works (upstream: three)."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_lamb": (
+        "NVIDIA: same signature and math; as upstream the grads hold the update afterwards and the flag is set "
+        "on a non-finite param or update norm."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_novograd": (
+        "NVIDIA: same signature and math (`grad_norms` already blended by the caller)."),
+    "apex.multi_tensor_apply.amp_C.multi_tensor_adagrad": "NVIDIA: same signature, modes and math.",
+    # ---- apex.normalization
+    "apex.normalization.FusedLayerNorm": (
+        "NVIDIA: same signature, parameters and `extra_repr`; torch's `layer_norm` on every device (NVIDIA also "
+        "falls back to it off CUDA). `memory_efficient` is recorded, not used. NPU patch: none."),
+    "apex.normalization.FusedRMSNorm": (
+        "NVIDIA: same signature and parameter; torch's `rms_norm` (torch >= 2.4) or the formula. The output has "
+        "the input's dtype on every device (NVIDIA's CPU path returned the weight's dtype for half weights)."),
+    "apex.normalization.MixedFusedLayerNorm": (
+        "NVIDIA: same signature; the output has the weights' dtype; `elementwise_affine` raises ValueError."),
+    "apex.normalization.MixedFusedRMSNorm": (
+        "NVIDIA: same signature; the output has the weight's dtype; `elementwise_affine` raises ValueError."),
     # ---- apex._device
     "apex._device.default_amp_dtype": (
         "New here: float16 on cuda and npu, bfloat16 on cpu; `APEX_AMP_DTYPE` overrides it on every device. "
@@ -262,6 +362,21 @@ NOTES = {
         "New here: whether \"cpu\", \"cuda\" or \"npu\" is usable on this machine (a torch_npu that fails to "
         "import counts as no npu); other names raise ValueError."),
 }
+
+for _name, _what in (("fused_layer_norm", "layer norm without weights"),
+                     ("fused_layer_norm_affine", "layer norm with weight and bias"),
+                     ("fused_rms_norm", "RMS norm without a weight"),
+                     ("fused_rms_norm_affine", "RMS norm with a weight"),
+                     ("mixed_dtype_fused_layer_norm_affine", "layer norm returning the weights' dtype"),
+                     ("mixed_dtype_fused_rms_norm_affine", "RMS norm returning the weight's dtype")):
+    NOTES["apex.normalization.fused_layer_norm." + _name] = (
+        f"NVIDIA: same name, arguments and eps default (1e-6) for {_what}; torch's kernels on every device, "
+        "autograd is torch's, `memory_efficient` is recorded only. Bad shapes raise ValueError.")
+for _name in ("FusedLayerNormAffineFunction", "FusedLayerNormFunction", "FusedLayerNormAffineMixedDtypesFunction",
+              "FusedRMSNormAffineFunction", "FusedRMSNormFunction", "FusedRMSNormAffineMixedDtypesFunction"):
+    NOTES["apex.normalization.fused_layer_norm." + _name] = (
+        "NVIDIA: a `torch.autograd.Function` over its CUDA kernels; here only its `apply(...)` entry point, with "
+        "the same positional arguments, running the functional form (code such as Megatron's calls `apply`).")
 
 
 def _first_paragraph(obj) -> str:
@@ -309,6 +424,8 @@ def generate() -> str:
         lines += [f"## {modname}", "", intro, ""]
         for name in sorted(names if names is not None else mod.__all__, key=str.lower):
             obj = getattr(mod, name)
+            if inspect.ismodule(obj) and callable(obj):  # a callable module (apex.contrib.combine_tensors)
+                obj = getattr(obj, obj.__call_target__)
             qual = f"{modname}.{name}"
             lines += [f"### `{qual}`", "", "```python", _signature(qual, obj), "```", ""]
             summary = _first_paragraph(obj) if callable(obj) else ""

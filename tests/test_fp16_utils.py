@@ -155,8 +155,15 @@ def test_param_list_mismatch_raises():
         prep_param_lists(mixed, flat_master=True)
 
 
-def test_clip_grad_norm_is_torchs():
-    assert clip_grad_norm is torch.nn.utils.clip_grad_norm_
+def test_clip_grad_norm_matches_torch():
+    a = [nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(3))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    torch.testing.assert_close(clip_grad_norm(a, 0.5), torch.nn.utils.clip_grad_norm_(b, 0.5))
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 # ---------------------------------------------------------------- FP16_Optimizer

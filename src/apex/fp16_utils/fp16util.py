@@ -30,8 +30,12 @@ __all__ = [
     "tofp16",
 ]
 
-# torch's in-place clipper (returns the total norm before clipping), under upstream's name.
-clip_grad_norm = torch.nn.utils.clip_grad_norm_
+def clip_grad_norm(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+    """Scale the grads of ``parameters`` in place so their total ``norm_type`` norm is at most ``max_norm``;
+    returns the total norm before clipping (a tensor). Upstream's name for torch's ``clip_grad_norm_``,
+    which does the work."""
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type,
+                                          error_if_nonfinite=error_if_nonfinite)
 
 
 def _check_module(obj: Any, where: str) -> nn.Module:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from apex.multi_tensor_apply import amp_C
 
-__all__ = ["MultiTensorApply", "amp_C", "multi_tensor_applier", "register_amp_C"]
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "register_amp_C"]
 
 
 class MultiTensorApply:
