@@ -5,6 +5,8 @@ upstream's (set on inf/nan by scale / axpby / l2norm / lamb; only sgd skips when
 """
 
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -47,15 +49,39 @@ def test_applier_rejects_non_callable_op():
 
 def test_register_amp_c(monkeypatch):
     monkeypatch.delitem(sys.modules, "amp_C", raising=False)
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
-    assert register_amp_C() is amp_C
-    import amp_C as imported
-
-    assert imported is amp_C
+    bound = register_amp_C()  # no NVIDIA amp_C here: the fallback finder supplies ours
+    assert bound.multi_tensor_scale is amp_C.multi_tensor_scale and bound.__apex_fallback__
     other = type(sys)("amp_C")
     monkeypatch.setitem(sys.modules, "amp_C", other)
     assert register_amp_C() is other  # an amp_C already in use is kept
     assert register_amp_C(force=True) is amp_C and sys.modules["amp_C"] is amp_C
+
+
+def test_broken_amp_c_is_replaced_with_a_warning(monkeypatch):
+    monkeypatch.delitem(sys.modules, "amp_C", raising=False)
+
+    def broken(name, *a, **k):
+        raise ImportError("libcudart.so: cannot open shared object file")
+
+    monkeypatch.setattr("importlib.import_module", broken)
+    with pytest.warns(RuntimeWarning, match="does not import"):
+        assert register_amp_C() is amp_C
+
+
+def test_import_amp_c_falls_back_only_without_nvidias(tmp_path):
+    # A fresh interpreter: `import apex` then `import amp_C` gives our ops; a real amp_C on sys.path wins.
+    (tmp_path / "amp_C.py").write_text("NVIDIA_BUILD = True\n")
+    script = (
+        "import sys, apex, amp_C\n"
+        "from apex.multi_tensor_apply import amp_C as ours\n"
+        "assert amp_C.multi_tensor_l2norm is ours.multi_tensor_l2norm and amp_C.__apex_fallback__\n"
+        "del sys.modules['amp_C']\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import amp_C\n"
+        "assert amp_C.NVIDIA_BUILD and not hasattr(amp_C, '__apex_fallback__')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
 
 
 # ---------------------------------------------------------------- scale / axpby

@@ -2,10 +2,15 @@
 
 Subpackages load on first use (``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
 ``apex.contrib``, and NVIDIA Apex's ``apex.fp16_utils``, ``apex.normalization`` and
-``apex.multi_tensor_apply``), so ``import apex`` stays cheap.
+``apex.multi_tensor_apply``), so ``import apex`` stays cheap. Where NVIDIA's compiled ``amp_C`` is not
+installed, ``import amp_C`` after ``import apex`` yields apex's multi-tensor ops (``apex._amp_c_finder``).
 """
 
 import importlib
+
+from apex import _amp_c_finder
+
+_amp_c_finder.install()
 
 __version__ = "0.1.0"
 

@@ -7,15 +7,14 @@ run on CPU, CUDA and NPU, or any callable with that signature (NVIDIA's compiled
 work too where that extension is installed).
 
 ``import amp_C``: this package ships no top-level ``amp_C`` module, so it never hides or
-replaces NVIDIA's compiled extension. Code that imports ``amp_C`` by that name gets ours after
-:func:`register_amp_C`, which binds it only where no other ``amp_C`` can be imported (unless
-``force=True``).
+replaces NVIDIA's compiled extension; ``import apex`` installs a last-resort finder, so that
+``import amp_C`` yields these ops wherever NVIDIA's is not installed (see ``apex._amp_c_finder``).
+:func:`register_amp_C` binds ours explicitly, e.g. over a broken or CUDA-only one.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -60,20 +59,20 @@ multi_tensor_applier = MultiTensorApply(2048 * 32)
 def register_amp_C(force: bool = False) -> ModuleType:
     """Make ``import amp_C`` resolve; returns the ``amp_C`` module now in use.
 
-    Without ``force``: an ``amp_C`` that is already imported or importable (NVIDIA's compiled
-    extension) is returned as it is, and ours is bound only where there is none. With
-    ``force=True`` ours replaces it in ``sys.modules`` (NVIDIA's CUDA-only ops cannot take CPU
-    or NPU tensors). An installed ``amp_C`` that fails to import is replaced, with a RuntimeWarning.
+    Without ``force``: the ``amp_C`` that ``import amp_C`` finds (NVIDIA's compiled extension where
+    installed, else apex's ops through the fallback finder) is returned as it is; one that is
+    installed but fails to import is replaced by ours, with a RuntimeWarning. With ``force=True``
+    ours replaces any ``amp_C`` in ``sys.modules`` (NVIDIA's CUDA-only ops cannot take CPU or NPU
+    tensors).
     """
     if not force:
         current = sys.modules.get("amp_C")
         if current is not None:
             return current
-        if importlib.util.find_spec("amp_C") is not None:
-            try:
-                return importlib.import_module("amp_C")
-            except (ImportError, OSError) as err:  # e.g. a CUDA build whose libraries are missing here
-                warnings.warn(f"register_amp_C: the installed amp_C does not import ({err}); binding apex's "
-                              "amp_C-compatible ops instead", RuntimeWarning, stacklevel=2)
+        try:
+            return importlib.import_module("amp_C")
+        except (ImportError, OSError) as err:  # e.g. a CUDA build whose libraries are missing here
+            warnings.warn(f"register_amp_C: the installed amp_C does not import ({err}); binding apex's "
+                          "amp_C-compatible ops instead", RuntimeWarning, stacklevel=2)
     sys.modules["amp_C"] = amp_C
     return amp_C
