@@ -362,3 +362,24 @@ def test_lazy_submodule_access():
         assert hasattr(apex, name), name
     assert not hasattr(apex, "no_such_module")
     assert apex.fp16_utils.FP16_Optimizer is FP16_Optimizer
+
+
+def test_wraps_apex_fused_optimizers_like_torch_ones():
+    # Our combined-buffer optimizers keep grads as views of one buffer: zero_grad and the master swap must cope.
+    from apex.optimizers import FusedAdam
+
+    results = []
+    for make in (lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)):
+        model = _half_model()
+        opt = FP16_Optimizer(make(model.parameters()), dynamic_loss_scale=True,
+                             dynamic_loss_args={"init_scale": 2.0**8}, verbose=False)
+        torch.manual_seed(3)
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(4, 6).half()).float().pow(2).mean())
+            opt.step()
+        opt.load_state_dict(opt.state_dict())
+        results.append([m.detach().clone() for m in opt.fp32_from_fp16_groups[0]])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

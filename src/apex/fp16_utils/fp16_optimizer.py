@@ -99,7 +99,11 @@ class FP16_Optimizer:
             if set_grads_to_None:
                 p.grad = None
             elif p.grad is not None:
-                p.grad.detach_()
+                # As torch's zero_grad: views (combined grad buffers, DDP buckets) cannot detach_ in place.
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
                 p.grad.zero_()
 
         for group in self.optimizer.param_groups:
