@@ -72,7 +72,9 @@ def test_import_amp_c_falls_back_only_without_nvidias(tmp_path):
     # A fresh interpreter: `import apex` then `import amp_C` gives our ops; a real amp_C on sys.path wins.
     (tmp_path / "amp_C.py").write_text("NVIDIA_BUILD = True\n")
     script = (
-        "import sys, apex, amp_C\n"
+        "import sys, apex\n"
+        "assert 'torch' not in sys.modules  # installing the finder keeps import apex cheap\n"
+        "import amp_C\n"
         "from apex.multi_tensor_apply import amp_C as ours\n"
         "assert amp_C.multi_tensor_l2norm is ours.multi_tensor_l2norm and amp_C.__apex_fallback__\n"
         "del sys.modules['amp_C']\n"
