@@ -243,7 +243,7 @@ def test_initialize_records_handle_and_bounds():
 
 def test_allow_incoming_model_not_fp32():
     model = tiny().half()
-    with pytest.raises(RuntimeError, match="expected torch.float32"):
+    with pytest.raises(RuntimeError, match=r"expected torch\.float32"):
         amp.initialize(model, opt_level="O1", verbosity=0)
     _amp_state.allow_incoming_model_not_fp32 = True
     try:

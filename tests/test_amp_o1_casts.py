@@ -117,9 +117,9 @@ def test_inplace_promote_keeps_self_dtype(low):
 
 def test_cat_and_stack_match_widest(low):
     ys = [torch.randn(B, dtype=low) for _ in range(3)]
-    assert torch.cat(ys + [torch.randn(B)]).dtype == torch.float32
-    assert torch.cat(ys + [torch.randn(B, dtype=low)]).dtype == low
-    assert torch.stack(ys + [torch.randn(B)]).dtype == torch.float32
+    assert torch.cat([*ys, torch.randn(B)]).dtype == torch.float32
+    assert torch.cat([*ys, torch.randn(B, dtype=low)]).dtype == low
+    assert torch.stack([*ys, torch.randn(B)]).dtype == torch.float32
 
 
 def test_inplace_float_function_on_low_precision_raises(low):
@@ -200,7 +200,7 @@ def test_rnn_packed_sequence_is_half(low):
 
 def test_rnn_shape_check_still_runs(low):
     rnn = nn.LSTM(H, H)
-    with pytest.raises(RuntimeError, match="input.size"):
+    with pytest.raises(RuntimeError, match=r"input\.size"):
         rnn(torch.randn(T, B, H + 1, dtype=low))
 
 

@@ -74,8 +74,8 @@ FUNCTIONAL_BANNED = {"binary_cross_entropy": BCE_MESSAGE}
 
 # torch.Tensor methods --------------------------------------------------------------------------------------------
 
-TENSOR_HALF = ["__matmul__"] + TORCH_HALF
-TENSOR_FLOAT = ["__pow__", "__rpow__", "cpu"] + TORCH_FLOAT
+TENSOR_HALF = ["__matmul__", *TORCH_HALF]
+TENSOR_FLOAT = ["__pow__", "__rpow__", "cpu", *TORCH_FLOAT]
 TENSOR_PROMOTE = list(TORCH_PROMOTE)
 # ``x **= y`` on a low-precision x cannot become float32 in place.
 TENSOR_INPLACE_FLOAT = ["__ipow__"] + [name + "_" for name in TORCH_FLOAT]

@@ -179,7 +179,8 @@ class GlobalCasts:
 def _shape_only_check_input(orig: Callable, casts: GlobalCasts) -> Callable:
     def check_input(self, input, batch_sizes):
         weights = getattr(self, "_flat_weights", None)
-        if casts.enabled and not casts_disabled() and weights and isinstance(input, torch.Tensor) and input.dtype != weights[0].dtype:
+        if (casts.enabled and not casts_disabled() and weights and isinstance(input, torch.Tensor)
+                and input.dtype != weights[0].dtype):
             input = torch.empty(input.shape, dtype=weights[0].dtype, device="meta")
         return orig(self, input, batch_sizes)
 
