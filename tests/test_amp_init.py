@@ -55,6 +55,14 @@ def test_handle_properties():
     handle._deactivate()
 
 
+def test_verbose_logs_each_cast(caplog):
+    handle = amp.init(verbose=True)
+    with caplog.at_level("INFO", logger="apex.amp"):
+        torch.nn.functional.linear(torch.randn(2, 3), torch.randn(3, 3))
+    handle._deactivate()
+    assert any("linear (half cast)" in r.getMessage() for r in caplog.records)
+
+
 def test_disabled_init_is_a_noop_handle():
     linear = torch.nn.functional.linear
     handle = amp.init(enabled=False)

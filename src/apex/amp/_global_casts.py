@@ -28,6 +28,7 @@ import torch
 
 from .._tensor_utils import map_tensors
 from . import _cast_lists as lists
+from ._amp_state import logger
 from ._casts import casts_disabled, widest_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -61,10 +62,12 @@ class CastCache:
 class GlobalCasts:
     """The wrappers one ``amp.init`` handle installed, the cast rules they follow, and how to undo them."""
 
-    def __init__(self, low_dtype: torch.dtype, allow_banned: bool, cache: Optional[CastCache]) -> None:
+    def __init__(self, low_dtype: torch.dtype, allow_banned: bool, cache: Optional[CastCache],
+                 verbose: bool = False) -> None:
         self.low_dtype = low_dtype
         self.allow_banned = allow_banned
         self.cache = cache
+        self.verbose = verbose  # log every cast call (upstream's verbose=True printed them)
         self.enabled = True  # False once the handle is deactivated (a wrapper captured earlier stops casting)
         self._installed: List[Tuple[Any, str, bool, Any, Callable]] = []
 
@@ -106,6 +109,8 @@ class GlobalCasts:
         def wrapper(*args, **kwargs):
             if not self.enabled or casts_disabled():
                 return orig(*args, **kwargs)
+            if self.verbose:
+                logger.info("apex.amp: %s (%s cast)", name, policy)
             if policy == lists.HALF:
                 args, kwargs = self.cast_half(args), self.cast_half(kwargs)
             elif policy == lists.FLOAT:

@@ -303,7 +303,8 @@ class AmpHandle:
         self.device_type = _device.autocast_device_type(None)
         self._cache = CastCache()
         self._default_scaler = LossScaler(self.loss_scale_spec)
-        self._casts = GlobalCasts(patch_type, bool(allow_banned), self._cache if enable_caching else None)
+        self._casts = GlobalCasts(patch_type, bool(allow_banned), self._cache if enable_caching else None,
+                                  verbose=bool(verbose))
         self.function_patches = FunctionPatches()
         self._is_active = False
 
