@@ -100,3 +100,10 @@ def test_message_size_one_with_two_large_params():
     assert len(res[0]["buckets"]) == 2
     assert res[0]["flat_bytes"] <= 4 * sum(sizes) + 4096
     _same_grads(res)
+
+
+def test_different_streams_need_overlap():
+    from apex.parallel import DistributedDataParallel
+
+    with pytest.raises(ValueError, match="delay_allreduce=False"):
+        DistributedDataParallel(torch.nn.Linear(2, 2), num_allreduce_streams=2, delay_allreduce=True)
