@@ -64,7 +64,8 @@ def _register_note(decorator: str) -> str:
     return ("NVIDIA: same names and arguments; applies while an O1 session is active and wraps only the named "
             "module attribute (no global patching; tensor methods and references taken earlier are not "
             f"intercepted), casting as `{decorator}` does; teardown restores the attribute. Registering during a "
-            "session takes effect at once, and registrations carry over to later sessions. A missing or "
+            "session takes effect at once, and registrations carry over to later sessions (and apply under an "
+            "active `amp.init` handle too). A missing or "
             "non-callable attribute raises ValueError. NPU patch: `user_cast_preferred=True` makes the registered "
             "cast win over autocast (in the patch, over its built-in cast lists).")
 
@@ -127,8 +128,27 @@ NOTES = {
         "Not in the NPU patch: saving a model or optimizer whose tensors are combined views would otherwise "
         "write the whole flat buffer once per view."),
     "apex.parallel.DistributedDataParallel": (
-        "NVIDIA's arguments; built on torch.distributed (no home-made transport), gloo on CPU included."),
-    "apex.parallel.SyncBatchNorm": "Works on CPU with gloo too (torch.nn.SyncBatchNorm refuses CPU tensors).",
+        "NVIDIA's arguments and bucket semantics (`message_size` is the minimum bucket size, whole params; "
+        "`allreduce_trigger_params` set the bucket boundaries); built on torch.distributed (no home-made "
+        "transport), gloo on CPU included; CUDA streams become process groups (a no-op difference on CPU)."),
+    "apex.parallel.SyncBatchNorm": (
+        "Works on CPU with gloo too (torch.nn.SyncBatchNorm refuses CPU tensors). Like NVIDIA's, it is a "
+        "`_BatchNorm`, not a `torch.nn.SyncBatchNorm`, so torch's DistributedDataParallel accepts it on CPU."),
+    "apex.amp.init": (
+        "NVIDIA: same arguments (`enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type`) and "
+        "the same process-wide casts of its function lists; differences per function are listed in "
+        "[amp.md](amp.md#the-older-api-ampinit). Bad arguments raise before anything is patched; a second "
+        "`init` deactivates the first handle instead of stacking patches; `amp.deinitialize()` deactivates it too."),
+    "apex.amp.AmpHandle": (
+        "NVIDIA: same methods (`scale_loss`, `wrap_optimizer`, `is_active`, `_deactivate`, `_clear_cache`, "
+        "`has_cache`, `verbose`). `scale_loss` unscales only the grads its backward added (earlier grads are "
+        "set aside and added back), so accumulation is exact; the weight-cast cache also drops an entry whose "
+        "weight changed in place or that was made under `no_grad`."),
+    "apex.amp.NoOpHandle": "NVIDIA: same; what `amp.init(enabled=False)` returns, passing everything through.",
+    "apex.amp.OptimWrapper": (
+        "NVIDIA: same (`handle.wrap_optimizer(optimizer, num_loss)`): one loss scaler per loss, a step skipped "
+        "when any loss overflowed; a `closure` raises NotImplementedError as there. More `scale_loss` calls "
+        "than `num_loss` between steps raise RuntimeError."),
     # ---- apex.amp (the NPU patch's amp is NVIDIA's with the extras listed under initialize)
     "apex.amp.disable_casts": (
         "NVIDIA: same name, a context manager. Here it switches off both parts of O1's casting for the block: "

@@ -253,7 +253,7 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-def ddp_semantics(rank, world, message_size=40, predivide=1.0, average=True, always_fp32=False, delay=False,
+def ddp_semantics(rank, world, message_size=20, predivide=1.0, average=True, always_fp32=False, delay=False,
                   dtype="float32", set_to_none=True, trigger=False, streams=1, prof=False, freeze_at=None,
                   checkpoint=False):
     """Plain DDP (no amp): backward passes, grads compared with the all-reduced reference computed by hand."""
@@ -471,3 +471,83 @@ def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, moment
     ye = bn(xe.to(dt)).detach().double()
     out["eval"] = (ye.movedim(-1, 1) if channel_last else ye, ref(x).detach())
     return out
+
+
+class _Wide(torch.nn.Module):
+    """Params of the given sizes (in registration order), each used once: out = sum_i w_i * x_i."""
+
+    def __init__(self, sizes, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes])
+
+    def forward(self, xs):
+        return sum((w * x).sum() for w, x in zip(self.ws, xs)) ** 2
+
+
+def ddp_buckets(rank, world, sizes=(4096, 4096, 4096), message_size=1, trigger=None, steps=2):
+    """Bucket plan of our DDP (element ranges, params per bucket) and its averaged grads next to torch DDP's."""
+    model = _Wide(sizes, 1 if rank == 0 else 5)  # rank 0's values win the broadcast, in both wrappers
+    twin = _Wide(sizes, 1 if rank == 0 else 9)
+    triggers = [model.ws[i] for i in trigger] if trigger is not None else None
+    ddp = DistributedDataParallel(model, message_size=message_size, allreduce_trigger_params=triggers)
+    tddp = torch.nn.parallel.DistributedDataParallel(twin)
+    g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    grads = []
+    for _ in range(steps):
+        xs = [torch.randn(n, generator=g) for n in sizes]
+        model.zero_grad()
+        twin.zero_grad()
+        ddp(xs).backward()
+        tddp(xs).backward()
+        grads.append(([p.grad.clone() for p in model.parameters()], [p.grad.clone() for p in twin.parameters()]))
+    engine = ddp._engine
+    buckets = [(int(parts[0].storage_offset()), int(parts[0].numel())) for parts in engine.buckets]
+    members = [[i for i, bs in enumerate(engine.slot_buckets) if b in bs] for b in range(engine.num_buckets)]
+    flat_bytes = sum(s.flat.numel() * s.flat.element_size() for s in ddp._sets)
+    return {"buckets": buckets, "order": list(engine.order), "members": members, "grads": grads,
+            "flat_bytes": flat_bytes, "offsets": list(ddp._sets[0].offsets)}
+
+
+def syncbn_torch_ddp(rank, world, steps=3, channel_last=False):
+    """torch DDP over a convert_syncbn_model'ed net on gloo/CPU, against one process with BatchNorm over the
+    concatenated batch (float64): outputs, trained params and running stats after a few SGD steps."""
+    c = 3
+
+    def net(seed):
+        g = torch.Generator().manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Conv2d(2, c, 3, padding=1), torch.nn.BatchNorm2d(c), torch.nn.ReLU(),
+                                torch.nn.Conv2d(c, 1, 1))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        return m.double()
+
+    ref = net(3)
+    model = convert_syncbn_model(net(3))
+    assert isinstance(model[1], SyncBatchNorm)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rows = [2 + r % 2 for r in range(world)]  # uneven local batches
+    lo, n = sum(rows[:rank]), sum(rows)
+    outs = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(500 + step)
+        x = torch.randn(n, 2, 5, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(n, 1, 5, 4, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        out = ddp(x[lo:lo + rows[rank]])
+        # sum of squared errors over the local rows, times world / n: torch DDP averages the grads over ranks,
+        # so the step is that of the full-batch mean loss
+        ((out - y[lo:lo + rows[rank]]) ** 2).sum().mul(world / n).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref_out = ref(x)
+        ((ref_out - y) ** 2).sum().div(n).backward()
+        ref_opt.step()
+        outs.append((out.detach(), ref_out.detach()[lo:lo + rows[rank]]))
+    params = [(p.detach().clone(), q.detach().clone()) for p, q in zip(model.parameters(), ref.parameters())]
+    running = (model[1].running_mean.clone(), model[1].running_var.clone(), ref[1].running_mean.clone(),
+               ref[1].running_var.clone())
+    return {"outs": outs, "params": params, "running": running}

@@ -29,7 +29,7 @@ def _check_grads(results, tol, world):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(),  # 40-element buckets: several, overlapping the backward
+    dict(),  # buckets of at least 20 elements (whole params): several, overlapping the backward
     dict(delay=True),
     dict(message_size=10**7, set_to_none=False),
     dict(predivide=4.0),
@@ -46,8 +46,8 @@ def test_ddp_grads_match_reference(kwargs):
     tol = LOW[kwargs["dtype"]] if "dtype" in kwargs else F32
     _check_grads(res, tol, 2)
     assert res[0]["views"]  # grads are views into the flat buffers (no copies at the next backward)
-    if kwargs.get("message_size", 40) == 40:
-        assert res[0]["buckets"] > 3
+    if kwargs.get("message_size", 20) == 20 and not kwargs.get("trigger"):
+        assert res[0]["buckets"] >= 3
     if "freeze_at" in kwargs:
         assert all(r["frozen_grad"] is None for r in res)
 

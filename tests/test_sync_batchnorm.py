@@ -53,7 +53,8 @@ def test_without_process_group_is_torch_batchnorm():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm2d(3)
     sync = convert_syncbn_model(torch.nn.Sequential(bn))[0]
-    assert isinstance(sync, SyncBatchNorm) and isinstance(sync, torch.nn.SyncBatchNorm)
+    assert isinstance(sync, SyncBatchNorm) and isinstance(sync, torch.nn.modules.batchnorm._BatchNorm)
+    assert not isinstance(sync, torch.nn.SyncBatchNorm)  # torch's DDP refuses its own class on CPU
     ref = torch.nn.BatchNorm2d(3)
     x = torch.randn(4, 3, 5, 5, requires_grad=True)
     xr = x.detach().clone().requires_grad_(True)
@@ -100,3 +101,26 @@ def test_bad_inputs():
         bn(torch.randn(3))
     with pytest.raises(ValueError, match=r"SyncBatchNorm\(3\) got an input with 4 channels"):
         bn(torch.randn(2, 4, 5))
+
+
+def test_torch_ddp_trains_a_converted_model_like_whole_batch_batchnorm():
+    """2 gloo ranks, torch's DistributedDataParallel over convert_syncbn_model: outputs, trained params and running
+    stats after 3 SGD steps equal one process with BatchNorm over the concatenated batch (float64)."""
+    res = run(2, "syncbn_torch_ddp")
+    tol = TOL["float64"]
+    for r in res:
+        for y, y_ref in r["outs"]:
+            torch.testing.assert_close(y, y_ref, **tol)
+        for p, p_ref in r["params"]:
+            torch.testing.assert_close(p, p_ref, **tol)
+        rm, rv, rm_ref, rv_ref = r["running"]
+        torch.testing.assert_close(rm, rm_ref, **tol)
+        torch.testing.assert_close(rv, rv_ref, **tol)
+    for (p0, _), (p1, _) in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(p0, p1)
+
+
+def test_state_dict_matches_torch_batchnorm():
+    sync = convert_syncbn_model(torch.nn.BatchNorm2d(3))
+    assert set(sync.state_dict()) == set(torch.nn.BatchNorm2d(3).state_dict())
+    torch.nn.BatchNorm2d(3).load_state_dict(sync.state_dict())

@@ -3,7 +3,8 @@
 See docs/amp.md. The public names are upstream's: ``initialize``,
 ``scale_loss``, ``master_params``, ``state_dict`` / ``load_state_dict``,
 ``register_{half,float,promote}_function``, the ``{half,float,promote}_function``
-decorators and ``disable_casts``; ``deinitialize`` undoes ``initialize``.
+decorators and ``disable_casts``; ``deinitialize`` undoes ``initialize``. The
+older ``init()`` API (process-wide casts with a handle) is kept as well.
 """
 
 from ._amp_state import _amp_state, master_params  # noqa: F401  (upstream code reads amp._amp_state)
@@ -16,16 +17,21 @@ from ._casts import (
     register_half_function,
     register_promote_function,
 )
+from ._init_api import init
 from .frontend import deinitialize, initialize, load_state_dict, state_dict
-from .handle import scale_loss
+from .handle import AmpHandle, NoOpHandle, OptimWrapper, scale_loss
 from .scaler import LossScaler
 
 __all__ = [
+    "AmpHandle",
     "LossScaler",
+    "NoOpHandle",
+    "OptimWrapper",
     "deinitialize",
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",

@@ -1,9 +1,13 @@
 """Process-wide amp state.
 
 Kept under upstream's names (``apex.amp._amp_state._amp_state`` with
-``opt_properties``, ``loss_scalers`` and ``verbosity``) because training code
-in the wild reads the current loss scale as
-``amp._amp_state.loss_scalers[0].loss_scale()``.
+``opt_properties``, ``loss_scalers``, ``verbosity``, ``handle``,
+``allow_incoming_model_not_fp32``, ``min_loss_scale``, ``max_loss_scale``,
+``hard_override``) because training code and test suites in the wild read and
+set them: the current loss scale as ``amp._amp_state.loss_scalers[0].loss_scale()``,
+``_amp_state.handle._deactivate()`` to stop O1's casts,
+``allow_incoming_model_not_fp32 = True`` to pass a model that is not float32
+to ``amp.initialize``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ class AmpState:
         self.opt_properties: Optional[Any] = None  # Properties of the active session
         self.loss_scalers: List[Any] = []
         self.verbosity: int = 1
+        # The handle of the latest amp.init() or amp.initialize() (None before either).
+        self.handle: Optional[Any] = None
+        # True lets amp.initialize accept params and buffers that are not float32 (upstream's escape hatch).
+        self.allow_incoming_model_not_fp32: bool = False
+        # The latest amp.initialize's loss-scale bounds (upstream records them here).
+        self.min_loss_scale: Optional[float] = None
+        self.max_loss_scale: float = 2.0**24
+        # Upstream's switch to turn option conflicts into warnings; kept for code that sets it. Conflicts
+        # always raise here (see _properties).
+        self.hard_override: bool = False
         self.session: Optional[Any] = None  # the active _Session (frontend)
         # Every session ever started and not yet torn down (initialize may be called more than once).
         self.sessions: List[Any] = []

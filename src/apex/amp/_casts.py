@@ -5,9 +5,12 @@ op lists are fixed inside torch, so functions a user wants cast differently are
 named with ``register_{half,float,promote}_function(module, name)``. While an O1
 session is active, ``module.name`` is replaced by a wrapper that casts the
 floating-point tensor arguments (also inside lists, tuples and dicts) and calls
-the original; teardown puts the original back. Nothing in torch is patched
-globally, and only the attribute named is wrapped: references taken before
-(``from torch import matmul``) and tensor methods are not intercepted.
+the original; teardown puts the original back. ``amp.initialize`` patches
+nothing in torch globally, and only the attribute named is wrapped: references
+taken before (``from torch import matmul``) and tensor methods are not
+intercepted. (The older ``amp.init()`` API does patch torch's listed functions
+process-wide, see ``_global_casts``; registered functions cast under an active
+``amp.init`` handle too.)
 
 "half" means the session's low-precision dtype (fp16 or bf16). "promote" casts
 every floating tensor argument to the widest floating dtype among them.
@@ -81,11 +84,17 @@ def casts_disabled() -> bool:
 
 
 def cast_session():
-    """The active O1 session if casts apply right now, else None."""
-    session = _amp_state.session
-    if session is None or not session.patch_functions or casts_disabled():
+    """What registered-function casts follow right now: the active O1 session, else an active ``amp.init``
+    handle (both have ``low_dtype``, ``device_type``, ``user_cast_preferred``), else None."""
+    if casts_disabled():
         return None
-    return session
+    session = _amp_state.session
+    if session is not None and session.patch_functions:
+        return session
+    handle = _amp_state.handle
+    if handle is not None and getattr(handle, "function_patches", None) is not None and handle.is_active():
+        return handle
+    return None
 
 
 @contextlib.contextmanager
@@ -164,6 +173,9 @@ def _register(module: Any, name: str, kind: str) -> None:
     session = _amp_state.session
     if session is not None and session.patch_functions:
         session.function_patches.install(module, name, kind)
+    handle = _amp_state.handle
+    if handle is not None and getattr(handle, "function_patches", None) is not None and handle.is_active():
+        handle.function_patches.install(module, name, kind)
 
 
 def register_half_function(module: Any, name: str) -> None:

@@ -104,7 +104,7 @@ def patch_forward(model: torch.nn.Module, session: Any, input_dtype: Optional[to
         if input_dtype is not None:
             args = cast_tensors(args, input_dtype)
             kwargs = cast_tensors(kwargs, input_dtype)
-        if autocast and not casts_disabled():
+        if autocast and session.patch_functions and not casts_disabled():  # _amp_state.handle._deactivate() stops it
             with torch.autocast(device_type, dtype=low_dtype):
                 out = orig(*args, **kwargs)
         else:

@@ -193,7 +193,8 @@ def initialize(
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"amp.initialize: cast_model_outputs must be a floating torch.dtype or None, "
                         f"got {cast_model_outputs!r}")
-    check_params_fp32(model_list)
+    if not _amp_state.allow_incoming_model_not_fp32:
+        check_params_fp32(model_list)
 
     device = model_device(model_list)
     device_type = _device.autocast_device_type(device)
@@ -262,7 +263,17 @@ def initialize(
     _amp_state.loss_scalers = session.loss_scalers
     if session.patch_functions:
         session.function_patches.install_registry()
+    _record_upstream_state(session, min_loss_scale, max_loss_scale)
     return result()
+
+
+def _record_upstream_state(session: _Session, min_loss_scale: Optional[float], max_loss_scale: float) -> None:
+    """The ``_amp_state`` fields upstream's initialize sets that user code reads."""
+    from .handle import SessionHandle
+
+    _amp_state.handle = SessionHandle(session)
+    _amp_state.min_loss_scale = min_loss_scale
+    _amp_state.max_loss_scale = max_loss_scale
 
 
 def _disabled_properties() -> Properties:
@@ -272,7 +283,7 @@ def _disabled_properties() -> Properties:
 
 
 def deinitialize() -> None:
-    """Undo every amp.initialize: forward/zero_grad/optimizer patches and function casts are removed.
+    """Undo every amp.initialize (and an active amp.init): forward/zero_grad/optimizer patches and casts go.
 
     Models keep the dtype amp gave them and O2 optimizers keep stepping on their
     fp32 masters (no longer copied into the model). An optimizer that went
@@ -280,6 +291,9 @@ def deinitialize() -> None:
     """
     for session in reversed(_amp_state.sessions):
         session.teardown()
+    if _amp_state.handle is not None:  # an amp.init handle's process-wide casts end too
+        _amp_state.handle._deactivate()
+        _amp_state.handle = None
     _amp_state.sessions.clear()
     _amp_state.session = None
     _amp_state.opt_properties = None

@@ -1,16 +1,18 @@
-"""``scale_loss``: the loss-scaling context manager."""
+"""``scale_loss`` (the loss-scaling context manager) and the handles of ``amp.init`` / ``amp.initialize``."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, List
 
 import torch
 
 from .. import _device
 from . import _ddp
-from ._amp_state import _amp_state
-from ._casts import disable_casts  # noqa: F401  (upstream exports it from here)
+from ._amp_state import _amp_state, logger, maybe_log
+from ._casts import disable_casts
+from .scaler import LossScaler
 
 
 def _optimizer_list(optimizers: Any) -> List[torch.optim.Optimizer]:
@@ -116,3 +118,333 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         for stash in stashes:
             if stash.skip_pending is None:
                 stash.skip_pending = (loss_id, scaler)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Handles: what amp.init() returns, and what amp.initialize() records as _amp_state.handle.
+
+
+def _params_of(optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class _GradStash:
+    """Unscales only the grads one backward adds: earlier grads are set aside during it and added back after.
+
+    Moving the earlier grad tensors (no copy) keeps gradient accumulation over
+    several ``scale_loss`` blocks exact whatever the loss scale.
+    """
+
+    def __init__(self, params: List[torch.Tensor]) -> None:
+        self.params = params
+        self.saved: List[Any] = []
+
+    def before_backward(self) -> None:
+        self.saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def restore_after_error(self) -> None:
+        for p, old in zip(self.params, self.saved):
+            p.grad = old
+        self.saved = []
+
+    def after_backward(self, scale: float) -> bool:
+        """Unscale the new grads, add the set-aside ones back; True when a new grad held inf/nan."""
+        new = [p.grad for p in self.params if p.grad is not None]
+        overflow = _unscale_(new, 1.0 / scale)
+        for p, old in zip(self.params, self.saved):
+            if old is None:
+                continue
+            if p.grad is None:
+                p.grad = old
+            else:
+                old.add_(p.grad.to(old.dtype))
+                p.grad = old
+        self.saved = []
+        return overflow
+
+
+def _unscale_(grads: List[torch.Tensor], inv_scale: float) -> bool:
+    """Multiply each grad by ``inv_scale`` in place; True if any held a non-finite value before."""
+    found = False
+    groups: dict = {}
+    for g in grads:
+        if g.is_sparse:
+            g = g.coalesce()
+            found = found or not bool(torch.isfinite(g._values()).all())
+            g._values().mul_(inv_scale)
+            continue
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), same in groups.items():
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
+        except (RuntimeError, NotImplementedError):  # a dtype/device the fused check lacks: plain torch ops
+            for g in same:
+                if not bool(torch.isfinite(g).all()):
+                    found_inf.fill_(1.0)
+                g.mul_(inv_scale)
+        found = found or bool(found_inf.item())
+    return found
+
+
+def _skip_next_step(optimizer, what: str) -> None:
+    """Make the optimizer's next ``step()`` a no-op (once), then put its own step back."""
+    had_own = "step" in optimizer.__dict__
+    previous = optimizer.__dict__.get("step")
+
+    def skip_step(*args, **kwargs):
+        if had_own:
+            optimizer.step = previous
+        else:
+            del optimizer.step
+        maybe_log("apex.amp: gradient overflow in %s, skipping this optimizer step", what)
+        return None
+
+    optimizer.step = skip_step
+
+
+def _check_loss_scale(loss_scale: Any) -> Any:
+    if loss_scale == "dynamic":
+        return loss_scale
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale) \
+            or loss_scale <= 0:
+        raise ValueError(f"amp.init: loss_scale must be 'dynamic' or a finite positive number, got {loss_scale!r}")
+    return float(loss_scale)
+
+
+class OptimWrapper:
+    """An optimizer with one loss scaler per loss (``AmpHandle.wrap_optimizer``).
+
+    Use ``with wrapper.scale_loss(loss) as scaled: scaled.backward()`` once per
+    loss (at most ``num_loss`` times between steps), then ``wrapper.step()``: the
+    step is skipped when any of those backwards overflowed, and each loss's
+    scaler backs off or grows on its own. Every other attribute is the
+    optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, amp_handle: Any, num_loss: int) -> None:
+        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
+            raise ValueError(f"wrap_optimizer: num_loss must be an int >= 1, got {num_loss!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"wrap_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self._optimizer = optimizer
+        self._amp_handle = amp_handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+        self._skip_next = [False] * num_loss
+        spec = getattr(amp_handle, "loss_scale_spec", 1.0)
+        self._loss_scaler = [LossScaler(spec) for _ in range(num_loss)]
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss):
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        if self._loss_idx >= self._num_loss:
+            raise RuntimeError(
+                f"OptimWrapper.scale_loss called {self._loss_idx + 1} times since the last step(), but the "
+                f"optimizer was wrapped with num_loss={self._num_loss}"
+            )
+        scaler = self._loss_scaler[self._loss_idx]
+        scale = scaler.loss_scale()
+        stash = _GradStash(_params_of(self._optimizer))
+        stash.before_backward()
+        try:
+            yield loss.float() * scale
+        except BaseException:
+            stash.restore_after_error()
+            raise
+        scaler.clear_overflow_state()
+        scaler.record_overflow(stash.after_backward(scale))
+        self._skip_next[self._loss_idx] = scaler.update_scale()
+        self._loss_idx += 1
+        self._amp_handle._clear_cache()
+
+    def step(self, closure=None):
+        if not self._amp_handle.is_active():
+            return self._optimizer.step(closure)
+        if closure is not None:
+            raise NotImplementedError("The closure argument is not supported by the amp optimizer wrapper.")
+        skip = any(self._skip_next)
+        self._skip_next = [False] * self._num_loss
+        self._loss_idx = 0
+        if skip:
+            maybe_log("apex.amp: gradient overflow, skipping this optimizer step")
+            return None
+        return self._optimizer.step()
+
+    def __getattr__(self, name: str):
+        optimizer = self.__dict__.get("_optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"OptimWrapper({self._optimizer!r}, num_loss={self._num_loss})"
+
+
+class AmpHandle:
+    """An active ``amp.init()``: torch's listed functions cast process-wide until ``_deactivate()``."""
+
+    user_cast_preferred = False
+
+    def __init__(self, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
+                 patch_type: torch.dtype = torch.float16, allow_banned: bool = False) -> None:
+        from ._casts import FunctionPatches
+        from ._global_casts import CastCache, GlobalCasts
+
+        self.loss_scale_spec = _check_loss_scale(loss_scale)
+        self._enable_caching = bool(enable_caching)
+        self._verbose = bool(verbose)
+        self.low_dtype = patch_type
+        self.device_type = _device.autocast_device_type(None)
+        self._cache = CastCache()
+        self._default_scaler = LossScaler(self.loss_scale_spec)
+        self._casts = GlobalCasts(patch_type, bool(allow_banned), self._cache if enable_caching else None,
+                                  verbose=bool(verbose))
+        self.function_patches = FunctionPatches()
+        self._is_active = False
+
+    def _activate(self) -> None:
+        self._casts.install()
+        self._is_active = True
+        self.function_patches.install_registry()
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    @contextlib.contextmanager
+    def _disable_casts(self):
+        with disable_casts():
+            yield
+
+    def wrap_optimizer(self, optimizer, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss, optimizer):
+        """Yield ``loss.float() * scale``; on exit unscale the new grads, and skip the next step on overflow."""
+        if not self.is_active():
+            yield loss
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"scale_loss: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        scaler = self._default_scaler
+        scale = scaler.loss_scale()
+        stash = _GradStash(_params_of(optimizer))
+        stash.before_backward()
+        try:
+            yield loss.float() * scale
+        except BaseException:
+            stash.restore_after_error()
+            raise
+        scaler.clear_overflow_state()
+        scaler.record_overflow(stash.after_backward(scale))
+        if scaler.update_scale():
+            _skip_next_step(optimizer, "amp.init's scale_loss")
+        # One iteration's weight casts end here: the optimizer is about to change the weights.
+        self._clear_cache()
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+
+    def _deactivate(self) -> None:
+        """Put every patched torch function back; the handle then passes everything through."""
+        if not self._is_active:
+            return
+        self._is_active = False
+        self._casts.enabled = False
+        self.function_patches.restore()
+        replaced = self._casts.restore()
+        if replaced:
+            logger.warning("apex.amp: %s were replaced by other code while amp.init was active; left as they are",
+                           ", ".join(replaced))
+        self._cache.clear()
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    @property
+    def cache(self):
+        return self._cache
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+    def loss_scale(self) -> float:
+        return self._default_scaler.loss_scale()
+
+
+class NoOpHandle:
+    """What ``amp.init(enabled=False)`` returns: the same interface, passing everything through."""
+
+    def is_active(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def _disable_casts(self):
+        yield
+
+    def wrap_optimizer(self, optimizer, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss, optimizer):
+        yield loss
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+
+class SessionHandle:
+    """``_amp_state.handle`` after ``amp.initialize``: ``_deactivate()`` stops that session's O1 casts.
+
+    Its models' forwards then run without autocast and registered functions
+    stop casting; loss scaling and the optimizers stay as ``initialize`` left
+    them (``amp.deinitialize()`` undoes those).
+    """
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def is_active(self) -> bool:
+        return _amp_state.session is self._session and bool(self._session.patch_functions)
+
+    @contextlib.contextmanager
+    def _disable_casts(self):
+        with disable_casts():
+            yield
+
+    def scale_loss(self, loss, optimizer):
+        return scale_loss(loss, optimizer)
+
+    def _clear_cache(self) -> None:
+        pass  # autocast's cast cache lives for one forward
+
+    def _deactivate(self) -> None:
+        self._session.patch_functions = False
+        self._session.function_patches.restore()
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return _amp_state.verbosity > 1

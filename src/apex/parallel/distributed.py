@@ -1,16 +1,28 @@
 """``apex.parallel.DistributedDataParallel``: upstream apex's DDP on torch.distributed, over flat grad buffers.
 
 Semantics kept from upstream apex: parameters and buffers are broadcast from
-rank 0 at construction; during backward, gradients are all-reduced in buckets of
-``message_size`` elements as soon as a bucket's gradients are complete
-(``delay_allreduce=True``: everything after the backward instead); each bucket is
-divided by ``gradient_predivide_factor`` before the all-reduce and, with
+rank 0 at construction; during backward, gradients are all-reduced in buckets as
+soon as a bucket's gradients are complete (``delay_allreduce=True``: everything
+after the backward instead). Buckets hold whole parameters, taken in expected
+arrival order (the last parameters first); ``message_size`` is the *minimum*
+bucket size: a bucket closes once it holds at least that many elements, so a
+parameter is never split and there are at most as many buckets as parameters.
+With ``allreduce_trigger_params`` the bucket boundaries are those params
+instead (a bucket closes after each of them; the rest is reduced at the end of
+the backward) and ``message_size`` is ignored. Each bucket is divided by
+``gradient_predivide_factor`` before the all-reduce and, with
 ``gradient_average``, multiplied by ``gradient_predivide_factor / world_size``
 after it; ``allreduce_always_fp32`` reduces a float32 copy of low-precision
-buckets; ``allreduce_trigger_params`` delays every all-reduce until those
-params' grads arrived; ``num_allreduce_streams`` / ``allreduce_communicators``
-spread buckets over several process groups; ``enable_allreduce`` /
-``disable_allreduce`` switch the reduction off (e.g. for gradient accumulation).
+buckets; ``num_allreduce_streams`` / ``allreduce_communicators`` spread buckets
+over several process groups (upstream's CUDA streams; ``allreduce_different_streams``
+is ``num_allreduce_streams > 1`` and, as upstream, cannot be combined with
+``delay_allreduce``); ``enable_allreduce`` / ``disable_allreduce`` switch the
+reduction off (e.g. for gradient accumulation).
+
+Memory: grads are reduced in place in the flat buffers, so whatever
+``message_size`` is, DDP holds one flat grad buffer per dtype x device (the
+model's grads) plus, with ``allreduce_always_fp32``, float32 copies of the
+low-precision buckets in flight (at most the model's grads again).
 
 How it works here: the gradients of the wrapped module's trainable params are
 kept as views into one flat buffer per dtype x device (layout of
@@ -41,7 +53,7 @@ import torch.distributed as dist
 
 from ..contrib.combine_tensors import plan_layout
 from ._comm import agree_layout, broadcast_tensors, flat_dist_call, layout_of, require_initialized, world_size
-from .reducer import BucketedAllReduce, GradSlots, Reducer, dense_view, plan_buckets
+from .reducer import BucketedAllReduce, GradSlots, Reducer, dense_view, plan_param_buckets
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
 
@@ -89,14 +101,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     Args:
         module: the network; its params and buffers are broadcast from rank 0 now.
-        message_size: bucket length in elements (default 10,000,000).
+        message_size: minimum bucket size in elements (default 10,000,000); whole params, never split.
         delay_allreduce: all-reduce everything after the backward instead of overlapping it.
         shared_param: removed upstream; must be None.
-        allreduce_trigger_params: params whose grads must all have arrived before any all-reduce starts.
+        allreduce_trigger_params: bucket boundaries: a bucket closes after each of these params (in expected
+            arrival order); the rest is reduced at the end of the backward; ``message_size`` is then ignored.
         retain_allreduce_buffers: accepted for compatibility; the flat buffers always persist
             (``allreduce_buffers``).
         allreduce_always_fp32: reduce float32 copies of fp16/bf16 buckets.
-        num_allreduce_streams: number of process groups buckets are spread over (round-robin).
+        num_allreduce_streams: number of process groups buckets are spread over (round-robin); more than one
+            needs ``delay_allreduce=False``.
         allreduce_communicators: the process groups to use for that (default: new groups over all ranks).
         gradient_average: divide the sum by the world size.
         gradient_predivide_factor: divide before the all-reduce, multiply by factor / world size after.
@@ -135,6 +149,9 @@ class DistributedDataParallel(torch.nn.Module):
         if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
                 or not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+        if num_allreduce_streams > 1 and delay_allreduce:
+            raise ValueError("num_allreduce_streams > 1 (allreduce_different_streams) may only be used with "
+                             "delay_allreduce=False")
         require_initialized("apex.parallel.DistributedDataParallel")
 
         self.module = module
@@ -146,6 +163,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.retain_allreduce_buffers = bool(retain_allreduce_buffers)
         self.prof = bool(prof)
+        self.num_allreduce_streams = num_allreduce_streams
+        self.allreduce_different_streams = num_allreduce_streams > 1
         self.world_size = world_size(process_group)
         self._trigger_ids = None
         if allreduce_trigger_params is not None:
@@ -155,9 +174,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._groups = self._reduce_groups(num_allreduce_streams, allreduce_communicators)
         self._allreduce_enabled = True
         self._pass_active = False
-        self._launched_all = False
-        self._missing: List[int] = []
-        self._triggers_seen: set = set()
         self._hooks: Dict[int, Any] = {}
         self._sets: List[_FlatSet] = []
         self._engine: Optional[BucketedAllReduce] = None
@@ -219,8 +235,12 @@ class DistributedDataParallel(torch.nn.Module):
         slot_buckets: List[List[int]] = []
         bucket_pos: List[int] = []
         for s in self._sets:
-            ranges, sb = plan_buckets(s.total, [(off, p.numel()) for p, off in zip(s.params, s.offsets)],
-                                      self.message_size)
+            slots = [(off, p.numel()) for p, off in zip(s.params, s.offsets)]
+            if self._trigger_ids is None:
+                ranges, sb = plan_param_buckets(s.total, slots, self.message_size)
+            else:
+                closing = [k for k, p in enumerate(s.params) if id(p) in self._trigger_ids]
+                ranges, sb = plan_param_buckets(s.total, slots, None, closing)
             base = len(buckets)
             buckets += [[s.flat[lo:hi]] for lo, hi in ranges]
             bucket_pos += [-1] * len(ranges)
@@ -303,35 +323,20 @@ class DistributedDataParallel(torch.nn.Module):
         engine = self._engine
         if not self._pass_active:
             self._pass_active = True
-            self._triggers_seen = set()
-            self._launched_all = False
             engine.begin()
             _queue_callback(self._finish_pass)
-        if self._trigger_ids is None and not self.delay_allreduce:
-            self._slots.bind(i)
-            engine.ready(i)
-            return
-        if self._launched_all:
-            raise RuntimeError(
-                "apex.parallel.DistributedDataParallel: a gradient arrived after all allreduce_trigger_params had "
-                "theirs and the all-reduce had started; the trigger params must be among the last to receive "
-                "gradients (e.g. the first layer's)"
-            )
         self._slots.bind(i)
-        engine.seen()[i] = 1
-        if self._trigger_ids is not None and id(p) in self._trigger_ids:
-            self._triggers_seen.add(id(p))
-            if len(self._triggers_seen) == len(self._trigger_ids):
-                self._missing = self._slots.settle(engine.seen())
-                engine.launch_all()
-                self._launched_all = True
+        if self.delay_allreduce:
+            engine.seen()[i] = 1
+        else:
+            engine.ready(i)
 
     def _finish_pass(self) -> None:
         """End of the backward pass: launch what is left, wait, agree on which params got grads."""
         engine = self._engine
         try:
             if engine.active:
-                missing = self._missing if self._launched_all else self._slots.settle(engine.seen())
+                missing = self._slots.settle(engine.seen())
                 engine.finish()
                 self._slots.agree_usage(missing, self.process_group, "apex.parallel.DistributedDataParallel")
         finally:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ._comm import check_device_backend, collective, flat_dist_call, group_or_world
 
-__all__ = ["BucketedAllReduce", "GradSlots", "Reducer", "combine_ddp_bucket_elems", "plan_buckets"]
+__all__ = ["BucketedAllReduce", "GradSlots", "Reducer", "combine_ddp_bucket_elems", "plan_buckets",
+           "plan_param_buckets"]
 
 #: the Ascend patch's caps of a combine_ddp bucket, in elements, and its floor
 _CAP_4BYTE = 24 * 2**20
@@ -51,6 +52,50 @@ def plan_buckets(total: int, slots: Sequence[Tuple[int, int]], bucket_elems: int
             slot_buckets.append([])
         else:
             slot_buckets.append(list(range(offset // bucket_elems, (offset + numel - 1) // bucket_elems + 1)))
+    return ranges, slot_buckets
+
+
+def plan_param_buckets(total: int, slots: Sequence[Tuple[int, int]], min_elems: Optional[int] = None,
+                       close_after: Optional[Sequence[int]] = None
+                       ) -> Tuple[List[Tuple[int, int]], List[List[int]]]:
+    """Buckets of whole slots, in expected arrival order (the last slot first), as element ranges of [0, total).
+
+    ``slots`` are (offset, numel) in layout order (ascending offsets). Walking
+    them from the last, a bucket closes once it holds at least ``min_elems``
+    elements, or right after a slot whose index is in ``close_after``; what is
+    left forms the last bucket. ``min_elems=None`` and no ``close_after``: one
+    bucket. A slot is never split, so a slot larger than ``min_elems`` is one
+    bucket by itself and there are at most ``len(slots)`` buckets. Each range
+    runs from its lowest slot's offset to the next bucket's start (padding
+    between slots included; the lowest bucket starts at 0).
+    Returns (ranges, per slot the one bucket it is in, ``[]`` for empty slots).
+    """
+    if min_elems is not None and min_elems < 1:
+        raise ValueError(f"bucket size must be >= 1 element, got {min_elems}")
+    closing = frozenset(close_after or ())
+    groups: List[List[int]] = []
+    current: List[int] = []
+    size = 0
+    for i in range(len(slots) - 1, -1, -1):
+        current.append(i)
+        size += slots[i][1]
+        if (min_elems is not None and size >= min_elems) or i in closing:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    ranges: List[Tuple[int, int]] = []
+    slot_buckets: List[List[int]] = [[] for _ in slots]
+    hi = total
+    for b, group in enumerate(groups):
+        lo = 0 if b == len(groups) - 1 else slots[group[-1]][0]
+        ranges.append((lo, hi))
+        hi = lo
+        for i in group:
+            if slots[i][1]:
+                slot_buckets[i] = [b]
+    if not groups and total:
+        ranges.append((0, total))
     return ranges, slot_buckets
 
 

@@ -1,12 +1,17 @@
 """Synchronized batch normalization: statistics over the whole distributed batch (upstream apex's API).
 
-``SyncBatchNorm`` is a ``torch.nn.SyncBatchNorm`` (so code that checks for
-torch's class accepts it) with upstream apex's extra arguments. In training with
+``SyncBatchNorm`` is a batch-norm module (a ``torch.nn.modules.batchnorm._BatchNorm``,
+as upstream apex's is, so code that treats batch norms alike, e.g. amp's
+``keep_batchnorm_fp32``, handles it) with ``torch.nn.SyncBatchNorm``'s arguments
+plus upstream apex's. It is deliberately *not* a ``torch.nn.SyncBatchNorm``:
+torch's ``DistributedDataParallel`` refuses any model containing one on CPU
+("SyncBatchNorm layers only work with GPU modules"), which would stop a CPU/gloo
+user of ``convert_syncbn_model`` from training with torch's DDP. In training with
 more than one rank it normalizes with the mean and variance of the batch over
 all ranks of its process group:
 
 * on devices torch's SyncBatchNorm supports (cuda, npu through torch_npu's
-  privateuse1 backend, xpu, hpu) it delegates to torch's implementation;
+  privateuse1 backend, xpu, hpu) it runs torch's SyncBatchNorm forward;
 * elsewhere (cpu with gloo, which torch's refuses) it runs `_SyncBatchNormCPU`:
   each rank computes its count, mean and variance (two-pass, in float32 or
   float64), the per-channel sums and sums of squares are all-reduced in float64
@@ -126,26 +131,33 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
-class SyncBatchNorm(torch.nn.SyncBatchNorm):
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Batch norm synchronized over a process group (see the module docstring).
 
     Args: as ``torch.nn.SyncBatchNorm`` (``num_features, eps, momentum, affine,
     track_running_stats, process_group``), plus upstream apex's ``channel_last``
-    and ``fuse_relu``; ``forward(input, z=None)``.
+    and ``fuse_relu``; ``forward(input, z=None)``. Not a subclass of
+    ``torch.nn.SyncBatchNorm`` (so torch's DDP accepts it on CPU); test for
+    ``apex.parallel.SyncBatchNorm`` or ``torch.nn.modules.batchnorm._BatchNorm``.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: Any = None, channel_last: bool = False,
                  fuse_relu: bool = False, device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats, process_group=process_group, device=device,
-                         dtype=dtype)
+                         track_running_stats=track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
         self.channel_last = bool(channel_last)
         self.fuse_relu = bool(fuse_relu)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _check_non_zero_input_channels(self, input: torch.Tensor) -> None:
+        # torch.nn.SyncBatchNorm.forward (run below on the devices it supports) calls this
+        if input.size(1) == 0:
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     def _factor(self) -> float:
         if self.training and self.track_running_stats:
@@ -172,10 +184,16 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             out = _SyncBatchNormCPU.apply(input, self.weight, self.bias, self.running_mean if track else None,
                                           self.running_var if track else None, self.eps, factor,
                                           self.process_group, self.channel_last)
-        elif self.channel_last:
-            out = super().forward(input.movedim(-1, 1)).movedim(1, -1)
         else:
-            out = super().forward(input)
+            # torch's implementation: synchronized where it supports the device, plain batch norm otherwise
+            # (outside training, one rank, no process group). Called unbound: this module has every attribute
+            # it reads (process_group, momentum, running stats, _check_* methods).
+            base = torch.nn.SyncBatchNorm if self._needs_sync() else torch.nn.modules.batchnorm._BatchNorm
+            forward = base.forward
+            if self.channel_last:
+                out = forward(self, input.movedim(-1, 1)).movedim(1, -1)
+            else:
+                out = forward(self, input)
         if z is not None:
             out = out + z
         if self.fuse_relu:
