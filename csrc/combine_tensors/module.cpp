@@ -16,6 +16,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,14 +121,24 @@ void check_same_count(const Operand& a, const Operand& b, const char* fn) {
 }
 
 // One source, one destination of the same size, both of a kernel dtype, no partial overlap.
+// One object passed as both (an in-place call) is exported once, as the written operand.
 struct SrcDst {
-  Operand src, dst;
+  Operand dst;
+  std::optional<Operand> own_src;
+  const Operand& src;
   SrcDst(py::handle s, py::handle d, const char* fn, const char* sname, const char* dname)
-      : src(s, Access::kRead, sname), dst(d, Access::kWrite, dname) {
+      : dst(d, Access::kWrite, dname), src(source(s, d, sname)) {
     src.require_float();
     dst.require_float();
     check_same_count(src, dst, fn);
     check_no_partial_overlap(src, dst, fn);
+  }
+
+ private:
+  const Operand& source(py::handle s, py::handle d, const char* sname) {
+    if (s.is(d)) return dst;
+    own_src.emplace(s, Access::kRead, sname);
+    return *own_src;
   }
 };
 

@@ -748,6 +748,7 @@ def test_public_dlpack_capsule_consumed_and_deleter_called():
         assert apex_C.scale_(obj, obj, 0.5) is False
         after = sys.getrefcount(x)
         assert after == before, "the DLPack deleter was not called"
+        assert len(obj.capsules) == 1, "one object passed as src and dst is exported once"
         names = {_capsule_name(c) for c in obj.capsules}
         assert names == {b"used_dltensor_versioned" if versioned else b"used_dltensor"}, names
         assert np.array_equal(x, np.arange(1000, dtype=np.float32) * np.float32(0.5))
