@@ -4,7 +4,8 @@
 
 Every parameter stays the same Python object (modules, optimizers and autograd keep working); its data now lives
 in one buffer, so one elementwise pass over the buffer touches every parameter. `apex_C` is that pass: a
-torch-free C++ module working on raw host buffers (address, element count, dtype code 0=f32 1=f16 2=bf16).
+torch-free C++ module working on host arrays and tensors (anything with `__dlpack__` or the buffer protocol),
+whose dtype, size, device and layout it reads from the object and checks before touching memory.
 """
 
 import array
@@ -31,7 +32,7 @@ assert all(p.grad is not None for p in params)
 
 # One pass over the buffer updates every parameter at once (here: scale by 0.5 in place with the C++ core,
 # which also reports whether it saw an inf/nan -- the loss-scaler's overflow check).
-found_nonfinite = apex_C.scale_(flat.data_ptr(), 0, flat.data_ptr(), 0, flat.numel(), 0.5)
+found_nonfinite = apex_C.scale_(flat, flat, 0.5)
 assert not found_nonfinite
 assert all(torch.equal(p, b * 0.5) for p, b in zip(params, before))
 
@@ -43,7 +44,15 @@ assert not params[0].any()
 # The core needs no torch at all: the same kernels on any host buffer, here a stdlib float32 array
 # (sum of squares, accumulated in float64).
 a = array.array("f", [(i - 500) / 500 for i in range(1001)])
-address, count = a.buffer_info()
-assert math.isclose(apex_C.sum_sq(address, 0, count), math.fsum(x * x for x in a), rel_tol=1e-12)
+assert math.isclose(apex_C.sum_sq(a), math.fsum(x * x for x in a), rel_tol=1e-12)
+
+# What does not describe itself is refused before any memory is touched: raw addresses, strided views.
+for bad in (flat.data_ptr(), flat[::2]):
+    try:
+        apex_C.fill_(bad, 0.0)
+    except (TypeError, ValueError) as exc:
+        print(f"refused: {exc}")
+    else:
+        raise AssertionError("apex_C accepted a buffer it cannot check")
 print(f"apex_C simd level {apex_C.simd_level()} of {apex_C.supported_simd_levels()}, "
       f"{apex_C.get_num_threads()} threads; quickstart OK")

@@ -82,3 +82,79 @@ def test_require_ext_turns_missing_extension_into_an_error(tmp_path):
     assert r.returncode != 0 and "APEX_REQUIRE_EXT=1" in r.stderr
     r = _run({"APEX_REQUIRE_EXT": "0"}, code + "; print(apex._core.ext is None)")
     assert r.returncode == 0 and r.stdout.strip() == "True"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# apex_C's public functions on torch tensors (DLPack), and the raw fast path _core uses
+# ---------------------------------------------------------------------------------------------------------------
+apex_C = _core.ext
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_public_api_on_torch_tensors_matches_torch(dtype):
+    x = torch.randn(4097).to(dtype)
+    out = torch.empty(4097, dtype=torch.float32)
+    assert apex_C.scale_(x, out, 0.25) is False
+    torch.testing.assert_close(out, x.float() * 0.25, rtol=0, atol=0)
+    y = x.clone()
+    apex_C.scale_(y, y, 0.25)
+    torch.testing.assert_close(y, (x.float() * 0.25).to(dtype), rtol=0, atol=0)
+    assert apex_C.sum_sq(x) == pytest.approx(float(x.double().pow(2).sum()), rel=1e-12)
+    assert apex_C.max_abs(x) == float(x.abs().max())
+    x[17] = float("nan")
+    assert apex_C.has_nonfinite(x) is True
+
+
+def test_readme_pattern_wrong_dtype_code_cannot_corrupt_the_neighbour():
+    """The old README pattern passed a dtype code by hand: float32 (0) on a bf16 slice wrote twice its bytes.
+    The same call with raw integers is now a TypeError, and the tensor form scales exactly the slice."""
+    flat = torch.ones(64, dtype=torch.bfloat16)
+    part = flat[16:32]
+    with pytest.raises(TypeError):
+        apex_C.scale_(part.data_ptr(), 0, part.data_ptr(), 0, part.numel(), 0.5)
+    assert torch.equal(flat, torch.ones(64, dtype=torch.bfloat16))
+    apex_C.scale_(part, part, 0.5)
+    assert (flat[16:32] == 0.5).all()
+    assert (flat[:16] == 1).all() and (flat[32:] == 1).all()
+
+
+def test_public_api_torch_checks():
+    x = torch.randn(64)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        apex_C.fill_(x.view(8, 8).t(), 0.0)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        apex_C.sum_sq(torch.arange(8))
+    with pytest.raises(ValueError, match="expected equal sizes"):
+        apex_C.copy_(x, torch.empty(63))
+    with pytest.raises(ValueError, match="overlap partially"):
+        apex_C.scale_(x[:-1], x[1:], 2.0)
+    p = torch.nn.Parameter(torch.ones(8))
+    with pytest.raises(BufferError):  # torch refuses to export a tensor that requires grad
+        apex_C.fill_(p, 0.0)
+    apex_C.fill_(p.detach(), 0.0)
+    assert not p.any()
+
+
+def test_core_uses_the_raw_fast_path(monkeypatch):
+    called = []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(apex_C, name)
+
+    monkeypatch.setattr(_core, "ext", Spy())
+    x = torch.randn(100)
+    _core.scale_(x, 2.0)
+    _core.has_nonfinite(x)
+    _core.sum_sq(x)
+    assert called == ["_raw_scale_", "_raw_has_nonfinite", "_raw_sum_sq"]
+
+
+def test_security_doc_lists_every_entry_point():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "security.md")).read()
+    public = ["scale_", "axpy_", "copy_", "fill_", "has_nonfinite", "sum_sq", "max_abs", "segment_sum_sq"]
+    for name in public + ["_raw_" + n for n in public]:
+        assert hasattr(apex_C, name), name
+        assert f"`{name}`" in text, f"docs/security.md does not say what {name} checks"
+    assert "2**48" in text

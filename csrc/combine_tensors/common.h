@@ -92,6 +92,33 @@ inline void store(bf16_t* p, idx_t i, float v) { p[i].x = f32_to_bf16(v); }
 inline bool nonfinite_bits(float v) { return (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u; }
 
 // ---------------------------------------------------------------------------
+// Checked arithmetic. Element counts that reach a kernel are validated by the
+// bindings (at most kMaxElements), but the index arithmetic below is written so
+// that no count in [0, 2^63) can overflow it either.
+// ---------------------------------------------------------------------------
+// Largest element count any entry point accepts: 2^48 elements (1 PiB of fp32),
+// far beyond any real buffer and small enough that count * 8 bytes cannot overflow.
+constexpr idx_t kMaxElements = idx_t{1} << 48;
+
+// a + b and a * b, false (and *out untouched) when the exact result does not fit.
+inline bool checked_add(idx_t a, idx_t b, idx_t* out) {
+  idx_t r;
+  if (__builtin_add_overflow(a, b, &r)) return false;
+  *out = r;
+  return true;
+}
+inline bool checked_mul(idx_t a, idx_t b, idx_t* out) {
+  idx_t r;
+  if (__builtin_mul_overflow(a, b, &r)) return false;
+  *out = r;
+  return true;
+}
+// ceil(n / d) for n >= 0, d > 0 without forming n + d - 1.
+inline idx_t ceil_div(idx_t n, idx_t d) { return n / d + (n % d != 0 ? 1 : 0); }
+// min(b + step, end) for b <= end without forming b + step past end.
+inline idx_t step_to(idx_t b, idx_t step, idx_t end) { return end - b > step ? b + step : end; }
+
+// ---------------------------------------------------------------------------
 // Threading: std::thread per call, no persistent pool. Nothing survives a
 // call, so a fork (DataLoader workers) never inherits dead pool threads.
 // ---------------------------------------------------------------------------
@@ -102,50 +129,69 @@ int default_threads();
 void set_default_threads(int n);
 int resolve_threads(int requested);
 
-// Runs fn(begin, end) over [0, n) split into `threads` contiguous ranges whose
-// boundaries are multiples of `align`.
+// How [0, n) is cut into ranges: range t is [t * per, min((t + 1) * per, n)) for
+// t < parts. Every range but the last has a length that is a multiple of `align`;
+// the ranges are disjoint and cover [0, n) exactly, for any n >= 0.
+struct Split {
+  idx_t per;
+  int parts;
+};
+
+// At most `threads` ranges (<= 0 or 1: one range), each of at least `min_per`
+// elements unless the whole is smaller.
+inline Split split_range(idx_t n, int threads, idx_t min_per, idx_t align) {
+  if (n <= 0) return {0, 0};
+  if (align < 1) align = 1;
+  if (min_per < 1) min_per = 1;
+  idx_t t = threads < 1 ? 1 : threads;
+  const idx_t by_size = n / min_per;
+  if (by_size < t) t = by_size < 1 ? 1 : by_size;
+  idx_t per = ceil_div(n, t), aligned;
+  if (!checked_mul(ceil_div(per, align), align, &aligned) || aligned >= n) return {n, 1};
+  per = aligned;
+  return {per, static_cast<int>(ceil_div(n, per))};
+}
+
+// The split parallel_for uses for n elements and a requested thread count.
+inline Split plan_parallel_for(idx_t n, int threads, idx_t align = 64) {
+  return split_range(n, resolve_threads(threads), kMinPerThread, align);
+}
+
+// Runs fn(begin, end) for every range of `split` over [0, n), on parts-1 new
+// threads plus the calling one.
 template <class F>
-void parallel_for(idx_t n, int threads, F&& fn, idx_t align = 64) {
-  threads = resolve_threads(threads);
-  idx_t max_by_size = n / kMinPerThread;
-  if (max_by_size < threads) threads = static_cast<int>(max_by_size < 1 ? 1 : max_by_size);
-  if (threads <= 1) {
-    if (n > 0) fn(idx_t{0}, n);
+void run_split(idx_t n, Split split, F&& fn) {
+  if (split.parts <= 0) return;
+  if (split.parts == 1) {
+    fn(idx_t{0}, n);
     return;
   }
-  idx_t per = (n + threads - 1) / threads;
-  per = (per + align - 1) / align * align;
   std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) {
-    idx_t b = per * t, e = b + per < n ? b + per : n;
-    if (b >= n) break;
+  pool.reserve(static_cast<std::size_t>(split.parts - 1));
+  for (int t = 1; t < split.parts; ++t) {
+    const idx_t b = split.per * t;  // < n: parts = ceil(n / per)
+    const idx_t e = step_to(b, split.per, n);
     pool.emplace_back([&fn, b, e] { fn(b, e); });
   }
-  fn(idx_t{0}, per < n ? per : n);
+  fn(idx_t{0}, step_to(0, split.per, n));
   for (auto& th : pool) th.join();
 }
 
-// Same split, over an index space of work items (chunks, segments).
+// Runs fn(begin, end) over [0, n) split into up to `threads` contiguous ranges
+// whose boundaries are multiples of `align`.
+template <class F>
+void parallel_for(idx_t n, int threads, F&& fn, idx_t align = 64) {
+  run_split(n, plan_parallel_for(n, threads, align), fn);
+}
+
+// Same split, over an index space of work items (chunks, segments); the thread
+// count is bounded by the elements those items cover (elems_hint).
 template <class F>
 void parallel_items(idx_t items, idx_t elems_hint, int threads, F&& fn) {
-  threads = resolve_threads(threads);
-  idx_t max_by_size = elems_hint / kMinPerThread;
-  if (max_by_size < threads) threads = static_cast<int>(max_by_size < 1 ? 1 : max_by_size);
-  if (items < threads) threads = static_cast<int>(items < 1 ? 1 : items);
-  if (threads <= 1) {
-    if (items > 0) fn(idx_t{0}, items);
-    return;
-  }
-  idx_t per = (items + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) {
-    idx_t b = per * t, e = b + per < items ? b + per : items;
-    if (b >= items) break;
-    pool.emplace_back([&fn, b, e] { fn(b, e); });
-  }
-  fn(idx_t{0}, per < items ? per : items);
-  for (auto& th : pool) th.join();
+  int t = resolve_threads(threads);
+  const idx_t by_size = elems_hint / kMinPerThread;
+  if (by_size < t) t = static_cast<int>(by_size < 1 ? 1 : by_size);
+  run_split(items, split_range(items, t, 1, 1), fn);
 }
 
 // ---------------------------------------------------------------------------

@@ -188,11 +188,11 @@ static double max_abs_range(const T* p, idx_t n) {
 
 template <class R>
 static double chunked_reduce(idx_t n, int threads, R&& range_fn, bool use_max) {
-  const idx_t chunks = (n + kChunk - 1) / kChunk;
+  const idx_t chunks = ceil_div(n, kChunk);
   std::vector<double> part(static_cast<std::size_t>(chunks), 0.0);
   parallel_items(chunks, n, threads, [&](idx_t b, idx_t e) {
     for (idx_t c = b; c < e; ++c) {
-      idx_t lo = c * kChunk, hi = lo + kChunk < n ? lo + kChunk : n;
+      const idx_t lo = c * kChunk, hi = step_to(lo, kChunk, n);
       part[static_cast<std::size_t>(c)] = range_fn(lo, hi - lo);
     }
   });
@@ -236,8 +236,8 @@ struct SegItems {
 inline SegItems make_items(Segments s) {
   SegItems it;
   for (idx_t k = 0; k < s.n; ++k) {
-    for (idx_t lo = s.off[k]; lo < s.off[k + 1]; lo += kChunk) {
-      idx_t hi = lo + kChunk < s.off[k + 1] ? lo + kChunk : s.off[k + 1];
+    for (idx_t lo = s.off[k], hi; lo < s.off[k + 1]; lo = hi) {
+      hi = step_to(lo, kChunk, s.off[k + 1]);
       it.seg.push_back(k);
       it.lo.push_back(lo);
       it.hi.push_back(hi);

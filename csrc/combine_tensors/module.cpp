@@ -1,15 +1,28 @@
 // Python bindings of the torch-free core (module `apex_C`).
 //
-// Buffers cross this boundary as (address, element count, dtype code): torch
-// passes tensor.data_ptr(), numpy passes array.ctypes.data. The Python layer
-// (apex._core) checks devices, contiguity and lifetimes; this layer checks
-// everything a bad call could turn into memory corruption that it can see.
+// Two layers:
+// * the public functions (scale_, axpy_, copy_, fill_, has_nonfinite, sum_sq,
+//   max_abs, segment_sum_sq) take objects that describe their own memory
+//   (buffer protocol or DLPack: numpy arrays, torch tensors, ...). Dtype,
+//   contiguity, device, sizes, overlap and writability are checked from that
+//   description (operands.h) and the objects stay alive for the call; the GIL
+//   is released only after every check.
+// * the private `_raw_*` functions and the optimizer kernels (OptArgs) take raw
+//   (address, element count, dtype code) integers: the fast path apex._core and
+//   apex.optimizers use after checking tensors themselves. This layer cannot see
+//   how large the memory behind an address is; it rejects everything it can see:
+//   counts outside [0, 2^48], null or misaligned addresses, address ranges that
+//   wrap, bad dtype codes, partial overlap, and malformed segment tables.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common.h"
+#include "operands.h"
 #include "optim.h"
 
 namespace py = pybind11;
@@ -23,33 +36,74 @@ void init_dispatch();
 
 namespace {
 
+// ===========================================================================
+// Raw-address validation (the `_raw_*` functions and OptArgs)
+// ===========================================================================
+std::string msg(const char* what, const std::string& text) { return std::string(what) + ": " + text; }
+
 void check_dtype(int dt, const char* what) {
   if (!valid_dtype(dt))
-    throw py::value_error(std::string(what) + ": expected a dtype code 0 (float32), 1 (float16) or 2 (bfloat16), got " +
-                          std::to_string(dt));
+    throw py::value_error(msg(what, "expected a dtype code 0 (float32), 1 (float16) or 2 (bfloat16), got " +
+                                        std::to_string(dt)));
+}
+
+void check_count(idx_t n, const char* what) {
+  if (n < 0) throw py::value_error(msg(what, "expected a non-negative element count, got " + std::to_string(n)));
+  if (n > kMaxElements)
+    throw py::value_error(msg(what, "element count " + std::to_string(n) + " exceeds the limit 2**48"));
+}
+
+// [addr, addr + n * size) is a plausible buffer: count in range, non-null when
+// non-empty, aligned to `size`, and not wrapping around the address space.
+// `size` is the bytes per counted item (<= 64), `align` the required alignment (default: size).
+void check_span(std::uintptr_t addr, idx_t n, std::size_t size, const char* what, std::size_t align = 0) {
+  check_count(n, what);
+  if (n > 0 && addr == 0) throw py::value_error(msg(what, "null address for a non-empty buffer"));
+  if (align == 0) align = size;
+  if (addr % align != 0)
+    throw py::value_error(msg(what, "address is not aligned to its element size " + std::to_string(align)));
+  // n <= 2^48 and size <= 64: the product cannot overflow
+  if (n > 0 && addr > UINTPTR_MAX - static_cast<std::uintptr_t>(n) * size)
+    throw py::value_error(msg(what, "address + count * element size wraps around the address space"));
 }
 
 void check_buffer(std::uintptr_t ptr, idx_t n, int dt, const char* what) {
   check_dtype(dt, what);
-  if (n < 0) throw py::value_error(std::string(what) + ": expected a non-negative element count, got " + std::to_string(n));
-  if (n > 0 && ptr == 0) throw py::value_error(std::string(what) + ": null address for a non-empty buffer");
-  if (ptr % dtype_size(dt) != 0)
-    throw py::value_error(std::string(what) + ": address is not aligned to its element size " +
-                          std::to_string(dtype_size(dt)));
+  check_span(ptr, n, dtype_size(dt), what);
 }
 
 // Elementwise kernels may run in place (same start, same dtype) but never on
 // shifted or differently-typed views of one memory range: the threads would
-// read what another already wrote.
+// read what another already wrote. Both spans were checked by check_buffer.
 void check_overlap(std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, const char* what) {
   if (n <= 0) return;
+  if (src == dst && sdt == ddt) return;
+  if (src == dst) throw py::value_error(msg(what, "an in-place call needs the same dtype on both sides"));
   const std::uintptr_t send = src + static_cast<std::uintptr_t>(n) * dtype_size(sdt);
   const std::uintptr_t dend = dst + static_cast<std::uintptr_t>(n) * dtype_size(ddt);
-  if (src == dst && sdt == ddt) return;
-  if (src == dst)
-    throw py::value_error(std::string(what) + ": an in-place call needs the same dtype on both sides");
   if (src < dend && dst < send)
-    throw py::value_error(std::string(what) + ": src and dst overlap partially; expected identical or disjoint buffers");
+    throw py::value_error(msg(what, "src and dst overlap partially; expected identical or disjoint buffers"));
+}
+
+// An offset table of nseg + 1 int64 entries: non-negative, non-decreasing, last
+// entry <= 2^48. Returns the last entry (the element count the segments cover).
+// nseg itself is checked before the table is read; nseg == 0 reads nothing.
+idx_t check_segment_table(const idx_t* s, idx_t nseg, const char* what) {
+  if (nseg == 0) return 0;
+  if (s[0] < 0) throw py::value_error(msg(what, "segment offsets must be >= 0, got " + std::to_string(s[0])));
+  for (idx_t k = 0; k < nseg; ++k)
+    if (s[k + 1] < s[k])
+      throw py::value_error(msg(what, "segment offsets must be non-decreasing; entry " + std::to_string(k + 1) +
+                                          " (" + std::to_string(s[k + 1]) + ") < entry " + std::to_string(k) +
+                                          " (" + std::to_string(s[k]) + ")"));
+  if (s[nseg] > kMaxElements)
+    throw py::value_error(msg(what, "last segment offset " + std::to_string(s[nseg]) + " exceeds the limit 2**48"));
+  return s[nseg];
+}
+
+void check_raw_segments(std::uintptr_t seg, idx_t nseg, const char* what) {
+  check_count(nseg, what);
+  if (nseg > 0) check_span(seg, nseg + 1, sizeof(idx_t), what);
 }
 
 template <class T>
@@ -57,6 +111,97 @@ T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+// ===========================================================================
+// Public typed API: checks on Operands (operands.h)
+// ===========================================================================
+void check_same_count(const Operand& a, const Operand& b, const char* fn) {
+  if (a.n != b.n)
+    throw py::value_error(std::string(fn) + ": " + b.what() + " has " + std::to_string(b.n) + " elements, " +
+                          a.what() + " has " + std::to_string(a.n) + "; expected equal sizes");
+}
+
+// One source, one destination of the same size, both of a kernel dtype, no partial overlap.
+// One object passed as both (an in-place call) is exported once, as the written operand.
+struct SrcDst {
+  Operand dst;
+  std::optional<Operand> own_src;
+  const Operand& src;
+  SrcDst(py::handle s, py::handle d, const char* fn, const char* sname, const char* dname)
+      : dst(d, Access::kWrite, dname), src(source(s, d, sname)) {
+    src.require_float();
+    dst.require_float();
+    check_same_count(src, dst, fn);
+    check_no_partial_overlap(src, dst, fn);
+  }
+
+ private:
+  const Operand& source(py::handle s, py::handle d, const char* sname) {
+    if (s.is(d)) return dst;
+    own_src.emplace(s, Access::kRead, sname);
+    return *own_src;
+  }
+};
+
+bool typed_scale(py::handle src, py::handle dst, float scale, bool check, int threads) {
+  SrcDst o(src, dst, "scale_", "scale_ src", "scale_ dst");
+  py::gil_scoped_release nogil;
+  return K().scale(o.src.data, o.src.kind, o.dst.data, o.dst.kind, o.src.n, scale, check, threads);
+}
+
+bool typed_axpy(py::handle src, py::handle dst, float scale, bool check, int threads) {
+  SrcDst o(src, dst, "axpy_", "axpy_ src", "axpy_ dst");
+  py::gil_scoped_release nogil;
+  return K().axpy(o.src.data, o.src.kind, o.dst.data, o.dst.kind, o.src.n, scale, check, threads);
+}
+
+void typed_copy(py::handle src, py::handle dst, int threads) {
+  SrcDst o(src, dst, "copy_", "copy_ src", "copy_ dst");
+  if (o.src.begin() == o.dst.begin()) return;  // same buffer, same dtype: nothing to do
+  py::gil_scoped_release nogil;
+  K().scale(o.src.data, o.src.kind, o.dst.data, o.dst.kind, o.src.n, 1.0f, false, threads);
+}
+
+void typed_fill(py::handle dst, float value, int threads) {
+  Operand d(dst, Access::kWrite, "fill_ dst");
+  d.require_float();
+  py::gil_scoped_release nogil;
+  K().fill(d.data, d.kind, d.n, value, threads);
+}
+
+template <class R, class Fn>
+R typed_reduce(py::handle src, const char* what, Fn&& fn) {
+  Operand s(src, Access::kRead, what);
+  s.require_float();
+  py::gil_scoped_release nogil;
+  return fn(s);
+}
+
+void typed_segment_sum_sq(py::handle src, py::handle seg, py::handle out, int threads) {
+  Operand s(src, Access::kRead, "segment_sum_sq src");
+  s.require_float();
+  Operand g(seg, Access::kRead, "segment_sum_sq seg");
+  g.require_kind(kKindI64);
+  Operand o(out, Access::kWrite, "segment_sum_sq out");
+  o.require_kind(kKindF64);
+  const idx_t nseg = o.n;
+  if (!(g.n == nseg + 1 || (nseg == 0 && g.n == 0)))
+    throw py::value_error("segment_sum_sq: seg has " + std::to_string(g.n) + " offsets, out has " +
+                          std::to_string(nseg) + " entries; expected len(seg) == len(out) + 1");
+  check_disjoint(o, s, "segment_sum_sq");
+  check_disjoint(o, g, "segment_sum_sq");
+  // A private copy of the table: it is validated once and cannot change under the kernel.
+  std::vector<idx_t> table(static_cast<const idx_t*>(g.data), static_cast<const idx_t*>(g.data) + g.n);
+  const idx_t last = check_segment_table(table.data(), nseg, "segment_sum_sq seg");
+  if (last > s.n)
+    throw py::value_error("segment_sum_sq: the last offset " + std::to_string(last) + " is past the end of src (" +
+                          std::to_string(s.n) + " elements)");
+  py::gil_scoped_release nogil;
+  K().segment_sum_sq(s.data, s.kind, Segments{table.data(), nseg}, static_cast<double*>(o.data), threads);
+}
+
+// ===========================================================================
+// Optimizer kernels: OptArgs (addresses as ints), validated before every call
+// ===========================================================================
 struct PyOptArgs {
   OptArgs a;
   std::uintptr_t p = 0, g = 0, s0 = 0, s1 = 0, s2 = 0, out = 0, seg = 0, seg_end = 0, steps = 0, skip = 0, first = 0;
@@ -92,10 +237,45 @@ struct PyOptArgs {
                             " grad=" + std::to_string(a.gdt) + " out=" + (a.out ? std::to_string(a.odt) : "none") +
                             "; expected grads in the param dtype, or float32 params with a float16/bfloat16 "
                             "grad/out");
-    if (a.nseg < 0) throw py::value_error("OptArgs.nseg must be >= 0");
+    if (a.nseg < 0) throw py::value_error("OptArgs.nseg must be >= 0, got " + std::to_string(a.nseg));
+    check_count(a.nseg, "OptArgs.nseg");
     if (a.nseg > 0 && (!a.p || !a.g || !a.seg))
       throw py::value_error("OptArgs: p, g and seg are required when nseg > 0");
+    check_spans();
     return a;
+  }
+
+  // Every address the kernels may dereference, against the extent the segment
+  // table gives it: nseg + 1 offsets, per-segment arrays of nseg entries, flat
+  // buffers of seg[nseg] elements. Nothing is read when nseg == 0.
+  void check_spans() const {
+    const idx_t nseg = a.nseg;
+    if (nseg == 0) return;
+    check_raw_segments(seg, nseg, "OptArgs.seg");
+    const idx_t total = check_segment_table(a.seg, nseg, "OptArgs.seg");
+    if (a.seg_end) {
+      check_span(seg_end, nseg, sizeof(idx_t), "OptArgs.seg_end");
+      for (idx_t k = 0; k < nseg; ++k)
+        if (a.seg_end[k] < a.seg[k] || a.seg_end[k] > a.seg[k + 1])
+          throw py::value_error("OptArgs.seg_end: entry " + std::to_string(k) + " (" + std::to_string(a.seg_end[k]) +
+                                ") is outside its slot [" + std::to_string(a.seg[k]) + ", " +
+                                std::to_string(a.seg[k + 1]) + "]");
+    }
+    const std::size_t ps = dtype_size(a.pdt);
+    check_span(p, total, ps, "OptArgs.p");
+    check_span(g, total, dtype_size(a.gdt), "OptArgs.g");
+    check_span(s0, s0 ? total : 0, ps, "OptArgs.s0");
+    check_span(s1, s1 ? total : 0, ps, "OptArgs.s1");
+    check_span(s2, s2 ? total : 0, ps, "OptArgs.s2");
+    if (out) check_span(out, total, dtype_size(a.odt), "OptArgs.out");
+    const std::pair<std::uintptr_t, const char*> f32s[] = {
+        {steps, "OptArgs.steps"}, {seg_mul, "OptArgs.seg_mul"}, {seg_gmul, "OptArgs.seg_gmul"},
+        {seg_aux, "OptArgs.seg_aux"}};
+    for (const auto& f : f32s)
+      if (f.first) check_span(f.first, nseg, sizeof(float), f.second);
+    if (skip) check_span(skip, nseg, 1, "OptArgs.skip");
+    if (first) check_span(first, nseg, 1, "OptArgs.first");
+    if (seg_out) check_span(seg_out, nseg, 3 * sizeof(double), "OptArgs.seg_out", sizeof(double));  // <= 3 per segment
   }
 };
 
@@ -121,6 +301,8 @@ void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool
     throw py::value_error(std::string(name) + ": FLAG_BIAS_CORRECTION needs per-segment steps");
   if (needs_out && a.nseg > 0 && !a.seg_out)
     throw py::value_error(std::string(name) + ": seg_out (per-segment output) is required");
+  if (which == &OptimKernels::adamp_stage_a && a.nseg > 0 && !a.seg_mul)
+    throw py::value_error(std::string(name) + ": seg_mul (per-row projection scale) is required");
   OptFn fn = OK().*which;
   py::gil_scoped_release nogil;
   fn(a);
@@ -129,7 +311,7 @@ void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool
 }  // namespace
 
 PYBIND11_MODULE(apex_C, m) {
-  m.doc() = "apex torch-free kernel core: flat-buffer kernels over raw host memory";
+  m.doc() = "apex torch-free kernel core: flat-buffer kernels over host arrays and tensors";
   init_dispatch();
 
   m.def("supported_simd_levels", &supported_levels, "SIMD levels this CPU and build support, lowest first");
@@ -139,91 +321,147 @@ PYBIND11_MODULE(apex_C, m) {
   m.def("get_num_threads", &default_threads);
   m.def("set_num_threads", &set_default_threads, py::arg("n"), "default thread count (<= 0: APEX_NUM_THREADS or all cores)");
 
+  // ---- public typed API: objects carrying dtype, shape, device and lifetime ----------------------------
+  const char* objs = " Buffers are objects with the buffer protocol or __dlpack__ (numpy arrays, torch tensors): "
+                     "C-contiguous, on the CPU, float32/float16/bfloat16.";
+  m.def("scale_", &typed_scale, py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("check") = true,
+        py::arg("threads") = 0,
+        (std::string("dst = src * scale (dtype-converting; dst may be src itself); returns True if any src value "
+                     "is inf/nan.") + objs).c_str());
+  m.def("axpy_", &typed_axpy, py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("check") = true,
+        py::arg("threads") = 0,
+        (std::string("dst += src * scale; returns True if any src value is inf/nan.") + objs).c_str());
+  m.def("copy_", &typed_copy, py::arg("src"), py::arg("dst"), py::arg("threads") = 0,
+        (std::string("dtype-converting copy of equal-sized buffers (round to nearest even).") + objs).c_str());
+  m.def("fill_", &typed_fill, py::arg("dst"), py::arg("value") = 0.0f, py::arg("threads") = 0,
+        (std::string("dst[:] = value.") + objs).c_str());
   m.def(
-      "scale_",
+      "has_nonfinite",
+      [](py::handle src, int threads) {
+        return typed_reduce<bool>(src, "has_nonfinite src",
+                                  [&](const Operand& s) { return K().has_nonfinite(s.data, s.kind, s.n, threads); });
+      },
+      py::arg("src"), py::arg("threads") = 0, (std::string("True if any element is inf or nan.") + objs).c_str());
+  m.def(
+      "sum_sq",
+      [](py::handle src, int threads) {
+        return typed_reduce<double>(src, "sum_sq src",
+                                    [&](const Operand& s) { return K().sum_sq(s.data, s.kind, s.n, threads); });
+      },
+      py::arg("src"), py::arg("threads") = 0,
+      (std::string("sum of squares in float64 accumulators; identical for any thread count.") + objs).c_str());
+  m.def(
+      "max_abs",
+      [](py::handle src, int threads) {
+        return typed_reduce<double>(src, "max_abs src",
+                                    [&](const Operand& s) { return K().max_abs(s.data, s.kind, s.n, threads); });
+      },
+      py::arg("src"), py::arg("threads") = 0, (std::string("max |x| (nan if any nan, 0 if empty).") + objs).c_str());
+  m.def("segment_sum_sq", &typed_segment_sum_sq, py::arg("src"), py::arg("seg"), py::arg("out"),
+        py::arg("threads") = 0,
+        (std::string("out[k] = sum of squares of src[seg[k]:seg[k+1]]: seg int64 with len(out) + 1 non-decreasing "
+                     "offsets, out float64 (written).") + objs).c_str());
+
+  // ---- private raw fast path (apex._core, apex.optimizers): (address, count, dtype code) ----------------
+  m.def(
+      "_raw_scale_",
       [](std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, float scale, bool check, int threads) {
-        check_buffer(src, n, sdt, "scale_ src");
-        check_buffer(dst, n, ddt, "scale_ dst");
-        check_overlap(src, sdt, dst, ddt, n, "scale_");
+        check_buffer(src, n, sdt, "_raw_scale_ src");
+        check_buffer(dst, n, ddt, "_raw_scale_ dst");
+        check_overlap(src, sdt, dst, ddt, n, "_raw_scale_");
         py::gil_scoped_release nogil;
         return K().scale(as_ptr<const void>(src), sdt, as_ptr<void>(dst), ddt, n, scale, check, threads);
       },
       py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"), py::arg("scale"),
-      py::arg("check") = true, py::arg("threads") = 0,
-      "dst = src * scale (dtype-converting, may be in place); returns True if any src value is inf/nan");
+      py::arg("check") = true, py::arg("threads") = 0, "private: scale_ on raw addresses");
   m.def(
-      "axpy_",
+      "_raw_axpy_",
       [](std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, float scale, bool check, int threads) {
-        check_buffer(src, n, sdt, "axpy_ src");
-        check_buffer(dst, n, ddt, "axpy_ dst");
-        check_overlap(src, sdt, dst, ddt, n, "axpy_");
+        check_buffer(src, n, sdt, "_raw_axpy_ src");
+        check_buffer(dst, n, ddt, "_raw_axpy_ dst");
+        check_overlap(src, sdt, dst, ddt, n, "_raw_axpy_");
         py::gil_scoped_release nogil;
         return K().axpy(as_ptr<const void>(src), sdt, as_ptr<void>(dst), ddt, n, scale, check, threads);
       },
       py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"), py::arg("scale"),
-      py::arg("check") = true, py::arg("threads") = 0,
-      "dst += src * scale; returns True if any src value is inf/nan");
+      py::arg("check") = true, py::arg("threads") = 0, "private: axpy_ on raw addresses");
   m.def(
-      "copy_",
+      "_raw_copy_",
       [](std::uintptr_t src, int sdt, std::uintptr_t dst, int ddt, idx_t n, int threads) {
-        check_buffer(src, n, sdt, "copy_ src");
-        check_buffer(dst, n, ddt, "copy_ dst");
-        check_overlap(src, sdt, dst, ddt, n, "copy_");
+        check_buffer(src, n, sdt, "_raw_copy_ src");
+        check_buffer(dst, n, ddt, "_raw_copy_ dst");
+        check_overlap(src, sdt, dst, ddt, n, "_raw_copy_");
         if (src == dst) return;
         py::gil_scoped_release nogil;
         K().scale(as_ptr<const void>(src), sdt, as_ptr<void>(dst), ddt, n, 1.0f, false, threads);
       },
       py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"), py::arg("threads") = 0,
-      "dtype-converting copy (round to nearest even)");
+      "private: copy_ on raw addresses");
   m.def(
-      "fill_",
+      "_raw_fill_",
       [](std::uintptr_t dst, int dt, idx_t n, float value, int threads) {
-        check_buffer(dst, n, dt, "fill_");
+        check_buffer(dst, n, dt, "_raw_fill_");
         py::gil_scoped_release nogil;
         K().fill(as_ptr<void>(dst), dt, n, value, threads);
       },
-      py::arg("dst"), py::arg("dtype"), py::arg("n"), py::arg("value") = 0.0f, py::arg("threads") = 0);
+      py::arg("dst"), py::arg("dtype"), py::arg("n"), py::arg("value") = 0.0f, py::arg("threads") = 0,
+      "private: fill_ on a raw address");
   m.def(
-      "has_nonfinite",
+      "_raw_has_nonfinite",
       [](std::uintptr_t src, int dt, idx_t n, int threads) {
-        check_buffer(src, n, dt, "has_nonfinite");
+        check_buffer(src, n, dt, "_raw_has_nonfinite");
         py::gil_scoped_release nogil;
         return K().has_nonfinite(as_ptr<const void>(src), dt, n, threads);
       },
-      py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("threads") = 0);
+      py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("threads") = 0,
+      "private: has_nonfinite on a raw address");
   m.def(
-      "sum_sq",
+      "_raw_sum_sq",
       [](std::uintptr_t src, int dt, idx_t n, int threads) {
-        check_buffer(src, n, dt, "sum_sq");
+        check_buffer(src, n, dt, "_raw_sum_sq");
         py::gil_scoped_release nogil;
         return K().sum_sq(as_ptr<const void>(src), dt, n, threads);
       },
-      py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("threads") = 0,
-      "sum of squares in float64 accumulators; identical for any thread count");
+      py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("threads") = 0, "private: sum_sq on a raw address");
   m.def(
-      "max_abs",
+      "_raw_max_abs",
       [](std::uintptr_t src, int dt, idx_t n, int threads) {
-        check_buffer(src, n, dt, "max_abs");
+        check_buffer(src, n, dt, "_raw_max_abs");
         py::gil_scoped_release nogil;
         return K().max_abs(as_ptr<const void>(src), dt, n, threads);
       },
-      py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("threads") = 0, "max |x| (nan if any nan)");
+      py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("threads") = 0, "private: max_abs on a raw address");
   m.def(
-      "segment_sum_sq",
+      "_raw_segment_sum_sq",
       [](std::uintptr_t src, int dt, std::uintptr_t seg, idx_t nseg, std::uintptr_t out, int threads) {
-        if (nseg < 0) throw py::value_error("segment_sum_sq: nseg must be >= 0");
-        if (nseg > 0 && (!seg || !out)) throw py::value_error("segment_sum_sq: seg and out are required");
+        check_dtype(dt, "_raw_segment_sum_sq");
+        check_raw_segments(seg, nseg, "_raw_segment_sum_sq seg");
+        check_span(out, nseg, sizeof(double), "_raw_segment_sum_sq out");
+        if (nseg == 0) return;
         const idx_t* s = as_ptr<const idx_t>(seg);
-        if (nseg > 0) {
-          for (idx_t k = 0; k < nseg; ++k)
-            if (s[k] > s[k + 1] || s[k] < 0) throw py::value_error("segment_sum_sq: segment offsets must be non-decreasing and >= 0");
-          check_buffer(src, s[nseg], dt, "segment_sum_sq");
-        }
+        const idx_t total = check_segment_table(s, nseg, "_raw_segment_sum_sq seg");
+        check_span(src, total, dtype_size(dt), "_raw_segment_sum_sq src");
+        const std::uintptr_t out_end = out + static_cast<std::uintptr_t>(nseg) * sizeof(double);
+        const std::uintptr_t seg_bytes = static_cast<std::uintptr_t>(nseg + 1) * sizeof(idx_t);
+        const std::uintptr_t src_bytes = static_cast<std::uintptr_t>(total) * dtype_size(dt);
+        if ((out < seg + seg_bytes && seg < out_end) || (total > 0 && out < src + src_bytes && src < out_end))
+          throw py::value_error("_raw_segment_sum_sq: out shares memory with seg or src; expected disjoint buffers");
         py::gil_scoped_release nogil;
         K().segment_sum_sq(as_ptr<const void>(src), dt, Segments{s, nseg}, as_ptr<double>(out), threads);
       },
       py::arg("src"), py::arg("dtype"), py::arg("seg"), py::arg("nseg"), py::arg("out"), py::arg("threads") = 0,
-      "out[k] = sum of squares of src[seg[k]:seg[k+1]] (float64 out, nseg+1 int64 offsets)");
+      "private: segment_sum_sq on raw addresses (nseg+1 int64 offsets, nseg float64 outputs)");
+  m.def(
+      "_split_range",
+      [](idx_t n, int threads, idx_t min_per, idx_t align) {
+        if (threads > 4096) throw py::value_error("_split_range: at most 4096 threads");
+        const Split sp = split_range(n, threads, min_per, align);
+        std::vector<std::pair<idx_t, idx_t>> out;
+        for (int t = 0; t < sp.parts; ++t) out.emplace_back(sp.per * t, step_to(sp.per * t, sp.per, n));
+        return out;
+      },
+      py::arg("n"), py::arg("threads"), py::arg("min_per"), py::arg("align"),
+      "private: the (begin, end) ranges the kernels' thread split gives n elements (for tests)");
 
   py::class_<PyOptArgs>(m, "OptArgs", "arguments of one optimizer kernel call (addresses as ints)")
       .def(py::init<>())

@@ -1,9 +1,12 @@
 """Bridge between torch tensors and the torch-free C++ core (`apex_C`).
 
-`apex_C` works on raw host buffers (address, element count, dtype code). This
-module is the only place that turns tensors into such triples, so the checks
-that keep that safe (CPU, contiguous, supported dtype, alive for the call) live
-here once.
+`apex_C`'s public functions take arrays and tensors and check them themselves.
+This bridge uses its private raw fast path instead (``apex_C._raw_*``: address,
+element count, dtype code), which skips the per-call DLPack export: it is the
+one place that turns tensors into such triples, so the checks that keep that
+safe (CPU, contiguous, supported dtype, equal sizes, alive for the call) live
+here once. The raw functions still reject what they can see (counts, null or
+misaligned addresses, wrapping ranges, partial overlap).
 
 When the extension is missing or cannot be loaded, every function falls back to
 torch ops and a single warning says so. ``APEX_REQUIRE_EXT=1`` turns that into
@@ -128,7 +131,7 @@ def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, 
     dst = src if out is None else out
     _pair_check("scale_", src, dst, "out")
     if uses_kernel(src, dst):
-        return ext.scale_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
+        return ext._raw_scale_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
     bad = bool(check) and _torch_nonfinite(src)  # before an in-place scale changes src
     if dst is src:
         src.mul_(scale)
@@ -141,7 +144,7 @@ def axpy_(src: torch.Tensor, dst: torch.Tensor, scale: float, check: bool = True
     """``dst += src * scale``; True if any src value is inf/nan."""
     _pair_check("axpy_", src, dst, "dst")
     if uses_kernel(src, dst):
-        return ext.axpy_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
+        return ext._raw_axpy_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
     bad = bool(check) and _torch_nonfinite(src)
     dst.add_(src.reshape(dst.shape).to(dst.dtype), alpha=scale)
     return bad
@@ -151,7 +154,7 @@ def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Dtype-converting copy of equal-sized buffers (round to nearest even)."""
     _pair_check("copy_", src, dst, "dst")
     if uses_kernel(src, dst):
-        ext.copy_(*_buf(src), *_buf(dst), src.numel(), num_threads())
+        ext._raw_copy_(*_buf(src), *_buf(dst), src.numel(), num_threads())
     else:
         dst.copy_(src.reshape(dst.shape))
 
@@ -159,7 +162,7 @@ def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
 def fill_(dst: torch.Tensor, value: float = 0.0) -> None:
     _flat_check(dst, "fill_ dst")
     if uses_kernel(dst):
-        ext.fill_(*_buf(dst), dst.numel(), float(value), num_threads())
+        ext._raw_fill_(*_buf(dst), dst.numel(), float(value), num_threads())
     else:
         dst.fill_(value)
 
@@ -167,7 +170,7 @@ def fill_(dst: torch.Tensor, value: float = 0.0) -> None:
 def has_nonfinite(src: torch.Tensor) -> bool:
     _flat_check(src, "has_nonfinite src")
     if uses_kernel(src):
-        return ext.has_nonfinite(*_buf(src), src.numel(), num_threads())
+        return ext._raw_has_nonfinite(*_buf(src), src.numel(), num_threads())
     return _torch_nonfinite(src)
 
 
@@ -175,7 +178,7 @@ def sum_sq(src: torch.Tensor) -> float:
     """Sum of squares, accumulated in float64."""
     _flat_check(src, "sum_sq src")
     if uses_kernel(src):
-        return ext.sum_sq(*_buf(src), src.numel(), num_threads())
+        return ext._raw_sum_sq(*_buf(src), src.numel(), num_threads())
     return float(src.double().pow(2).sum()) if src.numel() else 0.0
 
 
@@ -183,7 +186,7 @@ def max_abs(src: torch.Tensor) -> float:
     """max |x| (nan if any element is nan; 0 for an empty buffer)."""
     _flat_check(src, "max_abs src")
     if uses_kernel(src):
-        return ext.max_abs(*_buf(src), src.numel(), num_threads())
+        return ext._raw_max_abs(*_buf(src), src.numel(), num_threads())
     if not src.numel():
         return 0.0
     if torch.isnan(src).any():

@@ -191,7 +191,7 @@ class NpuFusedBertAdam(CombinedOptimizer):
     def _clip_coefs_kernel(self, s: FlatSet, group: dict) -> torch.Tensor:
         """Per-segment clip coefficient x grad scale, from one float64 norm pass over the flat grads."""
         sq = torch.empty(s.nseg, dtype=torch.float64)
-        _core.ext.segment_sum_sq(
+        _core.ext._raw_segment_sum_sq(
             s.flat_g.data_ptr(), _core.DTYPE_CODES[s.dtype], s.seg.data_ptr(), s.nseg, sq.data_ptr(),
             _core.num_threads(),
         )

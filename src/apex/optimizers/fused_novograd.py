@@ -127,7 +127,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
         """Per-segment norms of the (unscaled) grads, float32 on the CPU; skipped segments hold junk."""
         gs = abs(self._grad_scale())
         if group["norm_type"] == 2 and s.args is not None:
-            _core.ext.segment_sum_sq(s.flat_g.data_ptr(), _core.DTYPE_CODES[s.dtype], s.seg.data_ptr(), s.nseg,
+            _core.ext._raw_segment_sum_sq(s.flat_g.data_ptr(), _core.DTYPE_CODES[s.dtype], s.seg.data_ptr(), s.nseg,
                                      aux.sums.data_ptr(), _core.num_threads())
             return (aux.sums.sqrt() * gs).to(torch.float32)
         order = 2.0 if group["norm_type"] == 2 else math.inf
