@@ -533,6 +533,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty_strided", &npu_emu::empty_strided);
   m.impl("_copy_from", &npu_emu::copy_from);
   m.impl("_copy_from_and_resize", &npu_emu::copy_from_and_resize);
+  // Without a kernel of its own, mse_loss would take torch's composite path through mse_loss.out, whose CPU kernel
+  // resizes a 0-dim output (a deprecation warning on every call): run the functional CPU kernel instead.
+  m.impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&npu_emu::npu_fallback>());
 }
 
 TORCH_LIBRARY_IMPL(c10d, PrivateUse1, m) {
