@@ -166,12 +166,19 @@ def run_matrix(args) -> list:
         for opt_name in names:
             for combine in COMBINE:
                 start = time.monotonic()
-                ref = train(kind, opt_name, "O0", None, combine, args.steps, device)
-                ref_final = final(ref, args.tail)
+                try:
+                    ref_final, ref_error = final(train(kind, opt_name, "O0", None, combine, args.steps, device),
+                                                 args.tail), None
+                except Exception as exc:  # no reference: every cell of this row fails with the reason
+                    ref_final, ref_error = None, f"fp32 run: {type(exc).__name__}: {exc}"[:300]
                 for opt_level in args.opt_levels:
                     for scale in LOSS_SCALES:
                         row = dict(model=kind, optimizer=opt_name, opt_level=opt_level,
                                    loss_scale=scale, combine_grad=combine, fp32_final=ref_final)
+                        if ref_error is not None:
+                            row.update(ok=False, error=ref_error)
+                            rows.append(row)
+                            continue
                         try:
                             losses = train(kind, opt_name, opt_level, scale, combine, args.steps, device)
                         except Exception as exc:  # a failing cell is reported, not fatal to the matrix

@@ -19,6 +19,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/all.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/nan_to_num.h>
 #include <c10/core/Allocator.h>
@@ -487,6 +489,50 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// torch routes convolutions of backends it does not know to convolution_overrideable (and its backward): run the
+// CPU convolution on the same memory.
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+                                    c10::IntArrayRef output_padding, int64_t groups) {
+  Call call;
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::optional<at::Tensor> cpu_bias = bias.has_value() && bias->defined() ? std::optional<at::Tensor>(call.to_cpu(*bias))
+                                                                            : std::nullopt;
+    out = at::convolution(call.to_cpu(input), call.to_cpu(weight), cpu_bias, stride, padding, dilation, transposed,
+                          output_padding, groups);
+  }
+  if (overflow_check.load()) {
+    check_overflow(out);
+  }
+  return call.to_npu(out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
+    int64_t groups, std::array<bool, 3> output_mask) {
+  Call call;
+  at::Tensor gi, gw, gb;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const int64_t channels = transposed ? weight.size(1) * groups : weight.size(0);
+    std::vector<int64_t> bias_sizes{channels};
+    std::tie(gi, gw, gb) = at::convolution_backward(call.to_cpu(grad_output), call.to_cpu(input),
+                                                    call.to_cpu(weight), at::OptionalIntArrayRef(bias_sizes), stride,
+                                                    padding, dilation, transposed, output_padding, groups,
+                                                    output_mask);
+  }
+  if (overflow_check.load()) {
+    check_overflow(gi);
+    check_overflow(gw);
+    check_overflow(gb);
+  }
+  return {call.to_npu(gi), call.to_npu(gw), call.to_npu(gb)};
+}
+
 // ------------------------------------------------------------------------------------------------ controls
 
 bool get_overflow_flag() { return overflow_flag.load(); }
@@ -536,6 +582,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // Without a kernel of its own, mse_loss would take torch's composite path through mse_loss.out, whose CPU kernel
   // resizes a 0-dim output (a deprecation warning on every call): run the functional CPU kernel instead.
   m.impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&npu_emu::npu_fallback>());
+  m.impl("convolution_overrideable", &npu_emu::convolution_overrideable);
+  m.impl("convolution_backward_overrideable", &npu_emu::convolution_backward_overrideable);
 }
 
 TORCH_LIBRARY_IMPL(c10d, PrivateUse1, m) {
