@@ -325,9 +325,10 @@ def _loaded_torch_npu() -> ModuleType | None:
 
 
 def npu_storage_format(tensor: torch.Tensor) -> int | None:
-    """torch_npu's storage format code of an npu tensor; None for other devices."""
+    """torch_npu's storage format code of an npu tensor; None for other devices and for non-tensors (callers
+    validate their inputs themselves and must get their own error for those)."""
     torch_npu = _loaded_torch_npu()
-    if torch_npu is None or tensor.device.type != "npu":
+    if torch_npu is None or getattr(getattr(tensor, "device", None), "type", None) != "npu":
         return None
     get_format = getattr(torch_npu, "get_npu_format", None)
     return int(get_format(tensor)) if get_format is not None else None
