@@ -356,9 +356,14 @@ def bench(session: nox.Session) -> None:
 # Sessions owned elsewhere register themselves when their module runs (nox collects every decorated function).
 overlay = runpy.run_path(str(ROOT / "ci" / "nox_overlay.py"))["overlay"]  # nox -s overlay
 release_sessions = runpy.run_path(str(ROOT / "ci" / "nox_release.py"))  # docker, matrix, release, audit, ...
-npu_sessions = runpy.run_path(str(ROOT / "tests" / "npu_emulator" / "nox_sessions.py"),  # npu-matrix
-                              init_globals=dict(ROOT=ROOT, MAIN_PYTHON=MAIN_PYTHON, install_torch=install_torch,
-                                                group=group))
+npu_sessions = runpy.run_path(str(ROOT / "tests" / "npu_emulator" / "nox_sessions.py"),  # npu helpers
+                              init_globals=dict(ROOT=ROOT, install_torch=install_torch, group=group))
+
+
+@nox.session(name="npu-matrix", python=MAIN_PYTHON, default=False)
+def npu_matrix(session: nox.Session) -> None:
+    """NPU training matrix (opt level x loss scale x combine_grad x optimizer, + combine_ddp) on the emulated npu."""
+    npu_sessions["run_matrix"](session)
 
 
 if __name__ == "__main__":

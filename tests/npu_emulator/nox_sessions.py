@@ -1,12 +1,12 @@
-"""nox support for the emulated npu device; run by noxfile.py with runpy (its globals: ROOT, MAIN_PYTHON, TORCH
-helpers ``install_torch`` and ``group``).
+"""nox support for the emulated npu device; run by noxfile.py with runpy (its globals: ROOT and the helpers
+``install_torch`` and ``group``).
 
 * ``prepare_npu_run(session, posargs)``: for ``nox -s tests -- --device npu``: build (or reuse the cached) emulator
   in the session's environment and set ``APEX_NPU_EMULATOR=1``, which makes tests/conftest.py route ``import
   torch_npu`` to the emulator's stand-in. ``APEX_NPU_EMULATOR=0`` in the caller's environment keeps a real
   torch_npu instead (on a machine with Ascend hardware).
-* ``nox -s npu-matrix``: the training matrix of tests/npu_emulator/matrix.py; posargs go to it. Its report lands
-  in ``.cache/npu-matrix/`` (``matrix.md``, ``matrix.json``).
+* ``run_matrix(session)``: the body of ``nox -s npu-matrix``, the training matrix of tests/npu_emulator/matrix.py;
+  posargs go to it. Its report lands in ``.cache/npu-matrix/`` (``matrix.md``, ``matrix.json``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def prepare_npu_run(session: nox.Session, posargs) -> None:
     session.env["APEX_NPU_EMULATOR"] = "1"
 
 
-@nox.session(name="npu-matrix", python=MAIN_PYTHON, default=False)  # noqa: F821
-def npu_matrix(session: nox.Session) -> None:
-    """NPU training matrix (opt level x loss scale x combine_grad x optimizer, + combine_ddp) on the emulated npu."""
+def run_matrix(session: nox.Session) -> None:
+    """The body of ``nox -s npu-matrix`` (declared in noxfile.py): install, build the emulator, run the matrix."""
     session.env["APEX_REQUIRE_EXT"] = "1"
     install_torch(session)  # noqa: F821
     session.install(*group("test"))  # noqa: F821
