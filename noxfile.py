@@ -12,6 +12,8 @@
   nox -s demo                  every examples/quickstart*.py against the installed wheel
   nox -s kernels               torch-free kernel tests on every Python in PYTHON_VERSIONS (numpy only)
   nox -s lint | bench          ruff (+ hadolint once docker/ has Dockerfiles) | python bench/run.py <posargs>
+  nox -s tests -- --device npu the suite on the emulated npu device (tests/npu_emulator, built and cached)
+  nox -s npu-matrix            NPU training matrix on the emulated npu -> .cache/npu-matrix/matrix.{md,json}
 
 Dependencies come from pyproject's [dependency-groups]. torch is always pinned (TORCH): an unpinned torch would
 pull a multi-GB CUDA build; the pinned CPU wheel comes from pip's configured find-links where a machine has one.
@@ -196,6 +198,7 @@ def tests(session: nox.Session) -> None:
     session.install(".")
     session.log(f"pip install . (build of apex_C included) took {time.monotonic() - start:.0f} s")
     show_install(session)
+    npu_sessions["prepare_npu_run"](session, session.posargs)  # --device npu: the emulated npu (tests/npu_emulator)
     session.run("pytest", "tests", *session.posargs)
 
 
@@ -353,6 +356,14 @@ def bench(session: nox.Session) -> None:
 # Sessions owned elsewhere register themselves when their module runs (nox collects every decorated function).
 overlay = runpy.run_path(str(ROOT / "ci" / "nox_overlay.py"))["overlay"]  # nox -s overlay
 release_sessions = runpy.run_path(str(ROOT / "ci" / "nox_release.py"))  # docker, matrix, release, audit, ...
+npu_sessions = runpy.run_path(str(ROOT / "tests" / "npu_emulator" / "nox_sessions.py"),  # npu helpers
+                              init_globals=dict(ROOT=ROOT, install_torch=install_torch, group=group))
+
+
+@nox.session(name="npu-matrix", python=MAIN_PYTHON, default=False)
+def npu_matrix(session: nox.Session) -> None:
+    """NPU training matrix (opt level x loss scale x combine_grad x optimizer, + combine_ddp) on the emulated npu."""
+    npu_sessions["run_matrix"](session)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ Options:
                            ``nox -s tests -- --device npu``.
   --full                   also run tests marked ``full`` (slow tier).
 
+Emulated npu: with ``APEX_NPU_EMULATOR=1`` (``nox -s tests -- --device npu`` sets it) the ``torch_npu`` stand-in
+of tests/npu_emulator/site is put first on sys.path and on PYTHONPATH (child processes too), so ``--device npu``
+runs on the emulated npu device (PrivateUse1 renamed to "npu"; see docs/npu-emulator.md).
+
 Markers:
   full                     slow; skipped without --full.
   devices("cpu", "cuda")   applies only to the listed devices; skipped elsewhere.
@@ -18,13 +22,31 @@ torch-free kernel tests still run in an interpreter without torch.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
 DEVICES = ("cpu", "cuda", "npu")
 SEED = 0
+NPU_EMULATOR_SITE = Path(__file__).resolve().parent / "npu_emulator" / "site"
+
+
+def npu_emulated() -> bool:
+    """Whether this run uses the emulated npu (``APEX_NPU_EMULATOR=1``)."""
+    return os.environ.get("APEX_NPU_EMULATOR", "").strip() == "1"
+
+
+def _use_npu_emulator() -> None:
+    """``import torch_npu`` finds the emulator's stand-in, here and in every child process."""
+    site = str(NPU_EMULATOR_SITE)
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if site not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([site, *parts])
 
 
 def pytest_addoption(parser):
@@ -42,6 +64,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "full: slow tests, run with --full")
     config.addinivalue_line("markers", "devices(*names): run only when --device is one of names")
     config.addinivalue_line("markers", "kernels: torch-free tests of the apex_C core")
+    if npu_emulated():
+        _use_npu_emulator()
 
 
 def _resolve_device(config) -> str:

@@ -9,13 +9,14 @@
   unscaled grads (the reason the unscale happens at the exit), with and without
   combine_grad, O1 and O2: bit-identical to plain torch doing the same by hand;
 * the npu overflow-flag path (older Ascend chips, through a torch_npu test double that
-  behaves like the float-status register): O2 with a fused optimizer, several losses, and
-  gradient accumulation with ``delay_unscale`` (an overflow in an earlier micro-batch
-  must not be lost when the next ``scale_loss`` starts).
+  behaves like the float-status register; on the emulated npu, the emulator's real register): O2 with a fused
+  optimizer, several losses, and gradient accumulation with ``delay_unscale`` (an overflow in an earlier
+  micro-batch must not be lost when the next ``scale_loss`` starts).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -254,9 +255,37 @@ class FloatStatusNpu(types.ModuleType):
         self.register = False
 
 
+class EmulatedFloatStatus(FloatStatusNpu):
+    """The same interface over the emulated npu's real register (``APEX_NPU_EMULATOR=1``): ``overflow()`` makes an
+    operator on the emulated device overflow for real, and the reads and clears go to the emulator's flag (still
+    recorded, so the tests can check amp's order of calls)."""
+
+    def __init__(self, real):
+        super().__init__()
+        self.real = real
+        real.clear_npu_overflow_flag()
+
+    def overflow(self):
+        big = torch.full((2,), torch.finfo(torch.float16).max, dtype=torch.float16, device="npu")
+        (big * 2).sum()  # inf in fp16: the emulated float-status register is raised by the value itself
+
+    def _get(self):
+        self.calls.append("get")
+        return self.real.get_npu_overflow_flag()
+
+    def _clear(self):
+        self.calls.append("clear")
+        self.real.clear_npu_overflow_flag()
+
+
 @pytest.fixture
 def npu_flag(monkeypatch):
-    fake = FloatStatusNpu()
+    if os.environ.get("APEX_NPU_EMULATOR", "").strip() == "1":
+        import torch_npu as real
+
+        fake = EmulatedFloatStatus(real)
+    else:
+        fake = FloatStatusNpu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(_device, "npu_needs_overflow_flag", lambda device=None: True)
     return fake

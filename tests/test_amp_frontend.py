@@ -521,8 +521,10 @@ def test_decorators():
 
 
 @pytest.mark.parametrize("preferred", [False, True])
-def test_user_cast_preferred_over_autocast(preferred):
-    """matmul is on autocast's low-precision list: registered as float, the user wins only if preferred."""
+def test_user_cast_preferred_over_autocast(preferred, device):
+    """matmul is on autocast's low-precision list: registered as float, the user wins only if preferred.
+    On the --device of the run: amp autocasts for the device it detects, so the tensors live there."""
+    from apex import _device
 
     class MM(torch.nn.Module):
         def forward(self, a, b):
@@ -533,8 +535,8 @@ def test_user_cast_preferred_over_autocast(preferred):
     try:
         m = MM()
         amp.initialize(m, opt_level="O1", user_cast_preferred=preferred or None, verbosity=0)
-        out = m(torch.randn(2, 2), torch.randn(2, 2))
-        assert out.dtype == (torch.float32 if preferred else LOW)
+        out = m(torch.randn(2, 2, device=device), torch.randn(2, 2, device=device))
+        assert out.dtype == (torch.float32 if preferred else _device.default_amp_dtype(device))
         amp.deinitialize()
         assert torch.matmul is orig
     finally:

@@ -352,6 +352,14 @@ def test_any_private_format(fake_npu):
     assert _device.any_npu_private_format([torch.zeros(1)]) is False
 
 
+def test_private_format_query_ignores_non_tensors(fake_npu):
+    """With torch_npu loaded, entries that are not tensors are no npu tensors (the caller reports them itself):
+    is_combined_tensor_valid(buf, [t, None]) must answer False, not raise AttributeError."""
+    fake_npu(fmt=29)
+    assert _device.npu_storage_format(None) is None
+    assert _device.any_npu_private_format([None, 2.0, torch.zeros(1)]) is False
+
+
 def test_native_combine_op_lookup(fake_npu, clean_env):
     """Test double: the op is found under its current name, then the older one; None when missing."""
     fake = fake_npu()

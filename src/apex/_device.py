@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 from types import ModuleType
 from typing import Any, Callable, Union
@@ -44,6 +45,7 @@ __all__ = [
     "default_amp_dtype",
     "detect_device",
     "device_available",
+    "fused_optimizer_devices",
     "import_torch_npu",
     "npu_available",
     "npu_clear_overflow_flag",
@@ -230,6 +232,26 @@ def default_amp_dtype(device: DeviceLike = None) -> torch.dtype:
     return torch.bfloat16 if kind == "cpu" else torch.float16
 
 
+# ---------------------------------------------------------------- fused optimizer kernels
+
+
+def fused_optimizer_devices() -> frozenset:
+    """Device types for which torch has fused optimizer kernels (``torch._fused_adam_``, ``_fused_sgd_``, ...).
+
+    torch's own list where it has one (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``,
+    which also names the PrivateUse1 backend, e.g. "npu"); on a torch without it, cuda/xpu/mps, plus cpu from
+    torch 2.4 on. Asked on every call, not cached: the PrivateUse1 backend may be renamed after import.
+    """
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as query
+    except ImportError:  # older torch: no list to ask
+        query = None
+    if query is not None:
+        return frozenset(query())
+    major, minor = (int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    return frozenset({"cuda", "xpu", "mps"} | ({"cpu"} if (major, minor) >= (2, 4) else set()))
+
+
 # ---------------------------------------------------------------- npu overflow flag (older Ascend chips)
 
 
@@ -303,9 +325,10 @@ def _loaded_torch_npu() -> ModuleType | None:
 
 
 def npu_storage_format(tensor: torch.Tensor) -> int | None:
-    """torch_npu's storage format code of an npu tensor; None for other devices."""
+    """torch_npu's storage format code of an npu tensor; None for other devices and for non-tensors (callers
+    validate their inputs themselves and must get their own error for those)."""
     torch_npu = _loaded_torch_npu()
-    if torch_npu is None or tensor.device.type != "npu":
+    if torch_npu is None or getattr(getattr(tensor, "device", None), "type", None) != "npu":
         return None
     get_format = getattr(torch_npu, "get_npu_format", None)
     return int(get_format(tensor)) if get_format is not None else None

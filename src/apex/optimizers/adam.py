@@ -15,14 +15,12 @@ from typing import List
 
 import torch
 
-from .. import _core
+from .. import _core, _device
 from ._base import CombinedOptimizer, _check_adam_group
 from ._flat import FlatSet
 from .sgd import l2_grad
 
 # devices whose torch has _fused_adam_/_fused_adamw_ kernels (CPU since torch 2.4)
-_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-_FUSED_DEVICES = {"cuda", "xpu", "mps"} | ({"cpu"} if _TORCH_VERSION >= (2, 4) else set())
 
 
 def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, amsgrad, decoupled, grad_scale,
@@ -99,7 +97,7 @@ class NpuFusedAdam(CombinedOptimizer):
             s.dtype == torch.float32
             and self._grad_scale() == 1.0  # torch's op would unscale the stored grads in place
             and self._torch_fused_allowed()
-            and s.device.type in _FUSED_DEVICES
+            and s.device.type in _device.fused_optimizer_devices()
         ):
             self._torch_fused_step(s, group)
             return

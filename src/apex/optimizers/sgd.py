@@ -7,14 +7,12 @@ from typing import Callable, List, Optional
 import torch
 from torch.optim.optimizer import required
 
-from .. import _core
+from .. import _core, _device
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
 
 # devices whose torch has a fused SGD kernel (CPU since torch 2.4); used by the torch executor
-_TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _FUSED_SGD = getattr(torch, "_fused_sgd_", None)
-_FUSED_DEVICES = {"cuda", "xpu", "mps"} | ({"cpu"} if _TORCH_VERSION >= (2, 4) else set())
 
 
 def sgd_math(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, first, grad_scale, settle):
@@ -114,7 +112,7 @@ class NpuFusedSGD(CombinedOptimizer):
             and s.dtype == torch.float32
             and self._grad_scale() == 1.0  # torch's op would unscale the stored grads in place
             and self._torch_fused_allowed()
-            and s.device.type in _FUSED_DEVICES
+            and s.device.type in _device.fused_optimizer_devices()
         ):
             # torch's fused SGD over the flat slices, one call per value of the first-update flag
             for first in sorted({f for _, _, f in parts}):
