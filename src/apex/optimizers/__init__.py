@@ -15,7 +15,7 @@ __all__ = ["CombinedOptimizer", "NpuFusedAdam", "NpuFusedAdamW"]
 __all__ += ["NpuFusedAdadelta", "NpuFusedBertAdam", "NpuFusedRMSprop", "NpuFusedRMSpropTF", "NpuFusedSGD"]
 __all__ += ["Lamb", "NpuFusedAdamP", "NpuFusedLamb", "clip_optimizer_grad_norm_fused"]
 
-# the seed's fused clipping, a method of every fused optimizer (see clip.py)
+# the Ascend patch's fused clipping, a method of every fused optimizer (see clip.py)
 CombinedOptimizer.clip_optimizer_grad_norm_fused = clip_optimizer_grad_norm_fused
 
 # NVIDIA Apex's optimizers (signatures, defaults and semantics of apex.optimizers upstream)

@@ -130,7 +130,7 @@ class _RowPlan:
 
 
 class NpuFusedAdamP(CombinedOptimizer):
-    """AdamP with the seed's signature and defaults, fused over combined buffers.
+    """AdamP with the Ascend patch's signature and defaults, fused over combined buffers.
 
     Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, delta=0.1,
     wd_ratio=0.1, nesterov=False. State per param (as timm/clovaai): step, exp_avg, exp_avg_sq.

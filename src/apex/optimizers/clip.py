@@ -1,4 +1,4 @@
-"""Gradient-norm clipping over combined grads (the seed's ``clip_optimizer_grad_norm_fused``).
+"""Gradient-norm clipping over combined grads (the Ascend patch's ``clip_optimizer_grad_norm_fused``).
 
 ``torch.nn.utils.clip_grad_norm_`` is the reference: same norm, same clip
 coefficient ``max_norm / (total_norm + 1e-6)`` clamped to 1, same return value.

@@ -1,7 +1,7 @@
 """LAMB as the NPU patch defines it: NpuFusedLamb (combined buffers) and Lamb (per-tensor reference).
 
 Per param (You et al. 2019, "Large Batch Optimization for Deep Learning"), with
-the seed's choices: no bias correction, L2 weight decay added to the update,
+the Ascend patch's choices: no bias correction, L2 weight decay added to the update,
 weight norm clamped to 10::
 
     g = grad * c                      c = 1, or 1/||all grads|| when use_global_grad_norm and that norm > 1
@@ -114,7 +114,7 @@ class NpuFusedLamb(CombinedOptimizer):
 
     Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
     use_global_grad_norm=False. ``adam`` and ``use_global_grad_norm`` are group options (the
-    seed kept them on the optimizer), so they can differ per group and are saved in state_dict.
+    Ascend patch kept them on the optimizer), so they can differ per group and are saved in state_dict.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
@@ -229,10 +229,10 @@ class Lamb(torch.optim.Optimizer):
     """Non-fused LAMB, one tensor at a time in torch ops: same semantics as NpuFusedLamb.
 
     Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
-    use_global_grad_norm=False (the last is an addition to the seed's Lamb, for parity with
+    use_global_grad_norm=False (the last is an addition to the Ascend patch's Lamb, for parity with
     NpuFusedLamb). Math is in float32 whatever the param dtype; states are stored in the param
     dtype; complex and integer params are rejected (TypeError), and a step checks every param and
-    grad (sparse, shape) before it updates any. As the seed's Lamb, ``state[p]`` also records the
+    grad (sparse, shape) before it updates any. As the Ascend patch's Lamb, ``state[p]`` also records the
     last ``weight_norm``, ``adam_norm`` and ``trust_ratio`` (0-d tensors) for logging.
     """
 
