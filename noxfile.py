@@ -11,7 +11,7 @@
   nox -s test-wheel            the suite against the installed wheel, from outside the source tree
   nox -s demo                  every examples/quickstart*.py against the installed wheel
   nox -s kernels               torch-free kernel tests on every Python in PYTHON_VERSIONS (numpy only)
-  nox -s lint | bench          ruff (+ hadolint once docker/ has Dockerfiles) | python bench/run.py <posargs>
+  nox -s lint | bench          ruff + hadolint on docker/Dockerfile.* | python bench/run.py <posargs>
   nox -s tests -- --device npu the suite on the emulated npu device (tests/npu_emulator, built and cached)
   nox -s npu-matrix            NPU training matrix on the emulated npu -> .cache/npu-matrix/matrix.{md,json}
 

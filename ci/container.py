@@ -12,7 +12,7 @@ Base images, two paths:
   and beside it on the host (.cache/release/images/*.json); the release SBOM lists it. Images are cached under a key
   over everything that went into them (suite, arch, packages, interpreters, this recipe's version).
   * the build image (amd64, ci/matrix.toml [local] build_suite) also carries this machine's CPython interpreters
-    (pyenv) under /opt/python/cpXY-cpXY, the manylinux layout, so docker/wheel.Dockerfile serves both paths;
+    (pyenv) under /opt/python/cpXY-cpXY, the manylinux layout, so docker/Dockerfile.wheel serves both paths;
   * arm64 test userlands (bullseye 3.9, bookworm 3.11, trixie 3.13) are bootstrapped under qemu-user-static.
 
 CLI (also what the nox sessions call):
