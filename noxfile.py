@@ -177,7 +177,7 @@ def show_install(session: nox.Session, *extra: str) -> None:
 # -------------------------------------------------------------------------------------------------------- sessions
 @nox.session(python=MAIN_PYTHON, default=False)
 def lint(session: nox.Session) -> None:
-    """ruff on every Python file; hadolint on docker/**/Dockerfile* once there are any."""
+    """ruff on every Python file; hadolint on docker/**/Dockerfile*."""
     session.install(*group("lint"))
     session.run("ruff", "check", *(session.posargs or ["."]))
     dockerfiles = sorted(glob.glob(str(ROOT / "docker" / "**" / "Dockerfile*"), recursive=True))
