@@ -207,7 +207,10 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         profiled = None
         if profile == "all" or (profile == "missed" and missed):
             progress.stage(f"profile: {entry.name} [{entry.regime}]")
-            profiled = phases.profile_calls(calls["ours"], sync, steps=2 if ctx.quick else 3)
+            try:
+                profiled = phases.profile_calls(calls["ours"], sync, calls=2 if ctx.quick else 3)
+            except Exception as exc:  # a profile is diagnostics: its failure must not lose the timings
+                log.warning("%s: the profile run failed (%s: %s)", entry.key, type(exc).__name__, exc)
         extra = dict(state.get("record") or {})
     finally:
         if entry.teardown is not None:
