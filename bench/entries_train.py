@@ -22,7 +22,9 @@ fresh Trainer (built untimed); the recorded time is the run's own ``train_runtim
                        with the auto backend; with ``half_precision_backend="apex"`` it requires
                        ``is_apex_available()``: apex installed as a distribution (package metadata), which a
                        checkout on ``sys.path`` is not, so this row runs only against an installed apex (as ``nox
-                       -s bench`` does) and is skipped otherwise.
+                       -s bench`` does) and is skipped otherwise. (On cuda, transformers also leaves
+                       ``ACCELERATE_MIXED_PRECISION=fp16`` for the apex backend, so accelerate's autocast wraps the
+                       forward as well: what users of that backend get.)
 """
 
 from __future__ import annotations
@@ -225,6 +227,9 @@ def _build_trainer(st: Dict[str, Any], side: str) -> None:
     _deinit_amp(st)
     torch.manual_seed(ctx.seed)
     model = tf.GPT2LMHeadModel(st["config"])
+    # TrainingArguments starts from this variable and leaves its choice in it; accelerate reads it. Reset, so that
+    # each run's precision comes from its own arguments, not from the run before it.
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
     args = tf.TrainingArguments(
         output_dir=st["out_dir"], max_steps=size["steps"], per_device_train_batch_size=size["batch"],
         learning_rate=1e-4, weight_decay=1e-2, lr_scheduler_type="constant", seed=ctx.seed, data_seed=ctx.seed,
