@@ -29,13 +29,16 @@ fresh Trainer (built untimed); the recorded time is the run's own ``train_runtim
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import io
 import logging
 import math
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -242,7 +245,11 @@ def _train(side: str):
     def run(st):
         trainer = st["trainer"].pop(side)
         try:
-            out = trainer.train()
+            # quiet runs: amp.initialize (called by the Trainer with its default verbosity) prints its options,
+            # and transformers warns about the scheduler order once amp has wrapped optimizer.step
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = trainer.train()
         finally:
             if side == "ours":
                 _deinit_amp(st)  # amp patches torch globally: never leave it on for the reference's run
