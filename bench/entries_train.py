@@ -245,11 +245,17 @@ def _train(side: str):
     def run(st):
         trainer = st["trainer"].pop(side)
         try:
-            # quiet runs: amp.initialize (called by the Trainer with its default verbosity) prints its options,
+            # quiet runs: amp.initialize (called by the Trainer with its default verbosity) logs its options,
             # and transformers warns about the scheduler order once amp has wrapped optimizer.step
-            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                out = trainer.train()
+            amp_log = logging.getLogger("apex.amp")
+            level = amp_log.level
+            amp_log.setLevel(logging.WARNING)
+            try:
+                with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = trainer.train()
+            finally:
+                amp_log.setLevel(level)
         finally:
             if side == "ours":
                 _deinit_amp(st)  # amp patches torch globally: never leave it on for the reference's run
