@@ -344,7 +344,8 @@ def bench(session: nox.Session) -> None:
         session.error(f"bench: {entry.relative_to(ROOT)} (the benchmark entry point) does not exist")
     session.env["APEX_REQUIRE_EXT"] = "1"
     install_torch(session)
-    session.install(*group("bench"))
+    # the hf group (transformers + accelerate, pinned) drives the Trainer entries (bench/entries_train.py)
+    session.install(*group("bench"), *group("hf"))
     # timm is an outside peer for LAMB / AdamP / RMSpropTF. Its package __init__ needs torchvision, which has no
     # CPU wheel for the pinned torch on PyPI; the bench imports only timm's optimizer modules (torch alone).
     session.install("--no-deps", TIMM)

@@ -1,4 +1,4 @@
-"""Entries of the amp issue: the AMP optimizer step, O2's master update + model copy, end-to-end training.
+"""AMP entries: the AMP optimizer step, O2's master update + model copy, end-to-end training.
 
 AMP step: what runs between ``scaled_loss.backward()`` and the next iteration. Ours: the ``scale_loss`` exit
 (one unscale + non-finite pass per combined grad buffer, the scale update) and ``step()`` of NpuFusedAdamW under
@@ -195,7 +195,7 @@ def register(reg: Registry) -> None:
                 target_ratio=target,
                 group="amp",
             ))
-    # The issue's reference is "the same math in torch ops": torch's AdamW as torch runs it by default (foreach
+    # The reference is "the same math in torch ops": torch's AdamW as torch runs it by default (foreach
     # ops) plus the copy. Against torch's fused AdamW kernel the bound is bandwidth (30 vs 34 B/param, so at best
     # ~0.88), hence that comparison is reported without a target.
     for fused in (False, True):

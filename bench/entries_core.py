@@ -1,4 +1,4 @@
-"""Entries of the foundation issue: gradient unscale + non-finite check (what amp does every step).
+"""Core entries: gradient unscale + non-finite check (what amp does every step).
 
 Ours: one ``apex._core.scale_`` call over a flat (combined) fp32 buffer: multiplies in place and reports
 whether any value was inf/nan, in one memory pass. Reference: ``torch._amp_foreach_non_finite_check_and_unscale_``,
@@ -81,7 +81,7 @@ def _setup(ctx: Context, regime: str):
 
 
 def register(reg: Registry) -> None:
-    # issue 2 asks ratio <= 1.0 on the flat buffer; on the other regimes we must not be slower either
+    # ratio <= 1.0 on the flat buffer; on the other regimes we must not be slower either
     regimes = [
         ("flat", "one flat tensor", "the same flat tensor"),
         ("model-145", "model-145 (GPT-like)", "per-param tensors"),

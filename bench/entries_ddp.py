@@ -1,4 +1,4 @@
-"""Entries of issue 5: one data-parallel training step on 2 ranks (CPU, gloo), ours vs torch DDP.
+"""Data-parallel entries: one data-parallel training step on 2 ranks (CPU, gloo), ours vs torch DDP.
 
 The bench process is rank 0; setup spawns rank 1, which runs the same step
 whenever rank 0 runs one (a pipe carries "ours" / "ref" and the "done" answer),

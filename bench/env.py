@@ -50,6 +50,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "asimd", "sve")
+
+
+def _cpu_simd_flags() -> list:
+    """The SIMD extensions the CPU reports (/proc/cpuinfo flags / Features) among those kernels care about."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def _git_commit() -> Optional[str]:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -76,6 +91,7 @@ def machine_info(device: str) -> dict:
     info = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu_model": _cpu_model(),
+        "cpu_simd_flags": _cpu_simd_flags(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "mem_total_gib": _mem_total_gib(),

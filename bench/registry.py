@@ -43,6 +43,12 @@ the standard regimes come from ``bench.shapes``. Example, an optimizer entry for
 scale and its inverse, or use tiny learning rates) so that no run drifts into denormals, which are slow on
 x86 and would distort the timings. The first call of each is timed separately (``first_ms``: combining,
 lazy state allocation).
+
+Work that belongs to the round but not to the measurement (fresh gradient tensors as autograd would create them,
+a forward/backward before a step, building a Trainer) goes into ``before_ours`` / ``before_ref``: called on the
+state right before every call of ``ours`` / ``torch_ref`` (first call, warmups and timed rounds), never timed.
+An entry whose callables measure themselves (a Trainer's ``train_runtime``) sets ``self_timed``: they return
+seconds, which replace the wall time around the call.
 """
 
 from __future__ import annotations
@@ -76,7 +82,14 @@ class Entry:
     directly with the copy/axpy roofline measured in the same run.
     executor: label of the code path ours ran on (a string, or a callable on the state, e.g. "apex_C/avx512").
     target_ratio: pass when median(ours) / median(torch_ref) <= target_ratio (0.1 means "10x faster").
+    target_roofline: pass when ours' GB/s >= target_roofline x the run's roofline (0.9 means "90% of it").
     verify(state): optional; raises AssertionError when ours and torch_ref disagree (run once, before timing).
+    before_ours / before_ref(state): untimed preparation before every call of ours / torch_ref.
+    self_timed: ours / torch_ref return the seconds to record (instead of the wall time around the call).
+    rounds / warmup: caps on the run's rounds / warmups for entries whose one call is itself long (a whole
+    training run); None = the run's values.
+    zero_grad: the gradient pattern the entry reproduces: "set_to_none" (fresh grad tensors every step, torch's
+    default) or "kept" (grads stay in place, zero_grad(set_to_none=False)); "" where it does not apply.
     """
 
     name: str
@@ -94,6 +107,13 @@ class Entry:
     group: str = ""
     notes: str = ""
     devices: tuple = ("cpu", "cuda", "npu")
+    target_roofline: Optional[float] = None
+    before_ours: Optional[Callable[[Dict[str, Any]], None]] = None
+    before_ref: Optional[Callable[[Dict[str, Any]], None]] = None
+    self_timed: bool = False
+    rounds: Optional[int] = None
+    warmup: Optional[int] = None
+    zero_grad: str = ""
 
     @property
     def key(self) -> str:
@@ -109,6 +129,9 @@ class Registry:
             raise TypeError(f"Registry.add: expected a bench.registry.Entry, got {type(entry).__name__}")
         if any(e.key == entry.key for e in self.entries):
             raise ValueError(f"Registry.add: duplicate entry {entry.key!r}")
+        if entry.zero_grad not in ("", "set_to_none", "kept"):
+            raise ValueError(f"Registry.add: {entry.key}: zero_grad must be '', 'set_to_none' or 'kept', got "
+                             f"{entry.zero_grad!r}")
         if entry.bytes_per_param <= 0:
             raise ValueError(f"Registry.add: {entry.key}: bytes_per_param must be > 0, got {entry.bytes_per_param}")
         self.entries.append(entry)

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from bench import phases
+
 log = logging.getLogger("bench")
 
 
@@ -25,11 +27,46 @@ def _timing(t: dict) -> str:
     return f"{_ms(t['median_s'])} [{_ms(t['p10_s'])}-{_ms(t['p90_s'])}]"
 
 
+def _mark(ok) -> str:
+    return "✅" if ok else "❌"
+
+
 def _target(e: dict) -> str:
-    if e["target_ratio"] is None:
-        return ""
-    want = f"≤ {e['target_ratio']:g}x"
-    return f"{want} {'✅' if e['target_met'] else '❌'}"
+    parts = []
+    if e["target_ratio"] is not None:
+        parts.append(f"≤ {e['target_ratio']:g}x {_mark(e['target_met'])}")
+    if e.get("target_roofline") is not None:
+        parts.append(f"≥ {100 * e['target_roofline']:.0f}% roofline {_mark(e.get('target_roofline_met'))}")
+    return "; ".join(parts)
+
+
+READING = """\
+## How to read this
+
+- **Two zero_grad modes.** Optimizer rows come in pairs. The headline row (plain name, e.g. `AdamW`) is what
+  users run: torch's default `optimizer.zero_grad()` / `model.zero_grad()` sets every grad to None, so each
+  backward hands the optimizer freshly allocated grad tensors (transformers' `Trainer` calls `model.zero_grad()`
+  after every step). The bench reproduces it on both sides: before every call, untimed, new tensors are allocated
+  and assigned to `p.grad` as autograd would; the timed call is `step()` followed by `zero_grad()`. The `, grads
+  kept` row is the special case `zero_grad(set_to_none=False)`: the grads stay where they are (for ours, inside
+  the combined grad buffer) and only `step()` is timed.
+- **Targets.** `ours/ref` is the ratio of medians against torch in the same run (torch's fused kernel for
+  Adam/AdamW/SGD, its foreach or for-loop peer for the others). `% roofline` compares ours' GB/s, from the minimal
+  bytes the math moves, with the copy/axpy bandwidth measured in the same run; the headline rows on the large
+  model carry a roofline target as well as a ratio target.
+- **Real backward.** The GPT-like rows take their grads from `loss.backward()` after `model.zero_grad()`: the
+  whole iteration, and the step alone within that loop (the forward/backward before it untimed).
+- **Trainer.** The `Trainer` rows run transformers' `Trainer.train()` on a GPT-2 built in code (random tokens,
+  no downloads, no checkpoints, no reporting, fixed seeds) and compare its own `train_runtime`: `optim=
+  "adamw_apex_fused"` against `"adamw_torch_fused"` (fp32 and `bf16=True`), and the apex amp backend (`fp16=True,
+  half_precision_backend="apex"`) against torch amp. Each timed call is a whole training run of 40+ steps, so
+  these rows run fewer rounds (recorded per entry).
+- **Profiles.** When an entry misses a target, a few calls of ours run under cProfile (the same untimed
+  preparation outside it) and the report lists where the time goes: self time per category (apex_C kernels,
+  torch ops, apex Python, other), apex's Python functions by cumulative time (the step's phases: checks, grad
+  adoption, the kernel call) and the functions with the most self time. cProfile adds a cost per Python call:
+  compare the phases with each other, not with the timed median.
+"""
 
 
 def markdown(result: dict, png_name: Optional[str]) -> str:
@@ -41,11 +78,11 @@ def markdown(result: dict, png_name: Optional[str]) -> str:
         + (" --quick (smoke run: small sizes, few rounds — not a measurement)" if cfg["quick"] else "")
         + f" on {m['date_utc']}. Do not edit by hand: rerun to refresh.",
         "",
-        f"- Machine: {m['cpu_model']}, {m['cpu_affinity'] or m['cpu_count']} cores usable, "
-        f"{m['mem_total_gib']} GiB; {m['platform']}",
+        f"- Machine: {m['cpu_model']} (SIMD: {', '.join(m.get('cpu_simd_flags') or []) or '?'}), "
+        f"{m['cpu_affinity'] or m['cpu_count']} cores usable, {m['mem_total_gib']} GiB; {m['platform']}",
         f"- Software: Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), apex {m['apex']} "
-        f"(apex_C: {m['simd_level'] or 'not loaded'}; supported: {', '.join(m['simd_levels_supported']) or '-'}), "
-        f"commit {m['git_commit'] or '?'}",
+        f"(apex_C SIMD level: {m['simd_level'] or 'not loaded'}; supported: "
+        f"{', '.join(m['simd_levels_supported']) or '-'}), commit {m['git_commit'] or '?'}",
         f"- Device: {m['device']}{' (' + m['device_name'] + ')' if m.get('device_name') else ''}. "
         f"Load average at start / end: {_load(m.get('loadavg_start'))} / {_load(result.get('loadavg_end'))}"
         + (" — the machine was shared, numbers may be noisy" if _busy(m, result) else ""),
@@ -72,11 +109,25 @@ def markdown(result: dict, png_name: Optional[str]) -> str:
             f"{e['peak_rss_mib']:.0f} |"
         )
     notes = [f"- {e['name']} [{e['regime']}]: {e['notes']}" for e in result["entries"] if e.get("notes")]
+    notes += [f"- {e['name']} [{e['regime']}]: {_extra(e['extra'])}" for e in result["entries"] if e.get("extra")]
+    notes += [f"- {e['name']} [{e['regime']}]: {e['rounds']} rounds, {e['warmup']} warmups"
+              for e in result["entries"] if e.get("rounds") is not None and e["rounds"] != cfg["rounds"]]
     if notes:
         lines += ["", "Notes:", *notes]
+    profiled = [e for e in result["entries"] if e.get("profile")]
+    if profiled:
+        lines += ["", "## Where our time goes (entries that missed a target)", ""]
+        for e in profiled:
+            lines.append(f"- {e['name']} [{e['regime']}] (median {_ms(e['ours']['median_s'])} ms):")
+            lines += phases.format_profile(e["profile"])
+    lines += ["", READING.rstrip("\n")]
     if png_name:
         lines += ["", f"![ours vs torch]({png_name})"]
     return "\n".join(lines) + "\n"
+
+
+def _extra(extra: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
 
 
 def _size(e: dict) -> str:

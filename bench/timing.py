@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from bench import env
+from bench import env, phases
 from bench.registry import Context, Entry
 
 log = logging.getLogger("bench")
@@ -53,12 +53,32 @@ def make_sync(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+class Call:
+    """A timed callable, with untimed preparation before it; `self_timed`: it returns its own seconds."""
+
+    def __init__(self, fn: Callable[[], object], prepare: Optional[Callable[[], None]] = None,
+                 self_timed: bool = False):
+        self.fn, self.prepare, self.self_timed = fn, prepare, self_timed
+
+
+def _as_call(fn) -> Call:
+    return fn if isinstance(fn, Call) else Call(fn)
+
+
+def _timed(fn, sync: Callable[[], None]) -> float:
+    call = _as_call(fn)
+    if call.prepare is not None:
+        call.prepare()
     sync()
     t0 = time.perf_counter_ns()
-    fn()
+    out = call.fn()
     sync()
-    return (time.perf_counter_ns() - t0) / 1e9
+    wall = (time.perf_counter_ns() - t0) / 1e9
+    if call.self_timed:
+        if not isinstance(out, (int, float)) or out <= 0:
+            raise TypeError(f"a self-timed benchmark callable must return its seconds (> 0), got {out!r}")
+        return float(out)
+    return wall
 
 
 def stats(samples: List[float]) -> Dict[str, float]:
@@ -72,14 +92,18 @@ def stats(samples: List[float]) -> Dict[str, float]:
     }
 
 
-def interleave(fns: Dict[str, Callable[[], object]], rounds: int, warmup: int, sync, progress: Progress,
+def interleave(fns: Dict[str, object], rounds: int, warmup: int, sync, progress: Progress,
                ) -> Dict[str, Dict[str, float]]:
-    """Warmups, then `rounds` rounds in which every function runs once; the order alternates every round so
-    that slow drift (frequency, other load) falls on all sides alike. GC is paused while timing."""
+    """Warmups, then `rounds` rounds in which every function (a callable or a `Call`) runs once; the order
+    alternates every round so that slow drift (frequency, other load) falls on all sides alike. GC is paused
+    while timing (preparations included, so a collection never lands in the next timed call)."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
-            fns[name]()
+            call = _as_call(fns[name])
+            if call.prepare is not None:
+                call.prepare()
+            call.fn()
             progress.step()
     samples: Dict[str, List[float]] = {name: [] for name in names}
     gc_was_enabled = gc.isenabled()
@@ -125,9 +149,32 @@ def entry_steps(rounds: int, warmup: int) -> int:
     return 2 + 2 * (rounds + warmup)
 
 
-def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Progress) -> Dict[str, object]:
-    """Times one entry; returns its result record (times in seconds, GB/s, memory in MiB)."""
+def entry_rounds(entry: Entry, rounds: int, warmup: int) -> tuple:
+    """The rounds and warmups an entry runs: the run's, capped by the entry's own."""
+    r = rounds if entry.rounds is None else min(rounds, entry.rounds)
+    w = warmup if entry.warmup is None else min(warmup, entry.warmup)
+    return r, w
+
+
+def _calls(entry: Entry, state: Dict[str, object]) -> Dict[str, Call]:
+    def bind(hook):
+        return None if hook is None else (lambda: hook(state))
+
+    return {
+        "ours": Call(lambda: entry.ours(state), bind(entry.before_ours), entry.self_timed),
+        "ref": Call(lambda: entry.torch_ref(state), bind(entry.before_ref), entry.self_timed),
+    }
+
+
+def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Progress,
+              profile: str = "missed", roofline_gbs: Optional[float] = None) -> Dict[str, object]:
+    """Times one entry; returns its result record (times in seconds, GB/s, memory in MiB).
+
+    profile: "missed" profiles a few calls of ours when the entry misses a target (ratio, or its share of
+    `roofline_gbs`, the roofline measured before the entries), "all" always, "none" never (bench/phases.py).
+    """
     sync = make_sync(ctx.device)
+    rounds, warmup = entry_rounds(entry, rounds, warmup)
     progress.stage(f"{entry.name} [{entry.regime}]")
     gc.collect()
     rss_before = env.rss_mib()
@@ -145,21 +192,32 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
             entry.verify(state)
             verified = True
         executor = entry.executor(state) if callable(entry.executor) else entry.executor
-        first_ours = _timed(lambda: entry.ours(state), sync)
+        calls = _calls(entry, state)
+        first_ours = _timed(calls["ours"], sync)
         progress.step()
-        first_ref = _timed(lambda: entry.torch_ref(state), sync)
+        first_ref = _timed(calls["ref"], sync)
         progress.step()
-        timings = interleave({"ours": lambda: entry.ours(state), "ref": lambda: entry.torch_ref(state)},
-                             rounds, warmup, sync, progress)
+        timings = interleave(calls, rounds, warmup, sync, progress)
         peak = env.peak_rss_mib()
+        ratio = timings["ours"]["median_s"] / timings["ref"]["median_s"]
+        gbytes = entry.bytes_per_param * numel / 1e9
+        missed = (entry.target_ratio is not None and ratio > entry.target_ratio) or (
+            entry.target_roofline is not None and roofline_gbs is not None
+            and gbytes / timings["ours"]["median_s"] < entry.target_roofline * roofline_gbs)
+        profiled = None
+        if profile == "all" or (profile == "missed" and missed):
+            progress.stage(f"profile: {entry.name} [{entry.regime}]")
+            try:
+                profiled = phases.profile_calls(calls["ours"], sync, calls=2 if ctx.quick else 3)
+            except Exception as exc:  # a profile is diagnostics: its failure must not lose the timings
+                log.warning("%s: the profile run failed (%s: %s)", entry.key, type(exc).__name__, exc)
+        extra = dict(state.get("record") or {})
     finally:
         if entry.teardown is not None:
             entry.teardown(state)
         state.clear()  # drops the entry's buffers before the next entry allocates its own
         gc.collect()
     ours, ref = timings["ours"], timings["ref"]
-    ratio = ours["median_s"] / ref["median_s"]
-    gbytes = entry.bytes_per_param * numel / 1e9
     return {
         "name": entry.name,
         "regime": entry.regime,
@@ -181,6 +239,13 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         "setup_s": setup_s,
         "target_ratio": entry.target_ratio,
         "target_met": None if entry.target_ratio is None else ratio <= entry.target_ratio,
+        "target_roofline": entry.target_roofline,
+        "zero_grad": entry.zero_grad,
+        "rounds": rounds,
+        "warmup": warmup,
+        "self_timed": entry.self_timed,
+        "profile": profiled,
+        "extra": extra,
         "verified": verified,
         "rss_before_mib": rss_before,
         "peak_rss_mib": peak,
