@@ -299,7 +299,12 @@ def state_dict(destination=None):
 
 
 def load_state_dict(state_dict):
-    """Restore the loss scalers from :func:`state_dict` output; everything is checked before anything is set."""
+    """Restore the loss scalers from :func:`state_dict` output; everything is checked before anything is set.
+
+    Raises RuntimeError for keys other than ``loss_scalerN``, TypeError for an entry that is not a
+    ``{"loss_scale", "unskipped"}`` dict or holds a non-number, ValueError for a non-finite or
+    non-positive scale or a negative count (see docs/amp.md, "Checkpoints").
+    """
     if not isinstance(state_dict, dict):
         raise TypeError(f"amp.load_state_dict: expected a dict, got {type(state_dict).__name__}")
     unexpected = [k for k in state_dict if not isinstance(k, str) or _KEY.match(k) is None]
@@ -311,17 +316,9 @@ def load_state_dict(state_dict):
     for key, entry in state_dict.items():
         idx = int(_KEY.match(key).group(1))
         if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
-            raise RuntimeError(f"Error(s) in loading state_dict: {key} must be a dict with 'loss_scale' and "
-                               f"'unskipped', got {entry!r}")
-        scale, unskipped = entry["loss_scale"], entry["unskipped"]
-        if isinstance(scale, torch.Tensor):
-            scale = scale.item()
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise RuntimeError(f"Error(s) in loading state_dict: {key}['loss_scale'] must be a positive number, "
-                               f"got {scale!r}")
-        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-            raise RuntimeError(f"Error(s) in loading state_dict: {key}['unskipped'] must be a non-negative int, "
-                               f"got {unskipped!r}")
+            raise TypeError(f"amp.load_state_dict: {key} must be a dict with 'loss_scale' and 'unskipped', "
+                            f"got {entry!r}")
+        scale, unskipped = LossScaler.check_state(key, entry["loss_scale"], entry["unskipped"])
         if idx >= len(scalers):
             logger.warning("apex.amp: skipping %s, since num_losses was set to %d", key, len(scalers))
             continue

@@ -34,6 +34,7 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ..contrib.combine_tensors import compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
+from ._state_check import PARAM_SHAPED, STEP, check_unique_params, validate_loaded_state
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -54,7 +55,9 @@ EXECUTORS = ("auto", "torch", "torch_ops")
 
 
 def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False,
-                 hi_open: bool = True) -> None:
+                 hi_open: bool = True, allow_inf: bool = False) -> None:
+    """``value`` in the interval; NaN is always rejected, infinity unless ``allow_inf`` (an infinite lr
+    or weight decay turns every param into inf/NaN at the first step)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Invalid {name}: expected a scalar, got a tensor of shape {tuple(value.shape)}")
@@ -63,9 +66,9 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
-    if bad_lo or bad_hi or math.isnan(value):
+    if bad_lo or bad_hi or math.isnan(value) or (math.isinf(value) and not allow_inf):
         lo_s = f"{'(' if lo_open else '['}{lo}"
-        hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else "inf)"
+        hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else ("inf]" if allow_inf else "inf)")
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
 
 
@@ -212,9 +215,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
             )
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group after our checks: param kinds, a param listed twice (in this group or an
+        earlier one: ValueError naming both places), torch-only options and hyperparameter ranges."""
         params = group_params(param_group)
         if params is not None:
             self._check_params(params)
+            check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_torch_options(probe)
@@ -408,19 +414,38 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """torch.optim layout; views into combined buffers are cloned (compact checkpoints)."""
         return compact_state_dict(super().state_dict())
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load (states cast to each param's dtype/device); buffers are re-combined at the next step.
+    def _loaded_state_spec(self, group: dict) -> Dict[str, str]:
+        """Known per-param state names of a group (with its loaded options) and their kinds (see _state_check)."""
+        spec = {name: PARAM_SHAPED for name in self._state_names(group)}
+        spec["step"] = STEP  # also checked where the step lives in the group (a torch checkpoint's per-param step)
+        return spec
 
-        Options we do not implement (maximize, capturable, differentiable set) and out-of-range
-        hyperparameters are rejected before anything is changed.
-        """
+    def _check_loaded(self, state_dict: Any) -> None:
+        """Everything ``load_state_dict`` checks, before it changes anything (see `validate_loaded_state`)."""
+        name = type(self).__name__
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
-            raise TypeError("load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
-        for g in state_dict["param_groups"]:
+            raise TypeError(f"{name}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
+        probes = []
+        for gi, g in enumerate(state_dict["param_groups"] if isinstance(state_dict["param_groups"], list) else ()):
+            if not isinstance(g, dict):
+                raise TypeError(f"{name}.load_state_dict: param group {gi} must be a dict, got {type(g).__name__}")
             self._check_torch_options(g)
             probe = dict(self.defaults)
             probe.update({k: v for k, v in g.items() if k != "params"})
             self._validate_group(probe)
+            probes.append(probe)
+        validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: self._loaded_state_spec(probes[gi]))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load (states cast to each param's dtype/device); buffers are re-combined at the next step.
+
+        Rejected before anything is changed: options we do not implement (maximize, capturable,
+        differentiable set), out-of-range hyperparameters, and state entries a step could not use
+        (TypeError/ValueError naming the group, param index and key: a non-tensor, non-floating or
+        wrongly shaped state, a step that is not a finite count >= 0, an incomplete entry, ids no
+        group lists).
+        """
+        self._check_loaded(state_dict)
         super().load_state_dict(state_dict)
         for g in self.param_groups:
             for key, value in self.defaults.items():  # checkpoints of older versions lack newer options
