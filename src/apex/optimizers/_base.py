@@ -200,8 +200,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         devices = set()
+        seen: Dict[int, int] = {}
         for i, p in enumerate(params):
             check_param_kind(type(self).__name__, i, p)
+            j = seen.setdefault(id(p), i)
+            if j != i:  # e.g. appended to group["params"] after construction, which add_param_group cannot see
+                raise ValueError(f"{type(self).__name__}: param {i} of a param group is the same tensor as its "
+                                 f"param {j}; each param may appear only once")
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(
                     f"{type(self).__name__} supports float32, float16 and bfloat16 params; param {i} has {p.dtype}"
@@ -219,8 +224,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         earlier one: ValueError naming both places), torch-only options and hyperparameter ranges."""
         params = group_params(param_group)
         if params is not None:
-            self._check_params(params)
             check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
+            self._check_params(params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_torch_options(probe)
