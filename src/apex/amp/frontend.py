@@ -15,6 +15,7 @@ from ._amp_state import _amp_state, logger, maybe_log
 from ._casts import FunctionPatches
 from ._model import (
     InstancePatch,
+    StateDictHooks,
     check_models,
     check_params_fp32,
     convert_network,
@@ -135,6 +136,7 @@ def initialize(
     *,
     amp_dtype=None,
     fold_unscale=None,
+    fp32_state_dict=True,
 ):
     """Prepare models and optimizers for mixed-precision training (see docs/amp.md).
 
@@ -144,7 +146,8 @@ def initialize(
     low-precision dtype (default fp16 on cuda/npu, bf16 on cpu;
     ``APEX_AMP_DTYPE`` overrides the default), ``fold_unscale=True`` (with
     combine_grad) leaves the unscale to the optimizer's update when it can do
-    it in the same pass.
+    it in the same pass. ``fp32_state_dict=False`` keeps ``model.state_dict()`` in the model's
+    dtype under O2/O3 (by default its fp16/bf16 entries are saved as fp32, as NVIDIA's amp does).
     """
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"amp.initialize: verbosity must be an int, got {type(verbosity).__name__}")
@@ -175,6 +178,8 @@ def initialize(
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
         if opt_list.index(opt) != i:
             raise RuntimeError(f"optimizer {i} appears twice in the list passed to amp.initialize")
+    if not isinstance(fp32_state_dict, bool):
+        raise TypeError(f"amp.initialize: fp32_state_dict must be a bool, got {fp32_state_dict!r}")
     num_losses = _check_int("num_losses", num_losses, 1)
     scale_window = _check_int("scale_window", scale_window, 1)
     ddp_replica_count = _check_int("ddp_replica_count", ddp_replica_count, 1)
@@ -243,6 +248,15 @@ def initialize(
     if props.cast_model_type:
         for model in model_list:
             convert_network(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
+            if fp32_state_dict:
+                session.model_patches.append(StateDictHooks(model))
+        if not props.master_weights:
+            # existing optimizer state (e.g. a checkpoint loaded before initialize) follows its params' new dtype,
+            # as a checkpoint loaded after initialize would (torch casts states to the param dtype at load).
+            # Under master weights the states move to the fp32 masters instead (make_masters), unrounded.
+            for opt in opt_list:
+                if opt.state:
+                    opt.load_state_dict(opt.state_dict())
         output_dtype = cast_model_outputs if cast_model_outputs is not None else torch.float32
         for model in model_list:
             session.model_patches.append(patch_forward(model, session, props.cast_model_type, output_dtype,

@@ -50,6 +50,9 @@ _TORCH_ONLY_OPTIONS = {
 }
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
 
+#: where an amp O2 optimizer checkpoint keeps the fp32 masters (apex.amp's key)
+AMP_MASTERS_KEY = "apex_amp_master_params"
+
 #: values of `CombinedOptimizer.executor`
 EXECUTORS = ("auto", "torch", "torch_ops")
 
@@ -176,6 +179,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._executor = "auto"
         self.apex_grad_scale: Optional[float] = None
         self._model_pairs: Optional[Dict[int, torch.Tensor]] = None
+        # fp32 masters of an amp O2 checkpoint loaded before amp.initialize (taken by its master creation)
+        self.loaded_amp_masters: Optional[List[Optional[torch.Tensor]]] = None
 
     def __setstate__(self, state: dict) -> None:
         # unpickling / deepcopy restore torch's fields only: flat buffers are rebuilt at the next step
@@ -441,6 +446,22 @@ class CombinedOptimizer(torch.optim.Optimizer):
             probes.append(probe)
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: self._loaded_state_spec(probes[gi]))
 
+    def _check_loaded_masters(self, saved: Any) -> Optional[List[Optional[torch.Tensor]]]:
+        """An amp O2 checkpoint's masters (one entry per param, None where the param was its own master)."""
+        if saved is None:
+            return None
+        params = [p for g in self.param_groups for p in g["params"]]
+        name = type(self).__name__
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(params):
+            raise ValueError(f"{name}.load_state_dict: '{AMP_MASTERS_KEY}' must be a list of {len(params)} entries "
+                             f"(one per param), got {saved!r:.80}")
+        for i, (p, m) in enumerate(zip(params, saved)):
+            if m is not None and (not isinstance(m, torch.Tensor) or not m.is_floating_point() or m.shape != p.shape):
+                raise ValueError(f"{name}.load_state_dict: '{AMP_MASTERS_KEY}' entry {i}: expected None or a floating "
+                                 f"tensor of shape {tuple(p.shape)}, got {m!r:.80}")
+        return [None if m is None else m.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                for p, m in zip(params, saved)]
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load (states cast to each param's dtype/device); buffers are re-combined at the next step.
 
@@ -451,7 +472,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         group lists).
         """
         self._check_loaded(state_dict)
+        masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
         super().load_state_dict(state_dict)
+        self.loaded_amp_masters = masters
         for g in self.param_groups:
             for key, value in self.defaults.items():  # checkpoints of older versions lack newer options
                 g.setdefault(key, value)
