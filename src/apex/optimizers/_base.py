@@ -34,7 +34,7 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ..contrib.combine_tensors import compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
-from ._state_check import PARAM_SHAPED, STEP, check_unique_params, validate_loaded_state
+from ._state_check import PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -67,9 +67,11 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
+    if math.isinf(value) and not allow_inf:
+        raise ValueError(f"Invalid {name}: expected a finite value, got {value}")
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
-    if bad_lo or bad_hi or math.isnan(value) or (math.isinf(value) and not allow_inf):
+    if bad_lo or bad_hi or math.isnan(value):
         lo_s = f"{'(' if lo_open else '['}{lo}"
         hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else ("inf]" if allow_inf else "inf)")
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
@@ -233,8 +235,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
             self._check_params(params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
-        self._check_torch_options(probe)
-        self._validate_group(probe)
+        with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
+            self._check_torch_options(probe)
+            self._validate_group(probe)
         super().add_param_group(param_group)
 
     def _check_torch_options(self, group: dict) -> None:
@@ -439,10 +442,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for gi, g in enumerate(state_dict["param_groups"] if isinstance(state_dict["param_groups"], list) else ()):
             if not isinstance(g, dict):
                 raise TypeError(f"{name}.load_state_dict: param group {gi} must be a dict, got {type(g).__name__}")
-            self._check_torch_options(g)
             probe = dict(self.defaults)
             probe.update({k: v for k, v in g.items() if k != "params"})
-            self._validate_group(probe)
+            with naming(f"{name}.load_state_dict: param group {gi}"):
+                self._check_torch_options(g)
+                self._validate_group(probe)
             probes.append(probe)
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: self._loaded_state_spec(probes[gi]))
 

@@ -9,8 +9,9 @@ entry that only fails (or silently gives NaN) at the next step is rejected here.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import torch
 
@@ -18,6 +19,15 @@ import torch
 PARAM_SHAPED = "param"  # a floating tensor of the param's shape
 STEP = "step"  # a finite count >= 0: a number or a 1-element real tensor
 SCALAR = "scalar"  # a finite number or 1-element floating tensor
+
+
+@contextlib.contextmanager
+def naming(where: str) -> Iterator[None]:
+    """TypeError / ValueError raised inside are re-raised (same type) with ``where: `` in front."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
 
 
 def check_unique_params(owner: str, groups: Sequence[dict], params: Sequence[Any], gi: int) -> None:

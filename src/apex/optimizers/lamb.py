@@ -33,7 +33,7 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind, group_params
 from ._flat import FlatSet
-from ._state_check import PARAM_SHAPED, SCALAR, STEP, check_unique_params, validate_loaded_state
+from ._state_check import PARAM_SHAPED, SCALAR, STEP, check_unique_params, naming, validate_loaded_state
 from .clip import grad_runs, healed_sets, total_grad_norm
 
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_moments", "lamb_trust_ratio"]
@@ -254,7 +254,8 @@ class Lamb(torch.optim.Optimizer):
             check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
-        _validate_lamb_group(probe)
+        with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
+            _validate_lamb_group(probe)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -262,12 +263,13 @@ class Lamb(torch.optim.Optimizer):
         name = type(self).__name__
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
             raise TypeError(f"{name}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
-        for g in state_dict["param_groups"]:
+        for gi, g in enumerate(state_dict["param_groups"]):
             if not isinstance(g, dict):
                 raise TypeError(f"{name}.load_state_dict: param groups must be dicts, got {type(g).__name__}")
             probe = dict(self.defaults)
             probe.update({k: v for k, v in g.items() if k != "params"})
-            _validate_lamb_group(probe)
+            with naming(f"{name}.load_state_dict: param group {gi}"):
+                _validate_lamb_group(probe)
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: _LAMB_STATE)
         super().load_state_dict(state_dict)
 
