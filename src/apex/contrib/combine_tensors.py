@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -470,19 +471,25 @@ def register_compact_state_dict_hook(target: Any) -> Any:
 _HOOKED_MARK = "_apex_state_dict_compacted"  # set on a param once the modules holding it have the hook
 
 
-def _own_bytes_view(t: torch.Tensor, memo: Dict[tuple, torch.Tensor]) -> torch.Tensor:
+# (storage, offset, size, stride, dtype) of a combined slot -> its live own-bytes view. Shared by all hooks, so a
+# param held by two modules (tied weights) gets one view, one storage: torch.save still writes it once. Weak
+# values: an entry lives as long as some state_dict holds the view (which keeps the slot's storage alive too).
+_slot_views: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _own_bytes_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` over a storage that is exactly the bytes it reaches (a storage slice: same memory, no copy)."""
     start = t.storage_offset() * t.element_size()
     nbytes = _extent(t) * t.element_size()
     key = (_storage_key(t), start, tuple(t.size()), tuple(t.stride()), t.dtype)
-    out = memo.get(key)  # tied weights: one storage, so torch.save still writes it once
+    out = _slot_views.get(key)
     if out is None:
         try:
             storage = t.untyped_storage()[start:start + nbytes]
             out = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.size(), t.stride())
         except (RuntimeError, TypeError, NotImplementedError):  # a backend without storage slices
             out = t.detach().clone()
-        memo[key] = out
+        _slot_views[key] = out
     return out
 
 
@@ -492,13 +499,12 @@ def _compact_module_state(module: torch.nn.Module, state_dict: dict, prefix: str
     Entries that are the live params or buffers (``keep_vars=True``) are left alone. A module-level
     function, so modules with the hook still pickle and deep-copy.
     """
-    memo: Dict[tuple, torch.Tensor] = {}
     for name, p in module._parameters.items():
         key = prefix + name
         v = state_dict.get(key) if p is not None else None
         if isinstance(v, torch.Tensor) and v is not p and not isinstance(v, torch.nn.Parameter) \
                 and _needs_compaction(v):
-            state_dict[key] = _own_bytes_view(v, memo)
+            state_dict[key] = _own_bytes_view(v)
 
 
 def _has_compact_hook(module: torch.nn.Module) -> bool:
