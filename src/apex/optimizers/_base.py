@@ -34,7 +34,7 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ..contrib.combine_tensors import compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
-from ._state_check import PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
+from ._state_check import COUNT, PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -430,7 +430,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _loaded_state_spec(self, group: dict) -> Dict[str, str]:
         """Known per-param state names of a group (with its loaded options) and their kinds (see _state_check)."""
         spec = {name: PARAM_SHAPED for name in self._state_names(group)}
-        spec["step"] = STEP  # also checked where the step lives in the group (a torch checkpoint's per-param step)
+        # per-param steps: required beside the states in torch's layout; in NVIDIA's (group step) only checked,
+        # since a torch checkpoint loaded into an NVIDIA-style optimizer carries them
+        spec["step"] = COUNT if self._has_step else STEP
         return spec
 
     def _check_loaded(self, state_dict: Any) -> None:

@@ -18,6 +18,9 @@ import torch
 #: kinds of state entries (`validate_loaded_state`'s ``spec`` values)
 PARAM_SHAPED = "param"  # a floating tensor of the param's shape
 STEP = "step"  # a finite count >= 0: a number or a 1-element real tensor
+COUNT = "count"  # a STEP that an entry with param-shaped states must have (torch's per-param layout)
+
+_FLOAT32_MAX = 3.4028234663852886e38  # steps are kept as float32 (as torch keeps them)
 SCALAR = "scalar"  # a finite number or 1-element floating tensor
 
 
@@ -68,8 +71,9 @@ def _real_number(value: Any, what: str) -> float:
 def check_step_value(value: Any, what: str) -> None:
     """A step count: finite and >= 0 (bias corrections and schedules divide by or raise to it)."""
     v = _real_number(value, what)
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{what}: expected a finite step count >= 0, got {v}")
+    if not math.isfinite(v) or v < 0 or v > _FLOAT32_MAX:
+        raise ValueError(f"{what}: expected a finite step count >= 0 (at most {_FLOAT32_MAX:.4g}, kept as float32), "
+                         f"got {v}")
 
 
 def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
@@ -80,7 +84,7 @@ def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
             raise TypeError(f"{what}: expected a floating point tensor, got dtype {value.dtype}")
         if value.shape != p.shape:
             raise ValueError(f"{what}: expected shape {tuple(p.shape)} (the param's), got {tuple(value.shape)}")
-    elif kind == STEP:
+    elif kind in (STEP, COUNT):
         check_step_value(value, what)
     elif kind == SCALAR:
         v = _real_number(value, what)
@@ -93,7 +97,7 @@ def validate_loaded_state(owner: str, param_groups: List[dict], state_dict: Any,
     """Checks an optimizer state_dict against the optimizer's current groups; changes nothing.
 
     ``spec(gi, saved_group)`` gives the known state names of group ``gi`` and their kinds; other
-    names are kept as torch keeps them. Of the param-shaped names, an entry holds all or none.
+    names are kept as torch keeps them. Of the param-shaped and COUNT names, an entry holds all or none.
     """
     if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
         raise TypeError(f"{owner}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
@@ -132,7 +136,7 @@ def validate_loaded_state(owner: str, param_groups: List[dict], state_dict: Any,
         for name, kind in kinds.items():
             if name in entry:
                 _check_entry(f"{prefix}, key {name!r}", kind, entry[name], p)
-        shaped = [n for n, kind in kinds.items() if kind == PARAM_SHAPED]
+        shaped = [n for n, kind in kinds.items() if kind in (PARAM_SHAPED, COUNT)]
         present = [n for n in shaped if n in entry]
         if present and len(present) != len(shaped):
             missing = [n for n in shaped if n not in entry]

@@ -33,7 +33,7 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind, group_params
 from ._flat import FlatSet
-from ._state_check import PARAM_SHAPED, SCALAR, STEP, check_unique_params, naming, validate_loaded_state
+from ._state_check import COUNT, PARAM_SHAPED, SCALAR, check_unique_params, naming, validate_loaded_state
 from .clip import grad_runs, healed_sets, total_grad_norm
 
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_moments", "lamb_trust_ratio"]
@@ -221,7 +221,7 @@ class NpuFusedLamb(CombinedOptimizer):
 
 # ------------------------------------------------------------------ per-tensor reference
 #: Lamb's per-param state: moments, step count and the last norms kept for logging
-_LAMB_STATE = {"exp_avg": PARAM_SHAPED, "exp_avg_sq": PARAM_SHAPED, "step": STEP, "weight_norm": SCALAR,
+_LAMB_STATE = {"exp_avg": PARAM_SHAPED, "exp_avg_sq": PARAM_SHAPED, "step": COUNT, "weight_norm": SCALAR,
                "adam_norm": SCALAR, "trust_ratio": SCALAR}
 
 
