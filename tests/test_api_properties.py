@@ -60,7 +60,7 @@ hyper = st.fixed_dictionaries({
 })
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=10)
 @given(kind=st.sampled_from(sorted(TWINS)), shape_list=shapes, h=hyper, dtype=st.sampled_from(["float32", "bfloat16"]),
        steps=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_optimizers_match_torch(kind, shape_list, h, dtype, steps, seed):
