@@ -317,7 +317,7 @@ def load_state_dict(state_dict):
 
     Raises RuntimeError for keys other than ``loss_scalerN``, TypeError for an entry that is not a
     ``{"loss_scale", "unskipped"}`` dict or holds a non-number, ValueError for a non-finite or
-    non-positive scale or a negative count (see docs/amp.md, "Checkpoints").
+    non-positive scale or a negative count (see docs/amp.md, "Checkpointing").
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"amp.load_state_dict: expected a dict, got {type(state_dict).__name__}")
