@@ -50,6 +50,8 @@ _TORCH_ONLY_OPTIONS = {
 }
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 #: where an amp O2 optimizer checkpoint keeps the fp32 masters (apex.amp's key)
 AMP_MASTERS_KEY = "apex_amp_master_params"
 
@@ -67,8 +69,8 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
-    if math.isinf(value) and not allow_inf:
-        raise ValueError(f"Invalid {name}: expected a finite value, got {value}")
+    if abs(value) > _FLOAT32_MAX and not allow_inf:  # the update math runs in float32
+        raise ValueError(f"Invalid {name}: expected a finite value (at most {_FLOAT32_MAX:.4g}), got {value}")
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi or math.isnan(value):
