@@ -83,19 +83,29 @@ NOTES = {
         "`scale_growth_factor`, `scale_backoff_factor`, `scale_window`, `min_loss_scale`, `max_loss_scale`, "
         "`combine_grad`, `combine_ddp`, `ddp_replica_count`, `user_cast_preferred`, `check_combined_tensors`). "
         "New here: keyword-only `amp_dtype` (default bf16 on cpu, fp16 on cuda/npu; `APEX_AMP_DTYPE` overrides) "
-        "and `fold_unscale` (opt-in: the fused optimizer unscales inside its update)."),
+        "and `fold_unscale` (opt-in: the fused optimizer unscales inside its update). As NVIDIA's, O2/O3 models "
+        "return fp32 values from `state_dict()` (`fp32_state_dict=False` keeps the model dtype) and existing "
+        "optimizer state follows the params' new dtype; under O2 an apex optimizer that loaded an O2 checkpoint "
+        "before `initialize` keeps its masters, a torch optimizer gets a warning (docs/amp.md, Checkpointing)."),
     "apex.amp.scale_loss": (
         "Same contract as NVIDIA's: yields `loss.float() * scale`; on exit unscales, checks for inf/nan and "
         "updates the scale; an overflow skips the owning optimizers' next `step()`. With `combine_grad` the "
         "unscale + check is one pass over each combined grad buffer."),
     "apex.amp.state_dict": "Upstream's format, so checkpoints move between NVIDIA amp and this package.",
     "apex.amp.deinitialize": "Not in NVIDIA Apex or the NPU patch: undoes `initialize` (for tests and notebooks).",
-    "apex.amp.LossScaler": "Dynamic scaler with the NPU patch's tunables (init, growth, backoff, window, min, max).",
+    "apex.amp.LossScaler": (
+        "Dynamic scaler with the NPU patch's tunables (init, growth, backoff, window, min, max). Every value is "
+        "checked at construction and at `load` (non-finite or non-positive scales rejected); growth fires when the "
+        "clean-step count reaches or exceeds the window, so a loaded count above it resumes growth."),
     "apex.optimizers.CombinedOptimizer": (
         "Base class of every fused optimizer here. Params, grads and per-param states are combined lazily at the "
         "first step, per dtype and param group; `state[p]` entries stay views, so `state_dict()` has "
         "torch.optim's layout. Sharing broken by user code (`p.data = ...`, a new `p.grad`, `model.to(...)`) is "
-        "detected before the update and healed by re-combining."),
+        "detected before the update and healed by re-combining. Stricter than torch: a param listed twice (in one "
+        "group or two), infinite hyperparameters, and checkpoint states a step could not use (non-tensors, wrong "
+        "shapes or dtypes, steps that are not finite counts >= 0, incomplete entries) raise TypeError/ValueError "
+        "naming the group, param index and key, at construction, `add_param_group` or `load_state_dict`, with "
+        "nothing changed."),
     "apex.optimizers.NpuFusedAdam": (
         "NPU patch: required `amp.initialize`, fp16/fp32 only and raised on `zero_grad(set_to_none=True)`; this one "
         "works standalone, with bf16, and with either zero_grad. State dicts load to and from torch.optim.Adam."),
@@ -126,7 +136,8 @@ NOTES = {
         "apex.contrib.combine_tensors as ct; ct.combine_npu(...)`), and calling it calls this function."),
     "apex.contrib.compact_state_dict": (
         "Not in the NPU patch: saving a model or optimizer whose tensors are combined views would otherwise "
-        "write the whole flat buffer once per view."),
+        "write the whole flat buffer once per view. Modules holding combined params need no call: combining "
+        "hooks them, so their `state_dict()` is compact (and safetensors-compatible) by default, without a copy."),
     "apex.parallel.DistributedDataParallel": (
         "NVIDIA's arguments and bucket semantics (`message_size` is the minimum bucket size, whole params; "
         "`allreduce_trigger_params` set the bucket boundaries); built on torch.distributed (no home-made "
@@ -163,9 +174,9 @@ NOTES = {
     "apex.amp.register_promote_function": _register_note("promote_function"),
     "apex.amp.load_state_dict": (
         "NVIDIA: same format, so its amp checkpoints load; as there, unexpected keys raise RuntimeError and "
-        "entries beyond `num_losses` are skipped. Here every entry is validated first (a dict "
-        "with a positive `loss_scale`, a 1-element tensor accepted, and a non-negative int `unskipped`) and "
-        "nothing is set when one is bad; the warnings go to the `apex.amp` logger."),
+        "entries beyond `num_losses` are skipped. Here every entry is validated first (a dict with a finite "
+        "positive `loss_scale`, a 1-element tensor accepted, and an int `unskipped` >= 0; TypeError/ValueError "
+        "naming the key) and nothing is set when one is bad; the warnings go to the `apex.amp` logger."),
     "apex.amp.master_params": (
         "NVIDIA: same generator over the optimizer's param groups: the fp32 masters under O2, the model params "
         "otherwise. Their grads are unscaled when `scale_loss` exits, with or without `combine_grad`, so clip "

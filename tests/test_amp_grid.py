@@ -218,7 +218,7 @@ def forward_losses_amp(models, data, n_losses):
 
 def assert_same(models_a, models_b, exact=True, rtol=1e-5, atol=1e-6):
     for ma, mb in zip(models_a, models_b):
-        for (name, a), b in zip(ma.state_dict().items(), mb.state_dict().values()):
+        for (name, a), b in zip(ma.state_dict(keep_vars=True).items(), mb.state_dict(keep_vars=True).values()):
             assert a.dtype == b.dtype, name
             if exact:
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -147,17 +147,17 @@ def test_state_dict_format_and_load():
     assert amp.state_dict() == new
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"scaler0": {"loss_scale": 1.0, "unskipped": 0}}, "Unexpected key"),
-    ({"loss_scaler0": {"loss_scale": 1.0}}, "must be a dict with 'loss_scale' and 'unskipped'"),
-    ({"loss_scaler0": {"loss_scale": -1.0, "unskipped": 0}}, "must be a positive number"),
-    ({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0.5}}, "must be a non-negative int"),
+@pytest.mark.parametrize("bad,exc,match", [
+    ({"scaler0": {"loss_scale": 1.0, "unskipped": 0}}, RuntimeError, "Unexpected key"),
+    ({"loss_scaler0": {"loss_scale": 1.0}}, TypeError, "must be a dict with 'loss_scale' and 'unskipped'"),
+    ({"loss_scaler0": {"loss_scale": -1.0, "unskipped": 0}}, ValueError, "must be a finite positive number"),
+    ({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0.5}}, TypeError, "must be an int"),
 ])
-def test_load_state_dict_errors_change_nothing(bad, match):
+def test_load_state_dict_errors_change_nothing(bad, exc, match):
     amp.initialize(net(), opt_level="O1", num_losses=2, verbosity=0)
     before = amp.state_dict()
     good = {"loss_scaler1": {"loss_scale": 8.0, "unskipped": 1}}
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(exc, match=match):
         amp.load_state_dict({**good, **bad})
     assert amp.state_dict() == before
     with pytest.raises(TypeError, match="expected a dict"):

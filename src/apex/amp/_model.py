@@ -8,6 +8,7 @@ shadows the class method, removed again on teardown.
 from __future__ import annotations
 
 import types
+from itertools import chain
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -126,3 +127,29 @@ def patch_zero_grad(model: torch.nn.Module, on_zero: Callable[[Any, bool], None]
         on_zero(self, set_to_none)
 
     return InstancePatch(model, "zero_grad", types.MethodType(zero_grad, model))
+
+
+def _fp32_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post hook: the module's own fp16/bf16 params and buffers are saved as fp32 (NVIDIA's O2/O3 rule).
+
+    A checkpoint of a cast model then loads into an fp32 model, or back into a cast one (torch's
+    ``load_state_dict`` copies into the params, converting). Entries that are the live tensors
+    (``keep_vars=True``) are left as they are. Module-level, so hooked models still pickle.
+    """
+    for name, t in chain(module._parameters.items(), module._buffers.items()):
+        key = prefix + name
+        v = state_dict.get(key) if t is not None else None
+        if isinstance(v, torch.Tensor) and v is not t and v.dtype in _LOW_DTYPES:
+            state_dict[key] = v.float()
+
+
+class StateDictHooks:
+    """`_fp32_state_dict` on every module of a model; ``restore`` removes them (session teardown)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.handles = [m.register_state_dict_post_hook(_fp32_state_dict) for m in model.modules()]
+
+    def restore(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

@@ -134,18 +134,35 @@ class AmpStash:
                         f"Optimizer's parameters must be float32, float16 or bfloat16 for master weights; "
                         f"param {i} of group {gi} is {p.dtype}"
                     )
+        # masters of an O2 checkpoint loaded into an apex optimizer before amp.initialize: exact resume
+        loaded = getattr(opt, "loaded_amp_masters", None)
+        if loaded is not None:
+            opt.loaded_amp_masters = None
+            flat = [p for g in opt.param_groups for p in g["params"]]
+            if len(loaded) != len(flat):
+                loaded = None
+        if loaded is None and any(opt.state.get(p) for g in opt.param_groups for p in g["params"]):
+            logger.warning(
+                "apex.amp: %s has state before amp.initialize (e.g. a checkpoint loaded first); its fp32 master "
+                "weights are made from the model's %s weights, so a resumed O2 run is not bit-identical to the "
+                "saved one. Load the optimizer state after amp.initialize (or use an apex optimizer, which keeps "
+                "the checkpoint's masters) for an exact resume.", type(opt).__name__, self.session.low_dtype)
+        index = 0
         for group in opt.param_groups:
-            group["params"] = self._masters_for(group["params"])
+            n = len(group["params"])
+            group["params"] = self._masters_for(group["params"], loaded[index:index + n] if loaded else None)
+            index += n
         # Recast per-param state (e.g. from a loaded checkpoint) to the masters' dtype.
         opt.load_state_dict(opt.state_dict())
         self._attach()
 
-    def _masters_for(self, params) -> List[torch.Tensor]:
+    def _masters_for(self, params, loaded: Optional[List[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
         out = []
         opt = self.optimizer
-        for p in params:
+        for i, p in enumerate(params):
             if p.dtype in _LOW_DTYPES:
-                master = p.detach().clone().float()
+                saved = loaded[i] if loaded else None
+                master = saved.clone() if saved is not None else p.detach().clone().float()
                 master.requires_grad_(p.requires_grad)
                 if p in opt.state:
                     opt.state[master] = opt.state.pop(p)

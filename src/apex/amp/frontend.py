@@ -15,6 +15,7 @@ from ._amp_state import _amp_state, logger, maybe_log
 from ._casts import FunctionPatches
 from ._model import (
     InstancePatch,
+    StateDictHooks,
     check_models,
     check_params_fp32,
     convert_network,
@@ -135,6 +136,7 @@ def initialize(
     *,
     amp_dtype=None,
     fold_unscale=None,
+    fp32_state_dict=True,
 ):
     """Prepare models and optimizers for mixed-precision training (see docs/amp.md).
 
@@ -144,7 +146,8 @@ def initialize(
     low-precision dtype (default fp16 on cuda/npu, bf16 on cpu;
     ``APEX_AMP_DTYPE`` overrides the default), ``fold_unscale=True`` (with
     combine_grad) leaves the unscale to the optimizer's update when it can do
-    it in the same pass.
+    it in the same pass. ``fp32_state_dict=False`` keeps ``model.state_dict()`` in the model's
+    dtype under O2/O3 (by default its fp16/bf16 entries are saved as fp32, as NVIDIA's amp does).
     """
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"amp.initialize: verbosity must be an int, got {type(verbosity).__name__}")
@@ -175,6 +178,8 @@ def initialize(
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
         if opt_list.index(opt) != i:
             raise RuntimeError(f"optimizer {i} appears twice in the list passed to amp.initialize")
+    if not isinstance(fp32_state_dict, bool):
+        raise TypeError(f"amp.initialize: fp32_state_dict must be a bool, got {fp32_state_dict!r}")
     num_losses = _check_int("num_losses", num_losses, 1)
     scale_window = _check_int("scale_window", scale_window, 1)
     ddp_replica_count = _check_int("ddp_replica_count", ddp_replica_count, 1)
@@ -244,6 +249,15 @@ def initialize(
     if props.cast_model_type:
         for model in model_list:
             convert_network(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
+            if fp32_state_dict:
+                session.model_patches.append(StateDictHooks(model))
+        if not props.master_weights:
+            # existing optimizer state (e.g. a checkpoint loaded before initialize) follows its params' new dtype,
+            # as a checkpoint loaded after initialize would (torch casts states to the param dtype at load).
+            # Under master weights the states move to the fp32 masters instead (make_masters), unrounded.
+            for opt in opt_list:
+                if opt.state:
+                    opt.load_state_dict(opt.state_dict())
         output_dtype = cast_model_outputs if cast_model_outputs is not None else torch.float32
         for model in model_list:
             session.model_patches.append(patch_forward(model, session, props.cast_model_type, output_dtype,
@@ -313,7 +327,12 @@ def state_dict(destination=None):
 
 
 def load_state_dict(state_dict):
-    """Restore the loss scalers from :func:`state_dict` output; everything is checked before anything is set."""
+    """Restore the loss scalers from :func:`state_dict` output; everything is checked before anything is set.
+
+    Raises RuntimeError for keys other than ``loss_scalerN``, TypeError for an entry that is not a
+    ``{"loss_scale", "unskipped"}`` dict or holds a non-number, ValueError for a non-finite or
+    non-positive scale or a negative count (see docs/amp.md, "Checkpointing").
+    """
     if not isinstance(state_dict, dict):
         raise TypeError(f"amp.load_state_dict: expected a dict, got {type(state_dict).__name__}")
     unexpected = [k for k in state_dict if not isinstance(k, str) or _KEY.match(k) is None]
@@ -325,17 +344,9 @@ def load_state_dict(state_dict):
     for key, entry in state_dict.items():
         idx = int(_KEY.match(key).group(1))
         if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
-            raise RuntimeError(f"Error(s) in loading state_dict: {key} must be a dict with 'loss_scale' and "
-                               f"'unskipped', got {entry!r}")
-        scale, unskipped = entry["loss_scale"], entry["unskipped"]
-        if isinstance(scale, torch.Tensor):
-            scale = scale.item()
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise RuntimeError(f"Error(s) in loading state_dict: {key}['loss_scale'] must be a positive number, "
-                               f"got {scale!r}")
-        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-            raise RuntimeError(f"Error(s) in loading state_dict: {key}['unskipped'] must be a non-negative int, "
-                               f"got {unskipped!r}")
+            raise TypeError(f"amp.load_state_dict: {key} must be a dict with 'loss_scale' and 'unskipped', "
+                            f"got {entry!r}")
+        scale, unskipped = LossScaler.check_state(key, entry["loss_scale"], entry["unskipped"])
         if idx >= len(scalers):
             logger.warning("apex.amp: skipping %s, since num_losses was set to %d", key, len(scalers))
             continue

@@ -5,15 +5,63 @@ Dynamic scaling: an overflow (inf/nan in the gradients) multiplies the scale by
 steps; ``scale_window`` clean steps in a row multiply it by ``growth_factor``
 (never above ``max_loss_scale``). A static scale never changes and never asks
 for a step to be skipped.
+
+Every value that reaches a scaler is checked where it enters (constructor,
+``load``): a non-finite or non-positive scale would skip every later step (or
+silently zero the gradients), so it is rejected with nothing changed. A loaded
+count of clean steps at or above ``scale_window`` (a checkpoint written with a
+larger window) is accepted: the growth test is ``>=``, so the next clean step
+grows the scale and restarts the count.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+import torch
+
+
+def _number(where: str, name: str, value: Any) -> float:
+    """A real number (a 1-element tensor is read out); TypeError otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{where}: {name} must be a number, got a {value.dtype} tensor of shape "
+                            f"{tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: {name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _positive(where: str, name: str, value: Any) -> float:
+    value = _number(where, name, value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: {name} must be a finite positive number, got {value}")
+    return value
+
+
+def _count(where: str, name: str, value: Any, minimum: int) -> int:
+    """A non-negative int (an integral float or 1-element integer tensor is accepted)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value.item())
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return value
 
 
 class LossScaler:
+    """``loss_scale``: ``"dynamic"`` or a finite positive number (a static scale).
+
+    Raises TypeError/ValueError for a non-number or a non-finite / non-positive scale or factor,
+    ``scale_window`` < 1, ``growth`` < 1, ``backoff`` > 1, or ``min_loss_scale > max_loss_scale``.
+    """
+
     def __init__(
         self,
         loss_scale: Union[str, float],
@@ -24,17 +72,33 @@ class LossScaler:
         max_loss_scale: float = 2.0**24,
         backoff_factor: float = 0.5,
     ) -> None:
+        where = "LossScaler"
+        max_loss_scale = _positive(where, "max_loss_scale", max_loss_scale)
+        min_loss_scale = None if min_loss_scale is None else _positive(where, "min_loss_scale", min_loss_scale)
+        if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+            raise ValueError(f"{where}: min_loss_scale ({min_loss_scale}) is larger than max_loss_scale "
+                             f"({max_loss_scale})")
+        growth = _positive(where, "scale_factor", scale_factor)
+        if growth < 1.0:
+            raise ValueError(f"{where}: scale_factor must be >= 1, got {growth}")
+        backoff = _positive(where, "backoff_factor", backoff_factor)
+        if backoff > 1.0:
+            raise ValueError(f"{where}: backoff_factor must be in (0, 1], got {backoff}")
+        window = _count(where, "scale_window", scale_window, 1)
         if loss_scale == "dynamic":
             self.dynamic = True
-            self._loss_scale = float(min(max_loss_scale, init_scale))
+            scale = min(max_loss_scale, _positive(where, "init_scale", init_scale))
+        elif isinstance(loss_scale, str):
+            raise ValueError(f"{where}: loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
         else:
             self.dynamic = False
-            self._loss_scale = float(loss_scale)
-        self._max_loss_scale = float(max_loss_scale)
-        self._min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
-        self._scale_seq_len = int(scale_window)
-        self._growth_factor = float(scale_factor)
-        self._backoff_factor = float(backoff_factor)
+            scale = _positive(where, "loss_scale", loss_scale)
+        self._loss_scale = scale
+        self._max_loss_scale = max_loss_scale
+        self._min_loss_scale = min_loss_scale
+        self._scale_seq_len = window
+        self._growth_factor = growth
+        self._backoff_factor = backoff
         self._unskipped = 0
         self._has_overflow = False
 
@@ -63,7 +127,8 @@ class LossScaler:
         else:
             should_skip = False
             self._unskipped += 1
-        if self.dynamic and self._unskipped == self._scale_seq_len:
+        # >=: a count loaded from a run with a larger window still leads to growth (at the next clean step)
+        if self.dynamic and self._unskipped >= self._scale_seq_len:
             self._loss_scale = min(self._max_loss_scale, self._loss_scale * self._growth_factor)
             self._unskipped = 0
         return should_skip
@@ -71,9 +136,22 @@ class LossScaler:
     def state(self) -> dict:
         return {"loss_scale": self._loss_scale, "unskipped": self._unskipped}
 
+    @staticmethod
+    def check_state(key: str, loss_scale: Any, unskipped: Any) -> tuple:
+        """(scale, unskipped) validated; TypeError/ValueError naming ``key`` and the entry otherwise."""
+        where = "amp.load_state_dict"
+        return (_positive(where, f"{key}['loss_scale']", loss_scale),
+                _count(where, f"{key}['unskipped']", unskipped, 0))
+
     def load(self, loss_scale: float, unskipped: int) -> None:
-        self._loss_scale = float(loss_scale)
-        self._unskipped = int(unskipped)
+        """Sets the state after checking it (nothing changes when a value is rejected).
+
+        The scale is taken as saved, even outside [min_loss_scale, max_loss_scale]: the next
+        growth or backoff brings it back inside.
+        """
+        scale, count = self.check_state("loss_scale", loss_scale, unskipped)
+        self._loss_scale = scale
+        self._unskipped = count
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

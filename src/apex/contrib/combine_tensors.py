@@ -34,16 +34,28 @@ every tensor must start exactly at its planned slot (and be dense, of the
 buffer's dtype), so a tensor that was rebound elsewhere, or a list given in
 another order, is reported as invalid.
 
-Checkpoints: ``torch.save`` writes the whole storage behind a view, so saving
-a state_dict of combined parameters would write the whole buffer. Use
-:func:`compact_state_dict` or :func:`register_compact_state_dict_hook` to clone
-such views so the file holds only the tensors' own elements.
+Checkpoints: ``torch.save`` writes the whole storage behind a view, and
+``safetensors`` refuses tensors that share one. So when parameters are
+combined, every module that holds one of them gets a state-dict post hook
+(:func:`_compact_module_state`, installed once per module): its
+``state_dict()`` entries for those parameters become tensors over a storage
+that covers only their own bytes. These alias the parameters' memory exactly as
+torch's ``param.detach()`` entries do (no copy; ``keep_vars=True`` entries are
+the parameters themselves and stay as they are), so saving costs what it costs
+for an uncombined model and ``load_state_dict`` still copies into the combined
+slots. The modules are found once per combine, by a scan of the objects the
+garbage collector tracks (params do not know their modules).
+:func:`compact_state_dict` / :func:`register_compact_state_dict_hook` clone
+views of any other object (optimizer states: fused optimizers' ``state_dict``
+already returns clones).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
+import weakref
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -259,6 +271,7 @@ def combine_tensors(tensors: Iterable[torch.Tensor], require_copy_value: bool = 
         # Only now, with every allocation and copy done, are the inputs rebound.
         for view, t in zip(views, tensors):
             t.data = view
+    _hook_owning_modules(tensors)
     return buffer
 
 
@@ -454,6 +467,76 @@ def register_compact_state_dict_hook(target: Any) -> Any:
     raise TypeError(
         f"register_compact_state_dict_hook: expected an nn.Module or Optimizer, got {type(target).__name__}"
     )
+
+
+# ---------------------------------------------------------------- compact module state dicts by default
+
+_HOOKED_MARK = "_apex_state_dict_compacted"  # set on a param once the modules holding it have the hook
+
+
+# (storage, offset, size, stride, dtype) of a combined slot -> its live own-bytes view. Shared by all hooks, so a
+# param held by two modules (tied weights) gets one view, one storage: torch.save still writes it once. Weak
+# values: an entry lives as long as some state_dict holds the view (which keeps the slot's storage alive too).
+_slot_views: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _own_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over a storage that is exactly the bytes it reaches (a storage slice: same memory, no copy)."""
+    start = t.storage_offset() * t.element_size()
+    nbytes = _extent(t) * t.element_size()
+    key = (_storage_key(t), start, tuple(t.size()), tuple(t.stride()), t.dtype)
+    out = _slot_views.get(key)
+    if out is None:
+        try:
+            storage = t.untyped_storage()[start:start + nbytes]
+            out = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.size(), t.stride())
+        except (RuntimeError, TypeError, NotImplementedError):  # a backend without storage slices
+            out = t.detach().clone()
+        _slot_views[key] = out
+    return out
+
+
+def _compact_module_state(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post hook: the module's own param entries that view a larger storage become own-bytes views.
+
+    Entries that are the live params or buffers (``keep_vars=True``) are left alone. A module-level
+    function, so modules with the hook still pickle and deep-copy.
+    """
+    for name, p in module._parameters.items():
+        key = prefix + name
+        v = state_dict.get(key) if p is not None else None
+        if isinstance(v, torch.Tensor) and v is not p and not isinstance(v, torch.nn.Parameter) \
+                and _needs_compaction(v):
+            state_dict[key] = _own_bytes_view(v)
+
+
+def _has_compact_hook(module: torch.nn.Module) -> bool:
+    return any(h is _compact_module_state for h in module._state_dict_hooks.values())
+
+
+def _hook_owning_modules(tensors: Sequence[torch.Tensor]) -> None:
+    """Installs `_compact_module_state` on every module holding one of the combined params (once per module)."""
+    # Params are marked with an attribute (no weak references: torch's swap_tensors refuses tensors that have
+    # any), so a re-combine of the same params costs no scan.
+    params = [t for t in tensors if isinstance(t, torch.nn.Parameter) and not t.__dict__.get(_HOOKED_MARK)]
+    if not params:
+        return
+    ids = {id(p) for p in params}
+    is_module: Dict[type, bool] = {}
+    for obj in gc.get_objects():
+        kind = type(obj)
+        flag = is_module.get(kind)
+        if flag is None:
+            flag = is_module[kind] = issubclass(kind, torch.nn.Module)
+        if not flag:
+            continue
+        own = obj.__dict__.get("_parameters")
+        if own and not _has_compact_hook(obj) and any(id(v) in ids for v in own.values()):
+            register = getattr(obj, "register_state_dict_post_hook", None)
+            if register is not None:  # torch >= 2.2
+                register(_compact_module_state)
+    for p in params:
+        p.__dict__[_HOOKED_MARK] = True
 
 
 # `apex.contrib.combine_tensors` is this module (the Ascend layout: `ct.combine_npu(...)`), and calling it

@@ -34,6 +34,7 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ..contrib.combine_tensors import compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
+from ._state_check import COUNT, PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -49,23 +50,32 @@ _TORCH_ONLY_OPTIONS = {
 }
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+#: where an amp O2 optimizer checkpoint keeps the fp32 masters (apex.amp's key)
+AMP_MASTERS_KEY = "apex_amp_master_params"
+
 #: values of `CombinedOptimizer.executor`
 EXECUTORS = ("auto", "torch", "torch_ops")
 
 
 def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False,
-                 hi_open: bool = True) -> None:
+                 hi_open: bool = True, allow_inf: bool = False) -> None:
+    """``value`` in the interval; NaN is always rejected, infinity unless ``allow_inf`` (an infinite lr
+    or weight decay turns every param into inf/NaN at the first step)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Invalid {name}: expected a scalar, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
+    if abs(value) > _FLOAT32_MAX and not allow_inf:  # the update math runs in float32
+        raise ValueError(f"Invalid {name}: expected a finite value (at most {_FLOAT32_MAX:.4g}), got {value}")
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi or math.isnan(value):
         lo_s = f"{'(' if lo_open else '['}{lo}"
-        hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else "inf)"
+        hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else ("inf]" if allow_inf else "inf)")
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
 
 
@@ -173,6 +183,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._executor = "auto"
         self.apex_grad_scale: Optional[float] = None
         self._model_pairs: Optional[Dict[int, torch.Tensor]] = None
+        # fp32 masters of an amp O2 checkpoint loaded before amp.initialize (taken by its master creation)
+        self.loaded_amp_masters: Optional[List[Optional[torch.Tensor]]] = None
 
     def __setstate__(self, state: dict) -> None:
         # unpickling / deepcopy restore torch's fields only: flat buffers are rebuilt at the next step
@@ -197,8 +209,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         devices = set()
+        seen: Dict[int, int] = {}
         for i, p in enumerate(params):
             check_param_kind(type(self).__name__, i, p)
+            j = seen.setdefault(id(p), i)
+            if j != i:  # e.g. appended to group["params"] after construction, which add_param_group cannot see
+                raise ValueError(f"{type(self).__name__}: param {i} of a param group is the same tensor as its "
+                                 f"param {j}; each param may appear only once")
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(
                     f"{type(self).__name__} supports float32, float16 and bfloat16 params; param {i} has {p.dtype}"
@@ -212,13 +229,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
             )
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group after our checks: param kinds, a param listed twice (in this group or an
+        earlier one: ValueError naming both places), torch-only options and hyperparameter ranges."""
         params = group_params(param_group)
         if params is not None:
+            check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
             self._check_params(params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
-        self._check_torch_options(probe)
-        self._validate_group(probe)
+        with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
+            self._check_torch_options(probe)
+            self._validate_group(probe)
         super().add_param_group(param_group)
 
     def _check_torch_options(self, group: dict) -> None:
@@ -408,20 +429,60 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """torch.optim layout; views into combined buffers are cloned (compact checkpoints)."""
         return compact_state_dict(super().state_dict())
 
+    def _loaded_state_spec(self, group: dict) -> Dict[str, str]:
+        """Known per-param state names of a group (with its loaded options) and their kinds (see _state_check)."""
+        spec = {name: PARAM_SHAPED for name in self._state_names(group)}
+        # per-param steps: required beside the states in torch's layout; in NVIDIA's (group step) only checked,
+        # since a torch checkpoint loaded into an NVIDIA-style optimizer carries them
+        spec["step"] = COUNT if self._has_step else STEP
+        return spec
+
+    def _check_loaded(self, state_dict: Any) -> None:
+        """Everything ``load_state_dict`` checks, before it changes anything (see `validate_loaded_state`)."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+            raise TypeError(f"{name}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
+        probes = []
+        for gi, g in enumerate(state_dict["param_groups"] if isinstance(state_dict["param_groups"], list) else ()):
+            if not isinstance(g, dict):
+                raise TypeError(f"{name}.load_state_dict: param group {gi} must be a dict, got {type(g).__name__}")
+            probe = dict(self.defaults)
+            probe.update({k: v for k, v in g.items() if k != "params"})
+            with naming(f"{name}.load_state_dict: param group {gi}"):
+                self._check_torch_options(g)
+                self._validate_group(probe)
+            probes.append(probe)
+        validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: self._loaded_state_spec(probes[gi]))
+
+    def _check_loaded_masters(self, saved: Any) -> Optional[List[Optional[torch.Tensor]]]:
+        """An amp O2 checkpoint's masters (one entry per param, None where the param was its own master)."""
+        if saved is None:
+            return None
+        params = [p for g in self.param_groups for p in g["params"]]
+        name = type(self).__name__
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(params):
+            raise ValueError(f"{name}.load_state_dict: '{AMP_MASTERS_KEY}' must be a list of {len(params)} entries "
+                             f"(one per param), got {saved!r:.80}")
+        for i, (p, m) in enumerate(zip(params, saved)):
+            if m is not None and (not isinstance(m, torch.Tensor) or not m.is_floating_point() or m.shape != p.shape):
+                raise ValueError(f"{name}.load_state_dict: '{AMP_MASTERS_KEY}' entry {i}: expected None or a floating "
+                                 f"tensor of shape {tuple(p.shape)}, got {m!r:.80}")
+        return [None if m is None else m.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                for p, m in zip(params, saved)]
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load (states cast to each param's dtype/device); buffers are re-combined at the next step.
 
-        Options we do not implement (maximize, capturable, differentiable set) and out-of-range
-        hyperparameters are rejected before anything is changed.
+        Rejected before anything is changed: options we do not implement (maximize, capturable,
+        differentiable set), out-of-range hyperparameters, and state entries a step could not use
+        (TypeError/ValueError naming the group, param index and key: a non-tensor, non-floating or
+        wrongly shaped state, a step that is not a finite count >= 0, an incomplete entry, ids no
+        group lists).
         """
-        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
-            raise TypeError("load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
-        for g in state_dict["param_groups"]:
-            self._check_torch_options(g)
-            probe = dict(self.defaults)
-            probe.update({k: v for k, v in g.items() if k != "params"})
-            self._validate_group(probe)
+        self._check_loaded(state_dict)
+        masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
         super().load_state_dict(state_dict)
+        self.loaded_amp_masters = masters
         for g in self.param_groups:
             for key, value in self.defaults.items():  # checkpoints of older versions lack newer options
                 g.setdefault(key, value)

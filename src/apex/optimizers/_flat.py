@@ -169,7 +169,7 @@ class FlatSet:
         self.param_ptrs = list(map(_data_ptr, self.params))
         self.n_skipped = 0
         self._refresh_skip()
-        self.uses_kernel = _core.uses_kernel(self.flat_p)
+        self.uses_kernel = self.total > 0 and _core.uses_kernel(self.flat_p)  # an all-empty set has no buffer address
         self.args = self._make_args() if self.uses_kernel else None
 
         # O2: low-precision model copies written by the same pass (see attach_out)

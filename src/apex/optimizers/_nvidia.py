@@ -239,6 +239,7 @@ class ShadowParamsMixin:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts loaded states to the param dtype; the states of shadowed params stay fp32."""
+        self._check_loaded(state_dict)  # before this method reads the state_dict itself
         saved_state = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict.get("param_groups", [])))
         super().load_state_dict(state_dict)

@@ -160,7 +160,8 @@ class NpuFusedBertAdam(CombinedOptimizer):
         _check_range("b2 parameter", group["b2"], 0.0, 1.0)
         _check_range("epsilon value", group["e"], 0.0)
         _check_range("weight_decay value", group["weight_decay"], 0.0)
-        _check_range("max_grad_norm value (<= 0: no clipping)", group["max_grad_norm"], float("-inf"))
+        _check_range("max_grad_norm value (<= 0: no clipping)", group["max_grad_norm"], float("-inf"),
+                     allow_inf=True)
 
     def _state_names(self, group: dict) -> List[str]:
         return ["exp_avg", "exp_avg_sq"]

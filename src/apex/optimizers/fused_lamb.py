@@ -91,7 +91,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
         if group.get("max_grad_norm") is not None:
-            _check_range("max_grad_norm", group["max_grad_norm"], 0.0)
+            _check_range("max_grad_norm", group["max_grad_norm"], 0.0, allow_inf=True)
 
     def _state_names(self, group: dict) -> List[str]:
         return ["exp_avg", "exp_avg_sq"]

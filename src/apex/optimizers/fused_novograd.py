@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import List
+from typing import Dict, List
 
 import torch
 
@@ -44,6 +44,7 @@ from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._nvidia import NvidiaCompatMixin
+from ._state_check import SCALAR
 from .clip import grad_runs
 
 __all__ = ["FusedNovoGrad"]
@@ -104,6 +105,9 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
 
     def _state_names(self, group: dict) -> List[str]:
         return ["exp_avg"]
+
+    def _loaded_state_spec(self, group: dict) -> Dict[str, str]:
+        return {**super()._loaded_state_spec(group), "exp_avg_sq": SCALAR}  # the per-tensor grad norm
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -33,6 +33,7 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind, group_params
 from ._flat import FlatSet
+from ._state_check import COUNT, PARAM_SHAPED, SCALAR, check_unique_params, naming, validate_loaded_state
 from .clip import grad_runs, healed_sets, total_grad_norm
 
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_moments", "lamb_trust_ratio"]
@@ -219,6 +220,11 @@ class NpuFusedLamb(CombinedOptimizer):
 
 
 # ------------------------------------------------------------------ per-tensor reference
+#: Lamb's per-param state: moments, step count and the last norms kept for logging
+_LAMB_STATE = {"exp_avg": PARAM_SHAPED, "exp_avg_sq": PARAM_SHAPED, "step": COUNT, "weight_norm": SCALAR,
+               "adam_norm": SCALAR, "trust_ratio": SCALAR}
+
+
 def _check_params(opt: torch.optim.Optimizer, params) -> None:
     """Real floating point params only, in CombinedOptimizer's words (any float dtype: the math runs in fp32)."""
     for i, p in enumerate(params):
@@ -245,10 +251,27 @@ class Lamb(torch.optim.Optimizer):
         params = group_params(param_group)
         if params is not None:
             _check_params(self, params)
+            check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
-        _validate_lamb_group(probe)
+        with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
+            _validate_lamb_group(probe)
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, after the checks of `CombinedOptimizer.load_state_dict` (nothing changes on failure)."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+            raise TypeError(f"{name}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
+        for gi, g in enumerate(state_dict["param_groups"]):
+            if not isinstance(g, dict):
+                raise TypeError(f"{name}.load_state_dict: param groups must be dicts, got {type(g).__name__}")
+            probe = dict(self.defaults)
+            probe.update({k: v for k, v in g.items() if k != "params"})
+            with naming(f"{name}.load_state_dict: param group {gi}"):
+                _validate_lamb_group(probe)
+        validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: _LAMB_STATE)
+        super().load_state_dict(state_dict)
 
     def _check_step_inputs(self) -> None:
         """Everything a step could fail on, for every group, before the first param or state is touched."""

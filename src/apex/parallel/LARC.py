@@ -29,6 +29,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from ..optimizers._state_check import check_unique_params
+
 __all__ = ["LARC"]
 
 _MISSING = object()
@@ -41,6 +43,23 @@ def _check_number(name: str, value: Any, positive: bool) -> float:
     if math.isnan(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"LARC: {name} must be {'> 0' if positive else '>= 0'}, got {value}")
     return value
+
+
+def _check_group(gi: int, group: dict, earlier: List[dict]) -> None:
+    """What LARC's rescaling needs of a wrapped group: finite lr / weight_decay, each param once.
+
+    torch.optim only warns about a param listed twice in one group; LARC would rescale its grad
+    twice, so it is an error here (as in apex.optimizers).
+    """
+    for key in ("lr", "weight_decay"):
+        value = group.get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+            raise ValueError(f"LARC: param group {gi} has {key}={value}; expected a finite value")
+    params = group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    check_unique_params("LARC", earlier, params, gi)
 
 
 class LARC(torch.optim.Optimizer):
@@ -58,6 +77,8 @@ class LARC(torch.optim.Optimizer):
         # No torch.optim.Optimizer.__init__: LARC owns no params or state, everything is the wrapped optimizer's.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for gi, group in enumerate(optimizer.param_groups):
+            _check_group(gi, group, optimizer.param_groups[:gi])
         self.optim = optimizer
         self.trust_coefficient = _check_number("trust_coefficient", trust_coefficient, positive=False)
         self.eps = _check_number("eps", eps, positive=False)
@@ -102,6 +123,14 @@ class LARC(torch.optim.Optimizer):
             self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
+        """The wrapped optimizer's add_param_group, after LARC's checks (which a torch optimizer lacks)."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]
+            if not isinstance(params, (torch.Tensor, set, frozenset)):
+                param_group["params"] = list(params)  # read twice: a generator would reach the optimizer empty
+            probe = dict(self.optim.defaults)
+            probe.update(param_group)
+            _check_group(len(self.optim.param_groups), probe, self.optim.param_groups)
         self.optim.add_param_group(param_group)
 
     # ------------------------------------------------------------------ step

@@ -1,0 +1,144 @@
+"""Checks of what enters an optimizer: param lists at construction, state dicts at load.
+
+Everything here only reads; it raises (TypeError for a wrong kind of value,
+ValueError for a wrong value) naming the group, the param index and the key,
+so that the caller can check first and change nothing when a check fails.
+A value that passed is what every later ``step()`` can work with: a state
+entry that only fails (or silently gives NaN) at the next step is rejected here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Dict, Iterator, List, Sequence
+
+import torch
+
+#: kinds of state entries (`validate_loaded_state`'s ``spec`` values)
+PARAM_SHAPED = "param"  # a floating tensor of the param's shape
+STEP = "step"  # a finite count >= 0: a number or a 1-element real tensor
+COUNT = "count"  # a STEP that an entry with param-shaped states must have (torch's per-param layout)
+
+_FLOAT32_MAX = 3.4028234663852886e38  # steps are kept as float32 (as torch keeps them)
+SCALAR = "scalar"  # a finite number or 1-element floating tensor
+
+
+@contextlib.contextmanager
+def naming(where: str) -> Iterator[None]:
+    """TypeError / ValueError raised inside are re-raised (same type) with ``where: `` in front."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+
+
+def check_unique_params(owner: str, groups: Sequence[dict], params: Sequence[Any], gi: int) -> None:
+    """Params of the group being added as group ``gi``: each tensor once, in no earlier group.
+
+    torch rejects a param shared by two groups (ValueError) and only warns about one listed twice
+    in a group; a fused optimizer would update such a param twice per step, so both are errors.
+    """
+    seen: Dict[int, int] = {}
+    for i, p in enumerate(params):
+        j = seen.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(
+                f"{owner}: param {i} of param group {gi} is the same tensor as param {j} of that group; "
+                "each param may appear only once"
+            )
+    earlier = {id(p): (g, k) for g, group in enumerate(groups) for k, p in enumerate(group["params"])}
+    for i, p in enumerate(params):
+        hit = earlier.get(id(p))
+        if hit is not None:
+            raise ValueError(
+                f"{owner}: some parameters appear in more than one parameter group: param {i} of param group {gi} "
+                f"is param {hit[1]} of param group {hit[0]}"
+            )
+
+
+def _real_number(value: Any, what: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{what}: expected a number or a 1-element real tensor, got a {value.dtype} tensor of "
+                            f"shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: expected a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_step_value(value: Any, what: str) -> None:
+    """A step count: finite and >= 0 (bias corrections and schedules divide by or raise to it)."""
+    v = _real_number(value, what)
+    if not math.isfinite(v) or v < 0 or v > _FLOAT32_MAX:
+        raise ValueError(f"{what}: expected a finite step count >= 0 (at most {_FLOAT32_MAX:.4g}, kept as float32), "
+                         f"got {v}")
+
+
+def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
+    if kind == PARAM_SHAPED:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what}: expected a tensor of shape {tuple(p.shape)}, got {type(value).__name__}")
+        if not value.is_floating_point():
+            raise TypeError(f"{what}: expected a floating point tensor, got dtype {value.dtype}")
+        if value.shape != p.shape:
+            raise ValueError(f"{what}: expected shape {tuple(p.shape)} (the param's), got {tuple(value.shape)}")
+    elif kind in (STEP, COUNT):
+        check_step_value(value, what)
+    elif kind == SCALAR:
+        v = _real_number(value, what)
+        if not math.isfinite(v):
+            raise ValueError(f"{what}: expected a finite value, got {v}")
+
+
+def validate_loaded_state(owner: str, param_groups: List[dict], state_dict: Any,
+                          spec: Callable[[int, dict], Dict[str, str]]) -> None:
+    """Checks an optimizer state_dict against the optimizer's current groups; changes nothing.
+
+    ``spec(gi, saved_group)`` gives the known state names of group ``gi`` and their kinds; other
+    names are kept as torch keeps them. Of the param-shaped and COUNT names, an entry holds all or none.
+    """
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+        raise TypeError(f"{owner}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, dict):
+        raise TypeError(f"{owner}.load_state_dict: 'param_groups' must be a list and 'state' a dict, got "
+                        f"{type(saved_groups).__name__} and {type(saved_state).__name__}")
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"{owner}.load_state_dict: loaded state dict has a different number of parameter groups "
+                         f"({len(saved_groups)}) than the optimizer ({len(param_groups)})")
+    owner_of: Dict[Any, tuple] = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise TypeError(f"{owner}.load_state_dict: param group {gi} must be a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"{owner}.load_state_dict: loaded param group {gi} has {len(saved['params'])} params, "
+                             f"the optimizer's has {len(group['params'])}")
+        if "step" in saved:
+            check_step_value(saved["step"], f"{owner}.load_state_dict: param group {gi} 'step'")
+        for k, (key, p) in enumerate(zip(saved["params"], group["params"])):
+            if key in owner_of:
+                raise ValueError(f"{owner}.load_state_dict: param group {gi} lists param id {key!r} twice (index "
+                                 f"{owner_of[key][1]} of group {owner_of[key][0]} and index {k})")
+            owner_of[key] = (gi, k, p)
+    specs = {gi: spec(gi, saved) for gi, saved in enumerate(saved_groups)}
+    for key, entry in saved_state.items():
+        where = owner_of.get(key)
+        if where is None:
+            raise ValueError(f"{owner}.load_state_dict: 'state' has an entry for param id {key!r}, which no param "
+                             "group lists")
+        gi, k, p = where
+        prefix = f"{owner}.load_state_dict: state of param {k} in param group {gi}"
+        if not isinstance(entry, dict):
+            raise TypeError(f"{prefix}: expected a dict of state names, got {type(entry).__name__}")
+        kinds = specs[gi]
+        for name, kind in kinds.items():
+            if name in entry:
+                _check_entry(f"{prefix}, key {name!r}", kind, entry[name], p)
+        shaped = [n for n, kind in kinds.items() if kind in (PARAM_SHAPED, COUNT)]
+        present = [n for n in shaped if n in entry]
+        if present and len(present) != len(shaped):
+            missing = [n for n in shaped if n not in entry]
+            raise ValueError(f"{prefix}: has {present} but lacks {missing}; expected all of {shaped} or none")
+

@@ -1,0 +1,281 @@
+"""Checkpoints after combining: compact by default, safetensors-compatible, loadable in place; amp O2/O3
+checkpoint parity with NVIDIA's amp (fp32 model state_dict, optimizer state re-cast, either load order)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+
+import apex.optimizers as O
+from apex import amp
+from apex.contrib.combine_tensors import is_combined_tensor_valid
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+class Net(torch.nn.Module):
+    """A large body and a small head, so a head checkpoint that drags the body along is obvious."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(256, 256)
+        self.norm = torch.nn.LayerNorm(256)
+        self.head = torch.nn.Linear(256, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.body(x))))
+
+
+def _bytes(obj) -> int:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return len(buf.getvalue())
+
+
+def _own_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def _trained(opt_cls=O.NpuFusedAdam, steps=2, seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 256, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _flat_params(opt):
+    return [s.flat_p for c in opt._groups.values() for s in c.sets]
+
+
+def test_head_state_dict_holds_only_the_head():
+    model, opt = _trained()
+    assert is_combined_tensor_valid(_flat_params(opt)[0], list(model.parameters()))
+    head_bytes = _own_bytes(model.head)
+    assert head_bytes == 4 * (256 * 4 + 4)
+    assert _bytes(model.head.state_dict()) < head_bytes + 2048  # own elements + pickle overhead
+    full = _bytes(model.state_dict())
+    assert full < _own_bytes(model) + 4096
+    for v in model.state_dict().values():
+        assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
+
+
+def test_state_dict_entries_alias_the_params_like_torch():
+    """No copy: the entries share the params' memory (torch's ``param.detach()`` semantics)."""
+    model, _ = _trained()
+    sd = model.state_dict()
+    assert sd["head.weight"].data_ptr() == model.head.weight.data_ptr()
+    assert not sd["head.weight"].requires_grad
+    kv = model.state_dict(keep_vars=True)
+    assert kv["head.weight"] is model.head.weight  # keep_vars: the live params, untouched
+
+
+def test_safetensors_save_file_and_roundtrip(tmp_path):
+    model, _ = _trained()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    assert path.stat().st_size < _own_bytes(model) + 4096
+    loaded = safetensors_torch.load_file(str(path))
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v)
+
+
+def test_load_state_dict_into_combined_model_keeps_params_combined():
+    model, opt = _trained()
+    params = list(model.parameters())
+    ptrs = [p.data_ptr() for p in params]
+    count = opt.recombine_count
+    target = {k: v.clone() + 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(target)
+    assert [p.data_ptr() for p in params] == ptrs
+    assert is_combined_tensor_valid(_flat_params(opt)[0], params)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, target[k])
+    opt.zero_grad(set_to_none=False)  # grads stay in their slots too
+    model(torch.randn(8, 256)).pow(2).mean().backward()
+    opt.step()
+    assert opt.recombine_count == count  # the step found params and grads where it left them
+
+
+def test_checkpoint_loads_into_a_fresh_uncombined_model():
+    model, _ = _trained()
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = Net()
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_tied_weights_stay_tied_in_the_file():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 16)
+    out = torch.nn.Linear(16, 50, bias=False)
+    out.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "out": out, "extra": torch.nn.Linear(16, 16)})
+    opt = O.NpuFusedSGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = model.state_dict()
+    assert sd["emb.weight"].untyped_storage().nbytes() == 50 * 16 * 4
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert back["emb.weight"].data_ptr() == back["out.weight"].data_ptr()  # one storage in the file
+
+
+def test_optimizer_state_dict_is_compact_and_a_copy():
+    model, opt = _trained()
+    sd = opt.state_dict()
+    flat_ptrs = {s.flat_s[n].untyped_storage().data_ptr() for c in opt._groups.values() for s in c.sets
+                 for n in s.flat_s}
+    for entry in sd["state"].values():
+        for name, v in entry.items():
+            assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), name
+            assert v.untyped_storage().data_ptr() not in flat_ptrs, name
+    assert _bytes(sd) < 3 * _own_bytes(model) + 8192  # two moments + steps
+
+
+def test_hooked_model_pickles_deepcopies_and_swaps():
+    model, _ = _trained()
+    clone = pickle.loads(pickle.dumps(model))
+    twin = copy.deepcopy(model)
+    for m in (clone, twin):
+        for a, b in zip(m.state_dict().values(), model.state_dict().values()):
+            assert torch.equal(a, b)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.bfloat16)  # swap_tensors refuses params with weak references: none are taken
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert model.head.weight.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- amp parity
+
+amp_env = pytest.mark.usefixtures("amp_env")
+
+
+def _bn_net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12), torch.nn.ReLU(),
+                               torch.nn.Linear(12, 3))
+
+
+def _amp_steps(m, o, start, stop):
+    dtype = next(m.parameters()).dtype
+    for i in range(start, stop):
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
+        o.zero_grad()
+        with amp.scale_loss((m(x.to(dtype)).float() - 1).pow(2).mean(), o) as scaled:
+            scaled.backward()
+        o.step()
+
+
+@amp_env
+def test_o2_model_state_dict_is_fp32_and_loads_back():
+    m = _bn_net()
+    o = O.NpuFusedAdam(m.parameters(), lr=1e-2)
+    amp.initialize(m, o, opt_level="O2", verbosity=0)
+    low = m[0].weight.dtype
+    assert low in (torch.float16, torch.bfloat16)
+    _amp_steps(m, o, 0, 2)
+    sd = m.state_dict()
+    assert all(v.dtype == torch.float32 for k, v in sd.items() if v.is_floating_point())
+    assert torch.equal(sd["0.weight"], m[0].weight.float())
+    plain = _bn_net(seed=5)
+    plain.load_state_dict(sd)  # an fp32 model takes an O2 checkpoint
+    assert torch.equal(plain[0].weight, m[0].weight.float())
+    amp.deinitialize()
+    m2 = _bn_net(seed=7)
+    o2 = O.NpuFusedAdam(m2.parameters(), lr=1e-2)
+    amp.initialize(m2, o2, opt_level="O2", verbosity=0)
+    m2.load_state_dict(sd)  # the fp32 checkpoint into an O2 model: converted into its low-precision params
+    assert m2[0].weight.dtype == low and torch.equal(m2[0].weight, m[0].weight)
+
+
+@amp_env
+def test_fp32_state_dict_opt_out():
+    m = _bn_net()
+    amp.initialize(m, opt_level="O2", fp32_state_dict=False, verbosity=0)
+    assert m.state_dict()["0.weight"].dtype in (torch.float16, torch.bfloat16)
+    with pytest.raises(TypeError, match="fp32_state_dict"):
+        amp.initialize(_bn_net(), opt_level="O2", fp32_state_dict="no", verbosity=0)
+
+
+@amp_env
+def test_fp32_state_dict_hooks_removed_by_deinitialize():
+    m = _bn_net()
+    amp.initialize(m, opt_level="O3", verbosity=0)
+    assert m.state_dict()["0.weight"].dtype == torch.float32
+    amp.deinitialize()
+    assert m.state_dict()["0.weight"].dtype in (torch.float16, torch.bfloat16)
+
+
+def _resume(level, make_opt, load_first, caplog):
+    """Run 4 steps straight; separately, checkpoint after 2 and resume (optimizer loaded before or after
+    initialize). Returns (straight params, resumed params, warnings logged)."""
+    kw = dict(opt_level=level, verbosity=0, loss_scale=128.0 if level != "O3" else None)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    m = _bn_net()
+    o = make_opt(m)
+    amp.initialize(m, o, **kw)
+    _amp_steps(m, o, 0, 2)
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "opt": o.state_dict(), "amp": amp.state_dict()}, buf)
+    _amp_steps(m, o, 2, 4)
+    straight = [p.detach().clone() for p in m.parameters()]
+    amp.deinitialize()
+
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=False)
+    m2 = _bn_net(seed=9)
+    o2 = make_opt(m2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apex.amp"):
+        if load_first:  # mmengine's Runner order: everything loaded, then amp.initialize
+            m2.load_state_dict(ck["model"])
+            o2.load_state_dict(ck["opt"])
+            amp.initialize(m2, o2, **kw)
+        else:
+            amp.initialize(m2, o2, **kw)
+            m2.load_state_dict(ck["model"])
+            o2.load_state_dict(ck["opt"])
+        amp.load_state_dict(ck["amp"])
+    _amp_steps(m2, o2, 2, 4)
+    return straight, [p.detach().clone() for p in m2.parameters()], caplog.text
+
+
+MAKERS = {
+    "NpuFusedAdam": lambda m: O.NpuFusedAdam(m.parameters(), lr=1e-2),
+    "FusedAdam": lambda m: O.FusedAdam(m.parameters(), lr=1e-2),
+    "torch.Adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+}
+
+
+@amp_env
+@pytest.mark.parametrize("load_first", [True, False], ids=["loaded-before-initialize", "loaded-after"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("opt_name", list(MAKERS))
+def test_resume_is_bit_identical_in_either_load_order(opt_name, level, load_first, caplog):
+    straight, resumed, log = _resume(level, MAKERS[opt_name], load_first, caplog)
+    if level == "O2" and load_first and opt_name == "torch.Adam":
+        # a torch optimizer drops the checkpoint's masters: detected and explained, not silent
+        assert "not bit-identical" in log and "after amp.initialize" in log
+        return
+    assert "not bit-identical" not in log
+    for a, b in zip(straight, resumed):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)

@@ -1,0 +1,330 @@
+"""State is validated where it enters: scaler values, amp and optimizer checkpoints, constructor arguments.
+
+Each rejected call raises TypeError (wrong kind of value) or ValueError (wrong value) naming the key,
+and leaves the object as it was: its state_dict is unchanged and it keeps stepping exactly like an
+untouched twin.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from _amp_harness import bn_mlp
+from _state_cases import IDS, OPTIMIZERS, feed, make_params, run, same_state, snapshot
+
+from apex import amp
+from apex.amp import LossScaler
+from apex.parallel import LARC
+
+INF, NAN = float("inf"), float("nan")
+
+
+# ---------------------------------------------------------------- LossScaler
+
+
+@pytest.mark.parametrize("args,kwargs,exc", [
+    ((-4.0,), {}, ValueError),
+    ((0.0,), {}, ValueError),
+    ((INF,), {}, ValueError),
+    ((NAN,), {}, ValueError),
+    (("static",), {}, ValueError),
+    (([1.0],), {}, TypeError),
+    (("dynamic",), dict(init_scale=NAN), ValueError),
+    (("dynamic",), dict(init_scale=INF), ValueError),
+    (("dynamic",), dict(init_scale=-1.0), ValueError),
+    (("dynamic",), dict(init_scale="big"), TypeError),
+    (("dynamic",), dict(scale_window=0), ValueError),
+    (("dynamic",), dict(scale_window=2.5), TypeError),
+    (("dynamic",), dict(scale_factor=0.5), ValueError),
+    (("dynamic",), dict(backoff_factor=2.0), ValueError),
+    (("dynamic",), dict(backoff_factor=0.0), ValueError),
+    (("dynamic",), dict(min_loss_scale=NAN), ValueError),
+    (("dynamic",), dict(max_loss_scale=INF), ValueError),
+    (("dynamic",), dict(min_loss_scale=8.0, max_loss_scale=4.0), ValueError),
+])
+def test_loss_scaler_rejects_bad_construction(args, kwargs, exc):
+    with pytest.raises(exc, match="LossScaler"):
+        LossScaler(*args, **kwargs)
+
+
+def test_loss_scaler_load_rejects_and_keeps_state():
+    s = LossScaler("dynamic", init_scale=64.0, scale_window=3)
+    s.load(32.0, 2)
+    for scale, count, exc in [(INF, 0, ValueError), (NAN, 0, ValueError), (-1.0, 0, ValueError), (0.0, 0, ValueError),
+                              ("8", 0, TypeError), (8.0, -1, ValueError), (8.0, "1", TypeError), (8.0, 1.5, TypeError)]:
+        with pytest.raises(exc):
+            s.load(scale, count)
+        assert s.state() == {"loss_scale": 32.0, "unskipped": 2}
+    assert s.update_scale() is False and s.state() == {"loss_scale": 64.0, "unskipped": 0}
+
+
+def test_growth_resumes_for_a_count_at_or_above_the_window():
+    """A count loaded from a run with a larger window (>= this window) grows at the next clean step."""
+    s = LossScaler("dynamic", init_scale=8.0, scale_window=2)
+    s.load(8.0, 5000)
+    assert s.update_scale() is False
+    assert s.state() == {"loss_scale": 16.0, "unskipped": 0}
+    s.update_scale()
+    s.update_scale()
+    assert s.state() == {"loss_scale": 32.0, "unskipped": 0}  # and the normal cycle continues
+
+
+# ---------------------------------------------------------------- amp.load_state_dict
+
+pytestmark_amp = pytest.mark.usefixtures("amp_env")
+
+
+def _amp_step(m, o, x):
+    o.zero_grad()
+    with amp.scale_loss((m(x).float() - 1).pow(2).mean(), o) as scaled:
+        scaled.backward()
+    o.step()
+
+
+@pytestmark_amp
+@pytest.mark.parametrize("entry,exc", [
+    ({"loss_scale": INF, "unskipped": 0}, ValueError),
+    ({"loss_scale": NAN, "unskipped": 0}, ValueError),
+    ({"loss_scale": 0.0, "unskipped": 0}, ValueError),
+    ({"loss_scale": -8.0, "unskipped": 0}, ValueError),
+    ({"loss_scale": "8", "unskipped": 0}, TypeError),
+    ({"loss_scale": True, "unskipped": 0}, TypeError),
+    ({"loss_scale": torch.tensor([1.0, 2.0]), "unskipped": 0}, TypeError),
+    ({"loss_scale": 8.0, "unskipped": -1}, ValueError),
+    ({"loss_scale": 8.0, "unskipped": "3"}, TypeError),
+    ({"loss_scale": 8.0, "unskipped": 1.5}, TypeError),
+    ({"loss_scale": 8.0}, TypeError),
+    ("not a dict", TypeError),
+])
+def test_amp_load_state_dict_rejects_with_nothing_changed(entry, exc):
+    torch.manual_seed(0)
+    m = bn_mlp(4, 8, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O1", num_losses=2, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3},
+                         "loss_scaler1": {"loss_scale": 64.0, "unskipped": 1}})
+    before = amp.state_dict()
+    with pytest.raises(exc, match="loss_scaler1"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": entry})
+    assert amp.state_dict() == before
+    _amp_step(m, o, torch.randn(8, 4))
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 4}
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytestmark_amp
+def test_amp_loaded_count_above_window_grows_at_next_step():
+    torch.manual_seed(0)
+    m = bn_mlp(4, 8, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.01)
+    amp.initialize(m, o, opt_level="O1", scale_window=10, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 50}})
+    _amp_step(m, o, torch.randn(8, 4))
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 0}
+
+
+# ---------------------------------------------------------------- optimizer load_state_dict
+
+
+def _trained(cls, kw, steps=2):
+    params = make_params()
+    opt = cls(params, **kw)
+    run(opt, params, steps)
+    return opt, params
+
+
+def _where_step(sd):
+    """('state', key) when steps are per param, ('group', None) when the group holds it, else None."""
+    key = sd["param_groups"][0]["params"][0]
+    if "step" in sd["state"][key]:
+        return "state"
+    if "step" in sd["param_groups"][0]:
+        return "group"
+    return None
+
+
+def _corruptions(sd):
+    """(name, mutate(sd), exception type, message fragment) for this optimizer's state_dict."""
+    key = sd["param_groups"][0]["params"][0]
+    entry = sd["state"][key]
+    shaped = next(n for n, v in entry.items() if isinstance(v, torch.Tensor) and v.shape == (3, 4))
+    out = [
+        ("not a tensor", lambda s: s["state"][key].__setitem__(shaped, 3.0), TypeError, repr(shaped)),
+        ("a list", lambda s: s["state"][key].__setitem__(shaped, [[0.0] * 4] * 3), TypeError, repr(shaped)),
+        ("wrong size", lambda s: s["state"][key].__setitem__(shaped, torch.zeros(5)), ValueError, "expected shape"),
+        ("wrong shape", lambda s: s["state"][key].__setitem__(shaped, torch.zeros(4, 3)), ValueError,
+         "expected shape"),
+        ("int dtype", lambda s: s["state"][key].__setitem__(shaped, torch.zeros(3, 4, dtype=torch.int64)),
+         TypeError, "floating point"),
+        ("missing entry", lambda s: s["state"][key].pop(shaped), ValueError, "lacks")
+        if sum(isinstance(v, torch.Tensor) and v.shape == (3, 4) for v in entry.values()) > 1 else None,
+        ("unknown id", lambda s: s["state"].__setitem__(999, {}), ValueError, "999"),
+        ("entry not a dict", lambda s: s["state"].__setitem__(key, 1.0), TypeError, "dict"),
+        ("group count", lambda s: s["param_groups"].append(dict(s["param_groups"][0], params=[])), ValueError,
+         "number of parameter groups"),
+        ("group size", lambda s: s["param_groups"][0]["params"].pop(), ValueError, "params"),
+        ("inf lr", lambda s: s["param_groups"][0].__setitem__("lr", INF), ValueError, "learning rate"),
+    ]
+    where = _where_step(sd)
+    for bad, exc in [("three", TypeError), (-1, ValueError), (NAN, ValueError), (INF, ValueError),
+                     (torch.tensor(-2.0), ValueError), (torch.tensor([1.0, 2.0]), TypeError)]:
+        if where == "state":
+            out.append((f"step {bad!r}", lambda s, b=bad: s["state"][key].__setitem__("step", b), exc, "'step'"))
+        elif where == "group":
+            out.append((f"group step {bad!r}", lambda s, b=bad: s["param_groups"][0].__setitem__("step", b), exc,
+                        "'step'"))
+    return [c for c in out if c is not None]
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+def test_optimizer_load_rejects_corrupt_state_with_nothing_changed(cls, kw):
+    opt, params = _trained(cls, kw)
+    good = snapshot(opt)
+    twin_opt, twin_params = _trained(cls, kw)  # what the optimizer must keep doing
+    cases = _corruptions(good)
+    assert len(cases) >= 10
+    for name, mutate, exc, fragment in cases:
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        with pytest.raises(exc, match=fragment) as info:
+            opt.load_state_dict(bad)
+        assert type(opt).__name__ in str(info.value), name
+        assert same_state(opt.state_dict(), good), name
+    run(opt, params, 2, start=2)
+    run(twin_opt, twin_params, 2, start=2)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    assert same_state(opt.state_dict(), twin_opt.state_dict())
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+def test_optimizer_error_names_group_param_and_key(cls, kw):
+    opt, _ = _trained(cls, kw)
+    sd = snapshot(opt)
+    key = sd["param_groups"][0]["params"][1]
+    name = next(n for n, v in sd["state"][key].items() if isinstance(v, torch.Tensor) and v.shape == (5,))
+    sd["state"][key][name] = torch.zeros(7)
+    with pytest.raises(ValueError, match=rf"state of param 1 in param group 0, key '{name}': expected shape \(5,\)"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+def test_optimizer_good_checkpoint_still_loads(cls, kw):
+    opt, params = _trained(cls, kw, steps=3)
+    sd = snapshot(opt)
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = cls(fresh_params, **kw)
+    fresh.load_state_dict(sd)
+    run(opt, params, 1, start=3)
+    run(fresh, fresh_params, 1, start=3)
+    for p, q in zip(params, fresh_params):
+        assert torch.equal(p, q)
+
+
+def test_torch_checkpoint_with_steps_loads_into_nvidia_family():
+    params = make_params()
+    ref = torch.optim.Adam(params, lr=1e-2)
+    run(ref, params, 2)
+    import apex.optimizers as O
+    opt = O.FusedAdam([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["step"] == 2
+
+
+# ---------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+def test_duplicate_params_rejected_at_construction(cls, kw):
+    a, b = make_params()
+    with pytest.raises(ValueError, match=r"param 2 of param group 0 is the same tensor as param 0"):
+        cls([a, b, a], **kw)
+    with pytest.raises(ValueError, match=r"more than one parameter group: param 0 of param group 1 is param 1 of "
+                                         r"param group 0"):
+        cls([{"params": [a, b]}, {"params": [b]}], **kw)
+    opt = cls([a], **kw)
+    with pytest.raises(ValueError, match=r"param 1 of param group 1 is param 0 of param group 0"):
+        opt.add_param_group({"params": [b, a]})
+    assert len(opt.param_groups) == 1  # nothing added
+    opt.add_param_group({"params": [b]})
+    run(opt, [a, b], 1)
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+@pytest.mark.parametrize("key", ["lr", "weight_decay"])
+@pytest.mark.parametrize("value", [INF, -INF, NAN])
+def test_non_finite_hyperparameters_rejected(cls, kw, key, value):
+    a, b = make_params()
+    if key not in cls([a], **kw).defaults:
+        pytest.skip(f"{cls.__name__} has no {key}")
+    with pytest.raises(ValueError, match="learning rate|lr" if key == "lr" else "weight_decay"):
+        cls([a], **{**kw, key: value})
+    opt = cls([a], **kw)
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [b], key: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_duplicate_appended_after_construction_is_named_at_step():
+    import apex.optimizers as O
+    a, b = make_params()
+    opt = O.NpuFusedAdam([a, b])
+    opt.param_groups[0]["params"].append(a)
+    feed([a, b], 0)
+    with pytest.raises(ValueError, match=r"NpuFusedAdam: param 2 of a param group is the same tensor as its param 0"):
+        opt.step()
+
+
+def test_larc_rejects_duplicates_and_infinite_rates():
+    a, b = make_params()
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch only warns
+        dup = torch.optim.SGD([a, a], lr=0.1)
+    with pytest.raises(ValueError, match="param 1 of param group 0 is the same tensor as param 0"):
+        LARC(dup)
+    with pytest.raises(ValueError, match="lr=inf"):
+        LARC(torch.optim.SGD([a], lr=INF))
+    larc = LARC(torch.optim.SGD([a], lr=0.1, weight_decay=1e-4))
+    with pytest.raises(ValueError, match="param group 1 is param 0 of param group 0"):
+        larc.add_param_group({"params": [a]})
+    with pytest.raises(ValueError, match="weight_decay=inf"):
+        larc.add_param_group({"params": [b], "weight_decay": INF})
+    larc.add_param_group({"params": (t for t in [b])})  # a generator is read once, as torch reads it
+    assert larc.param_groups[1]["params"] == [b]
+    feed([a, b], 0)
+    larc.step()
+    assert all(math.isfinite(float(p.detach().sum())) for p in (a, b))
+
+
+# ---------------------------------------------------------------- amp O3: state re-cast at initialize
+
+
+@pytestmark_amp
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adam(ps, lr=1e-2), lambda ps: __import__(
+    "apex.optimizers", fromlist=["x"]).NpuFusedAdam(ps, lr=1e-2)], ids=["torch", "apex"])
+def test_o3_recasts_optimizer_state_loaded_before_initialize(make):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    o = make(m.parameters())
+    for _ in range(2):
+        o.zero_grad()
+        m(torch.randn(3, 4)).pow(2).mean().backward()
+        o.step()
+    sd = copy.deepcopy(o.state_dict())
+    m2 = copy.deepcopy(m)
+    o2 = make(m2.parameters())
+    o2.load_state_dict(sd)
+    amp.initialize(m2, o2, opt_level="O3", verbosity=0)
+    low = next(m2.parameters()).dtype
+    assert low in (torch.float16, torch.bfloat16)
+    for i, p in enumerate(m2.parameters()):
+        for name, v in o2.state[p].items():
+            if name != "step":
+                assert v.dtype == low, name
+                torch.testing.assert_close(v.float(), sd["state"][i][name].to(low).float(), rtol=0, atol=0)
+    o2.zero_grad()
+    m2(torch.randn(3, 4, dtype=low)).float().pow(2).mean().backward()
+    o2.step()
+    assert all(torch.isfinite(p.float()).all() for p in m2.parameters())
