@@ -57,10 +57,25 @@ T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+// Every slot with elements needs a non-null grad address aligned to the grad dtype.
+void check_gather_table(const OptArgs& a) {
+  const std::size_t size = dtype_size(a.gdt);
+  for (idx_t k = 0; k < a.nseg; ++k) {
+    if (a.skip && a.skip[k]) continue;
+    const idx_t n = (a.seg_end ? a.seg_end[k] : a.seg[k + 1]) - a.seg[k];
+    if (n > 0 && a.gtab[k] == 0)
+      throw py::value_error("OptArgs.gtab: slot " + std::to_string(k) + " has a null grad address");
+    if (a.gtab[k] % size != 0)
+      throw py::value_error("OptArgs.gtab: grad address of slot " + std::to_string(k) +
+                            " is not aligned to its element size " + std::to_string(size));
+  }
+}
+
 struct PyOptArgs {
   OptArgs a;
   std::uintptr_t p = 0, g = 0, s0 = 0, s1 = 0, s2 = 0, out = 0, seg = 0, seg_end = 0, steps = 0, skip = 0, first = 0;
   std::uintptr_t seg_mul = 0, seg_gmul = 0, seg_aux = 0, seg_out = 0;
+  std::uintptr_t gtab = 0;  // address of nseg grad addresses (uint64), or 0 for the flat grad buffer g
   std::vector<double> hp;
 
   const OptArgs& resolve() {
@@ -79,6 +94,7 @@ struct PyOptArgs {
     a.seg_gmul = as_ptr<const float>(seg_gmul);
     a.seg_aux = as_ptr<const float>(seg_aux);
     a.seg_out = as_ptr<double>(seg_out);
+    a.gtab = as_ptr<const std::uintptr_t>(gtab);
     if (hp.size() > 12) throw py::value_error("OptArgs.hp: at most 12 hyperparameters, got " + std::to_string(hp.size()));
     for (std::size_t i = 0; i < 12; ++i) a.hp[i] = i < hp.size() ? hp[i] : 0.0;
     check_dtype(a.pdt, "OptArgs.pdt");
@@ -93,8 +109,9 @@ struct PyOptArgs {
                             "; expected grads in the param dtype, or float32 params with a float16/bfloat16 "
                             "grad/out");
     if (a.nseg < 0) throw py::value_error("OptArgs.nseg must be >= 0");
-    if (a.nseg > 0 && (!a.p || !a.g || !a.seg))
-      throw py::value_error("OptArgs: p, g and seg are required when nseg > 0");
+    if (a.nseg > 0 && (!a.p || (!a.g && !a.gtab) || !a.seg))
+      throw py::value_error("OptArgs: p, g (or gtab) and seg are required when nseg > 0");
+    if (a.gtab && a.nseg > 0) check_gather_table(a);
     return a;
   }
 };
@@ -225,6 +242,26 @@ PYBIND11_MODULE(apex_C, m) {
       py::arg("src"), py::arg("dtype"), py::arg("seg"), py::arg("nseg"), py::arg("out"), py::arg("threads") = 0,
       "out[k] = sum of squares of src[seg[k]:seg[k+1]] (float64 out, nseg+1 int64 offsets)");
 
+  m.def(
+      "_raw_scale_gather_",
+      [](std::uintptr_t addr, std::uintptr_t numel, idx_t n, int dt, float scale, bool check, int threads) {
+        check_dtype(dt, "_raw_scale_gather_");
+        if (n < 0) throw py::value_error("_raw_scale_gather_: n must be >= 0, got " + std::to_string(n));
+        if (n > 0 && (!addr || !numel)) throw py::value_error("_raw_scale_gather_: addr and numel tables are required");
+        const std::uintptr_t* ad = as_ptr<const std::uintptr_t>(addr);
+        const idx_t* nu = as_ptr<const idx_t>(numel);
+        const std::size_t size = dtype_size(dt);
+        for (idx_t j = 0; j < n; ++j)  // message built only on failure: this runs once per grad per step
+          if (nu[j] < 0 || (nu[j] > 0 && ad[j] == 0) || ad[j] % size != 0)
+            check_buffer(ad[j], nu[j], dt, ("_raw_scale_gather_ buffer " + std::to_string(j)).c_str());
+        py::gil_scoped_release nogil;
+        return OK().scale_gather(ad, nu, n, dt, scale, check, threads);
+      },
+      py::arg("addr"), py::arg("numel"), py::arg("n"), py::arg("dtype"), py::arg("scale"), py::arg("check") = true,
+      py::arg("threads") = 0,
+      "x *= scale in place over n disjoint buffers: addr/numel are addresses of n int64 tables (buffer address, "
+      "element count); returns True if any value was inf/nan");
+
   py::class_<PyOptArgs>(m, "OptArgs", "arguments of one optimizer kernel call (addresses as ints)")
       .def(py::init<>())
       .def_readwrite("p", &PyOptArgs::p)
@@ -242,6 +279,7 @@ PYBIND11_MODULE(apex_C, m) {
       .def_readwrite("seg_gmul", &PyOptArgs::seg_gmul)
       .def_readwrite("seg_aux", &PyOptArgs::seg_aux)
       .def_readwrite("seg_out", &PyOptArgs::seg_out)
+      .def_readwrite("gtab", &PyOptArgs::gtab)
       .def_readwrite("hp", &PyOptArgs::hp)
       .def_property("pdt", [](PyOptArgs& s) { return s.a.pdt; }, [](PyOptArgs& s, int v) { s.a.pdt = v; })
       .def_property("gdt", [](PyOptArgs& s) { return s.a.gdt; }, [](PyOptArgs& s, int v) { s.a.gdt = v; })
