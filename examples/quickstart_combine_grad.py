@@ -2,9 +2,10 @@
 
     python examples/quickstart_combine_grad.py
 
-After the first backward the gradients are rebound as views into one flat buffer, so the unscale + inf/nan check at
-scale_loss exit is a single pass over that buffer (C++ on CPU) instead of one per parameter. Nothing else in the
-training loop changes; any torch.optim optimizer works.
+With zero_grad(set_to_none=False), after the first backward the gradients are rebound as views into one flat
+buffer, so the unscale + inf/nan check at scale_loss exit is a single pass over that buffer (C++ on CPU) instead of
+one per parameter. With torch's default set_to_none=True the fresh gradients are unscaled where they are (one C++
+call over their addresses, no copy). Nothing else in the training loop changes; any torch.optim optimizer works.
 """
 
 import torch
@@ -23,7 +24,7 @@ y = torch.randint(0, 4, (64,), device=device)
 losses = []
 for _ in range(20):
     loss = torch.nn.functional.cross_entropy(model(x), y)
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=False)
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()

@@ -150,7 +150,8 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def assert_shared(opt) -> int:
-    """Every param, grad and state entry of `opt` is a view of its flat buffer at its slot; returns #params."""
+    """Every param, grad and state entry of `opt` is a view of its flat buffer at its slot (a grad that the last
+    step read where it is: listed in the set's gather table); returns #params."""
     n = 0
     for gi, group in enumerate(opt.param_groups):
         cache = opt._groups[gi]
@@ -160,7 +161,10 @@ def assert_shared(opt) -> int:
             assert is_combined_tensor_valid(s.flat_p, s.params), f"group {gi}: params left their flat buffer"
             for k, p in enumerate(s.params):
                 where = f"group {gi} param {k}"
-                if p.grad is not None:
+                if p.grad is not None and s.gathered:
+                    # read where it is (fresh grad after set_to_none): the kernel's table holds its address
+                    assert int(s._gtab[k]) == p.grad.data_ptr(), f"{where}: grad not in the gather table"
+                elif p.grad is not None:
                     assert p.grad is s.grad_views[k], f"{where}: grad is not the bound view"
                     assert storage_key(p.grad) == storage_key(s.flat_g), f"{where}: grad outside the flat grad buffer"
                     assert p.grad.storage_offset() == s.flat_g.storage_offset() + s.offsets[k]

@@ -359,7 +359,10 @@ def test_add_param_group_after_steps(name):
             if opt is not None:
                 opt.step()
         if isinstance(o_late, CombinedOptimizer):
-            assert o_late.recombine_count == step + 1  # fresh grad tensors every step: one adoption event each
+            # fresh grad tensors every step: read where they are (no event) by optimizers that can, else one
+            # adoption event each; the group added at step 4 is combined once
+            expected = (1 if step < 4 else 2) if o_late._gather_grads else step + 1
+            assert o_late.recombine_count == expected
     for k, (a, b) in enumerate(zip(late, early)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda s, k=k: f"param {k}: {s}")
     assert o_late.param_groups[1]["lr"] == 0.03
@@ -434,21 +437,23 @@ BREAKS = {"p.data=new": _break_param_data, "p.grad=new": _break_new_grad,
 @pytest.mark.parametrize("how", sorted(BREAKS))
 @pytest.mark.parametrize("name", FUSED)
 def test_each_breaking_action_recombines_once_and_is_exact(name, how):
-    """Healed by exactly one re-combine event; the result equals, bit for bit, a twin that made the same change in
-    place (sharing intact) — so the healed step is neither stale nor different."""
+    """Healed by exactly one re-combine event (a replaced grad: read where it is, no event, by optimizers that
+    can); the result equals, bit for bit, a twin that made the same change in place (sharing intact) — so the
+    healed step is neither stale nor different."""
     (m, mt), (o, ot) = twin_models(name)
     train(m, o, 3)
     train(mt, ot, 3)
     BREAKS[how](m, o, mt, ot)
     o.step()
     ot.step()
-    assert o.recombine_count == 2, "the break must be healed by exactly one re-combine"
+    events = 1 if how == "p.data=new" or not o._gather_grads else 0
+    assert o.recombine_count == 1 + events, "the break must be healed by exactly one re-combine"
     assert ot.recombine_count == 1, "the in-place twin must not re-combine"
     assert_models_equal(m, mt, f"{how}: healed step")
     assert assert_shared(o) == 4
     train(m, o, 3, start=8)
     train(mt, ot, 3, start=8)
-    assert o.recombine_count == 2
+    assert o.recombine_count == 1 + events
     assert_models_equal(m, mt, f"{how}: after healing")
     for p, q in zip(m.parameters(), mt.parameters()):
         for n, v in ot.state[q].items():

@@ -167,6 +167,8 @@ def _run_breaking(breaker, check):
         o.step()
     flat = o._amp_stash.combined.flat_buffers()[0]
     shared = all(storage(p.grad) == storage(flat) for p in m.parameters())
+    # fresh grad tensors are unscaled where they are (gathered), unless check_combined_tensors wants the buffers
+    shared = shared or (not check and o._amp_stash.combined.gathered)
     return [p.detach().clone() for p in m.parameters()], shared
 
 

@@ -222,8 +222,11 @@ class _Child:
     def raw(self):
         r = self.rng
         name = r.choice(["scale_", "axpy_", "copy_", "fill_", "has_nonfinite", "sum_sq", "max_abs",
-                         "segment_sum_sq", "split"])
+                         "segment_sum_sq", "scale_gather_", "split"])
         hostile = r.random() < 0.5
+        if name == "scale_gather_":
+            self.raw_gather(hostile)
+            return
         if name == "split":
             args = (self.big_int(), r.choice([r.randrange(-5, 5000), 2 ** 40]), self.big_int(), self.big_int())
             self.note(f"_split_range{args}")
@@ -262,6 +265,42 @@ class _Child:
             return
         if hostile:
             raise AssertionError(f"hostile call returned normally: _raw_{name}{args}")
+
+    def raw_gather(self, hostile):
+        """_raw_scale_gather_ over a table of buffers: one hostile entry (or a hostile table) must be rejected."""
+        r = self.rng
+        n = r.randrange(0, 9)
+        if not hasattr(self, "gather_addrs"):
+            self.gather_addrs = self.np.zeros(self.maxseg + 1, self.np.uint64)
+        addrs, counts = self.gather_addrs, self.tables[1]
+        spans = [self.span() for _ in range(n)]  # may overlap: values change, memory stays inside the arenas
+        dt = r.randrange(3)
+        for j, (a, c) in enumerate(spans):
+            addrs[j], counts[j] = a, c
+        addr, numel = addrs.ctypes.data, counts.ctypes.data
+        if hostile:
+            kind = r.randrange(4)
+            if kind == 0 or n == 0:
+                n = r.choice([-1, 2 ** 48 + 1, 2 ** 63 - 1])
+            elif kind == 1:
+                addr, numel = r.choice([(0, numel), (addr, 0), (addr + 4, numel)])
+            elif kind == 2:
+                j = r.randrange(n)
+                a, c, hdt = self.hostile_span()
+                addrs[j], counts[j] = a, c
+                if hdt not in (0, 1, 2):
+                    dt = hdt
+            else:
+                dt = r.choice([3, -1])
+        args = (addr, numel, n, dt, r.uniform(-4, 4), r.random() < 0.5, r.choice([0, 1, 2]))
+        self.note(f"_raw_scale_gather_{args} hostile={hostile} table={list(zip(addrs[:4], counts[:4]))}")
+        try:
+            apex_C._raw_scale_gather_(*args)
+            self.accepted += 1
+        except EXPECTED:
+            return
+        if hostile:
+            raise AssertionError(f"hostile call returned normally: _raw_scale_gather_{args}")
 
     def table(self, nseg, limit):
         r = self.rng

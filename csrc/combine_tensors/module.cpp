@@ -199,6 +199,23 @@ void typed_segment_sum_sq(py::handle src, py::handle seg, py::handle out, int th
   K().segment_sum_sq(s.data, s.kind, Segments{table.data(), nseg}, static_cast<double*>(o.data), threads);
 }
 
+// Every slot with elements needs a non-null grad address aligned to the grad dtype.
+void check_gather_table(const OptArgs& a) {
+  const std::size_t size = dtype_size(a.gdt);
+  for (idx_t k = 0; k < a.nseg; ++k) {
+    if (a.skip && a.skip[k]) continue;
+    const idx_t n = (a.seg_end ? a.seg_end[k] : a.seg[k + 1]) - a.seg[k];
+    if (n > 0 && a.gtab[k] == 0)
+      throw py::value_error("OptArgs.gtab: slot " + std::to_string(k) + " has a null grad address");
+    if (a.gtab[k] % size != 0)
+      throw py::value_error("OptArgs.gtab: grad address of slot " + std::to_string(k) +
+                            " is not aligned to its element size " + std::to_string(size));
+    if (n > 0 && a.gtab[k] > UINTPTR_MAX - static_cast<std::uintptr_t>(n) * size)
+      throw py::value_error("OptArgs.gtab: grad of slot " + std::to_string(k) +
+                            ": address + count * element size wraps around the address space");
+  }
+}
+
 // ===========================================================================
 // Optimizer kernels: OptArgs (addresses as ints), validated before every call
 // ===========================================================================
@@ -206,6 +223,7 @@ struct PyOptArgs {
   OptArgs a;
   std::uintptr_t p = 0, g = 0, s0 = 0, s1 = 0, s2 = 0, out = 0, seg = 0, seg_end = 0, steps = 0, skip = 0, first = 0;
   std::uintptr_t seg_mul = 0, seg_gmul = 0, seg_aux = 0, seg_out = 0;
+  std::uintptr_t gtab = 0;  // address of nseg grad addresses (uint64), or 0 for the flat grad buffer g
   std::vector<double> hp;
 
   const OptArgs& resolve() {
@@ -224,6 +242,7 @@ struct PyOptArgs {
     a.seg_gmul = as_ptr<const float>(seg_gmul);
     a.seg_aux = as_ptr<const float>(seg_aux);
     a.seg_out = as_ptr<double>(seg_out);
+    a.gtab = as_ptr<const std::uintptr_t>(gtab);
     if (hp.size() > 12) throw py::value_error("OptArgs.hp: at most 12 hyperparameters, got " + std::to_string(hp.size()));
     for (std::size_t i = 0; i < 12; ++i) a.hp[i] = i < hp.size() ? hp[i] : 0.0;
     check_dtype(a.pdt, "OptArgs.pdt");
@@ -239,9 +258,10 @@ struct PyOptArgs {
                             "grad/out");
     if (a.nseg < 0) throw py::value_error("OptArgs.nseg must be >= 0, got " + std::to_string(a.nseg));
     check_count(a.nseg, "OptArgs.nseg");
-    if (a.nseg > 0 && (!a.p || !a.g || !a.seg))
-      throw py::value_error("OptArgs: p, g and seg are required when nseg > 0");
+    if (a.nseg > 0 && (!a.p || (!a.g && !a.gtab) || !a.seg))
+      throw py::value_error("OptArgs: p, g (or gtab) and seg are required when nseg > 0");
     check_spans();
+    if (a.gtab && a.nseg > 0) check_gather_table(a);
     return a;
   }
 
@@ -263,7 +283,10 @@ struct PyOptArgs {
     }
     const std::size_t ps = dtype_size(a.pdt);
     check_span(p, total, ps, "OptArgs.p");
-    check_span(g, total, dtype_size(a.gdt), "OptArgs.g");
+    if (gtab)  // per-slot grad addresses (checked slot by slot in check_gather_table), else the flat buffer
+      check_span(gtab, nseg, sizeof(std::uintptr_t), "OptArgs.gtab");
+    else
+      check_span(g, total, dtype_size(a.gdt), "OptArgs.g");
     check_span(s0, s0 ? total : 0, ps, "OptArgs.s0");
     check_span(s1, s1 ? total : 0, ps, "OptArgs.s1");
     check_span(s2, s2 ? total : 0, ps, "OptArgs.s2");
@@ -463,6 +486,36 @@ PYBIND11_MODULE(apex_C, m) {
       py::arg("n"), py::arg("threads"), py::arg("min_per"), py::arg("align"),
       "private: the (begin, end) ranges the kernels' thread split gives n elements (for tests)");
 
+  m.def(
+      "_raw_scale_gather_",
+      [](std::uintptr_t addr, std::uintptr_t numel, idx_t n, int dt, float scale, bool check, int threads) {
+        check_dtype(dt, "_raw_scale_gather_");
+        if (n < 0) throw py::value_error("_raw_scale_gather_: n must be >= 0, got " + std::to_string(n));
+        if (n > 0 && (!addr || !numel)) throw py::value_error("_raw_scale_gather_: addr and numel tables are required");
+        check_count(n, "_raw_scale_gather_ n");
+        check_span(addr, n, sizeof(std::uintptr_t), "_raw_scale_gather_ addr table");
+        check_span(numel, n, sizeof(idx_t), "_raw_scale_gather_ numel table");
+        const std::uintptr_t* ad = as_ptr<const std::uintptr_t>(addr);
+        const idx_t* nu = as_ptr<const idx_t>(numel);
+        const std::size_t size = dtype_size(dt);
+        idx_t total = 0;
+        for (idx_t j = 0; j < n; ++j) {  // message built only on failure: this runs once per grad per step
+          const idx_t c = nu[j];
+          if (c < 0 || c > kMaxElements || (c > 0 && ad[j] == 0) || ad[j] % size != 0 ||
+              (c > 0 && ad[j] > UINTPTR_MAX - static_cast<std::uintptr_t>(c) * size))
+            check_buffer(ad[j], c, dt, ("_raw_scale_gather_ buffer " + std::to_string(j)).c_str());
+          total += c;  // each c <= 2^48: no overflow before the check below trips
+          if (total > kMaxElements)
+            throw py::value_error("_raw_scale_gather_: the buffers hold more than 2**48 elements in all");
+        }
+        py::gil_scoped_release nogil;
+        return OK().scale_gather(ad, nu, n, dt, scale, check, threads);
+      },
+      py::arg("addr"), py::arg("numel"), py::arg("n"), py::arg("dtype"), py::arg("scale"), py::arg("check") = true,
+      py::arg("threads") = 0,
+      "x *= scale in place over n disjoint buffers: addr/numel are addresses of n int64 tables (buffer address, "
+      "element count); returns True if any value was inf/nan");
+
   py::class_<PyOptArgs>(m, "OptArgs", "arguments of one optimizer kernel call (addresses as ints)")
       .def(py::init<>())
       .def_readwrite("p", &PyOptArgs::p)
@@ -480,6 +533,7 @@ PYBIND11_MODULE(apex_C, m) {
       .def_readwrite("seg_gmul", &PyOptArgs::seg_gmul)
       .def_readwrite("seg_aux", &PyOptArgs::seg_aux)
       .def_readwrite("seg_out", &PyOptArgs::seg_out)
+      .def_readwrite("gtab", &PyOptArgs::gtab)
       .def_readwrite("hp", &PyOptArgs::hp)
       .def_property("pdt", [](PyOptArgs& s) { return s.a.pdt; }, [](PyOptArgs& s, int v) { s.a.pdt = v; })
       .def_property("gdt", [](PyOptArgs& s) { return s.a.gdt; }, [](PyOptArgs& s, int v) { s.a.gdt = v; })

@@ -13,8 +13,12 @@ namespace apexc {
 struct OptArgs {
   void* p = nullptr;  // params, dtype pdt
   int pdt = F32;
-  const void* g = nullptr;  // grads, dtype gdt
+  const void* g = nullptr;  // grads, dtype gdt (flat, laid out like p); unused when gtab is set
   int gdt = F32;
+  // Optional grad gather table: nseg base addresses, one per slot; slot k's grad element for flat
+  // index i is read at gtab[k] + (i - seg[k]). Lets a call read grads where autograd left them
+  // (separate tensors) instead of a flat buffer. Chosen once per call: loops stay vectorised.
+  const std::uintptr_t* gtab = nullptr;
   void* s[3] = {nullptr, nullptr, nullptr};  // state buffers, stored in the param dtype pdt (meaning per kernel)
   int sdt = F32;  // recorded by the bridge for diagnostics; kernels read states as pdt (torch keeps them so)
   void* out = nullptr;  // optional second copy of the updated param (dtype odt), e.g. O2 model weights
@@ -82,6 +86,11 @@ struct OptimKernels {
   // Adagrad (torch.optim.Adagrad). hp: lr, eps, weight_decay, lr_decay. s0: sum. steps required
   // (clr = lr / (1 + (t-1)*lr_decay)). kDecoupled: NVIDIA adagrad_w_mode (update = g/(sqrt(h)+eps) + wd*p).
   void (*adagrad)(const OptArgs&);
+  // In place x *= scale over n separate buffers of dtype dt (addr[j], numel[j] elements), split across
+  // threads by elements; returns whether any input value was inf/nan (only computed when `check`).
+  // scale == 1 only reads. The buffers must be disjoint. (amp's unscale over grads left where they are.)
+  bool (*scale_gather)(const std::uintptr_t* addr, const idx_t* numel, idx_t n, int dt, float scale, bool check,
+                       int threads);
 };
 
 const OptimKernels& optim_kernels_baseline();
@@ -96,6 +105,14 @@ const OptimKernels& optim_kernels_neon();
 const OptimKernels& OK();
 
 inline idx_t seg_end(const OptArgs& a, idx_t k) { return a.seg_end ? a.seg_end[k] : a.seg[k + 1]; }
+
+// Slot k's grad from flat element `lo` on: its own buffer (gather table) or the flat buffer. Loops index
+// the result with (i - lo), so one pointer choice per slot piece keeps the element loop branch-free.
+template <class G>
+inline const G* grad_at(const OptArgs& a, const G* flat, idx_t k, idx_t lo) {
+  if (a.gtab) return reinterpret_cast<const G*>(a.gtab[k]) + (lo - a.seg[k]);
+  return flat + lo;
+}
 
 // Runs fn(k, lo, hi) for every part of segment k that falls in this thread's
 // element range; segments flagged in `skip` are not visited.

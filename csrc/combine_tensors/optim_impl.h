@@ -2,6 +2,8 @@
 // Arithmetic is fp32 whatever the storage dtype (as torch's opmath); per-segment
 // scalars (bias corrections) are computed in double once per segment.
 #include <algorithm>
+#include <atomic>
+#include <vector>
 #include <cmath>
 #include <stdexcept>
 
@@ -73,10 +75,11 @@ static void sgd(const OptArgs& a) {
     const bool nesterov = a.flags & kNesterov;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       if (mom == 0.f || !buf) {
         APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
-          float d = load(g, i) * gs + wd * load(p, i);
+          float d = load(gk, i - lo) * gs + wd * load(p, i);
           float np = load(p, i) - lr * d;
           store(p, i, np);
           store(o, i, np);
@@ -88,7 +91,7 @@ static void sgd(const OptArgs& a) {
       const float keep = first ? 0.f : mom, take = first ? 1.f : static_cast<float>(1.0 - a.hp[2]);
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
-        float d = load(g, i) * gs + wd * load(p, i);
+        float d = load(gk, i - lo) * gs + wd * load(p, i);
         float b = keep * load(buf, i) + take * d;
         store(buf, i, b);
         b = load(buf, i);  // what torch sees when the buffer is low precision
@@ -119,13 +122,14 @@ static void adam(const OptArgs& a) {
       const float step_size = static_cast<float>(no_bc ? lr : lr / (1.0 - std::pow(b1, t)));
       const float bc2_sqrt = static_cast<float>(no_bc ? 1.0 : std::sqrt(1.0 - std::pow(b2, t)));
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
       const float l2 = decoupled ? 0.f : wd;
       if (!amsgrad) {
         APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
           float pv = load(p, i) * decay;
-          float gv = load(g, i) * gs + l2 * pv;
+          float gv = load(gk, i - lo) * gs + l2 * pv;
           float mv = fb1 * load(m, i) + omb1 * gv;
           float vv = fb2 * load(v, i) + omb2 * gv * gv;
           store(m, i, mv);
@@ -139,7 +143,7 @@ static void adam(const OptArgs& a) {
         APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
           float pv = load(p, i) * decay;
-          float gv = load(g, i) * gs + l2 * pv;
+          float gv = load(gk, i - lo) * gs + l2 * pv;
           float mv = fb1 * load(m, i) + omb1 * gv;
           float vv = fb2 * load(v, i) + omb2 * gv * gv;
           store(m, i, mv);
@@ -169,10 +173,11 @@ static void adadelta(const OptArgs& a) {
     const float omr = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
-        float gv = load(g, i) * gs + wd * pv;
+        float gv = load(gk, i - lo) * gs + wd * pv;
         store(sq, i, rho * load(sq, i) + omr * gv * gv);
         float stdv = std::sqrt(load(sq, i) + eps);
         float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
@@ -208,11 +213,12 @@ static void rmsprop_body(const OptArgs& a) {
     const float one_minus = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         if (TF) pv = pv - wd_decay * pv;
-        float gv = load(g, i) * gs + wd_l2 * pv;
+        float gv = load(gk, i - lo) * gs + wd_l2 * pv;
         float s = load(sq, i);
         store(sq, i, TF ? s + one_minus * (gv * gv - s) : alpha * s + one_minus * gv * gv);
         float sv = load(sq, i);
@@ -272,10 +278,11 @@ static void bert_adam(const OptArgs& a) {
     const float omb1 = static_cast<float>(1.0 - a.hp[1]), omb2 = static_cast<float>(1.0 - a.hp[2]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
-        float gv = load(g, i) * gs;
+        float gv = load(gk, i - lo) * gs;
         store(m, i, b1 * load(m, i) + omb1 * gv);
         store(v, i, b2 * load(v, i) + omb2 * gv * gv);
         float u = load(m, i) / (std::sqrt(load(v, i)) + eps) + wd * pv;
@@ -349,6 +356,7 @@ static void lamb_stage1(const OptArgs& a) {
     const float omb2 = static_cast<float>(1.0 - a.hp[1]);
     segment_reduce<2>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       const LambBC bc = lamb_bc(a, k, a.hp[0], a.hp[1]);
       // Blocks of kBlk: the update (sqrt, divide) runs as one simple float loop the
       // compiler vectorises, and only the squares are widened to double lanes.
@@ -361,7 +369,7 @@ static void lamb_stage1(const OptArgs& a) {
         for (int l = 0; l < n; ++l) {
           const idx_t j = base + l;
           float pv = load(p, j);
-          float gv = load(g, j) * gs;
+          float gv = load(gk, j - lo) * gs;
           store(m, j, b1 * load(m, j) + b3 * gv);
           store(v, j, b2 * load(v, j) + omb2 * gv * gv);
           pb[l] = pv;
@@ -414,10 +422,11 @@ static void row_dots(const OptArgs& a) {
     APEX_TYPES(pt, gt, ot);
     segment_reduce<3>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       LaneAcc<3> acc;
       idx_t i = lo;
       auto body = [&](idx_t j, int l) {
-        double gv = static_cast<double>(load(g, j) * gs), pv = load(p, j);
+        double gv = static_cast<double>(load(gk, j - lo) * gs), pv = load(p, j);
         acc.v[0][l] += gv * pv;
         acc.v[1][l] += gv * gv;
         acc.v[2][l] += pv * pv;
@@ -460,10 +469,11 @@ static void adamp_stage_a(const OptArgs& a) {
       const float pn = a.seg_mul[k];
       if (pn == 0.f) return;
       const AdamPScalars s = adamp_scalars(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       LaneAcc<1> acc;
       idx_t i = lo;
       auto body = [&](idx_t j, int l) {
-        float gv = load(g, j) * s.gs;
+        float gv = load(gk, j - lo) * s.gs;
         // round the moments through the storage dtype, as stage B stores them
         P mt, vt;
         store(&mt, 0, s.b1 * load(m, j) + s.omb1 * gv);
@@ -489,13 +499,14 @@ static void adamp_stage_b(const OptArgs& a) {
     const double lr = a.hp[0], wd = a.hp[4];
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const AdamPScalars s = adamp_scalars(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       const float pn = a.seg_mul ? a.seg_mul[k] : 0.f;
       const float coef = (pn != 0.f && a.seg_out) ? static_cast<float>(a.seg_out[k]) : 0.f;
       const float wdr = a.seg_aux ? a.seg_aux[k] : 1.f;
       const float decay = static_cast<float>(1.0 - lr * wd * wdr);
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
-        float gv = load(g, i) * s.gs;
+        float gv = load(gk, i - lo) * s.gs;
         store(m, i, s.b1 * load(m, i) + s.omb1 * gv);
         store(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
         float mv = load(m, i), vv = load(v, i);
@@ -522,10 +533,11 @@ static void adagrad(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float clr = static_cast<float>(lr / (1.0 + (a.steps[k] - 1.0) * lr_decay));
       const float gs = gmul(a, k);
+      const G* __restrict gk = grad_at(a, g, k, lo);
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
-        float gv = load(g, i) * gs + (wmode ? 0.f : wd * pv);
+        float gv = load(gk, i - lo) * gs + (wmode ? 0.f : wd * pv);
         store(sum, i, load(sum, i) + gv * gv);
         float u = gv / (std::sqrt(load(sum, i)) + eps) + (wmode ? wd * pv : 0.f);
         float np = pv - clr * u;
@@ -536,9 +548,41 @@ static void adagrad(const OptArgs& a) {
   });
 }
 
+// ---------------------------------------------------------------------------
+// x *= scale over separate buffers (grads left where autograd put them). Threads split the
+// concatenated element range, as if the buffers were one flat buffer, so many small buffers
+// cost one call and large ones still use every thread.
+static bool scale_gather(const std::uintptr_t* addr, const idx_t* numel, idx_t n, int dt, float scale, bool check,
+                         int threads) {
+  if (n <= 0) return false;
+  std::vector<idx_t> off(static_cast<std::size_t>(n) + 1, 0);
+  for (idx_t j = 0; j < n; ++j) off[j + 1] = off[j] + numel[j];
+  const idx_t total = off[n];
+  bool found = false;
+  with_type(dt, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    std::atomic_bool any{false};
+    parallel_for(total, threads, [&](idx_t b, idx_t e) {
+      // first buffer whose end is past b (empty buffers are passed over)
+      idx_t j = static_cast<idx_t>(std::upper_bound(off.begin(), off.end(), b) - off.begin()) - 1;
+      bool bad = false;
+      for (; j < n && off[j] < e; ++j) {
+        const idx_t lo = std::max(off[j], b), hi = std::min(off[j + 1], e);
+        if (lo >= hi) continue;
+        T* x = reinterpret_cast<T*>(addr[j]) + (lo - off[j]);
+        if (scale == 1.f) bad |= check && nonfinite_range(x, hi - lo);
+        else bad |= scale_inplace_range(x, hi - lo, scale, check);
+      }
+      if (bad) any.store(true, std::memory_order_relaxed);
+    });
+    found = any.load();
+  });
+  return found;
+}
+
 static const OptimKernels optim_table = {
     sgd, adam, adadelta, rmsprop, rmsprop_tf, bert_adam, lamb_stage1, lamb_stage2, row_dots, adamp_stage_a,
-    adamp_stage_b, adagrad,
+    adamp_stage_b, adagrad, scale_gather,
 };
 
 #undef APEX_TYPES

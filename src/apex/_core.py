@@ -15,9 +15,10 @@ an ImportError, so a broken build can never pass on the fallback.
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -31,9 +32,11 @@ __all__ = [
     "fill_",
     "has_nonfinite",
     "kernel_dtype",
+    "kernel_many",
     "max_abs",
     "num_threads",
     "scale_",
+    "scale_many_",
     "simd_level",
     "sum_sq",
     "uses_kernel",
@@ -192,3 +195,45 @@ def max_abs(src: torch.Tensor) -> float:
     if torch.isnan(src).any():
         return float("nan")
     return float(src.abs().max())
+
+
+_is_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_get_dtype = operator.attrgetter("dtype")
+_get_device_type = operator.attrgetter("device.type")
+
+
+def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when `scale_many_` runs as one apex_C call: contiguous CPU tensors of one kernel dtype."""
+    if ext is None or not tensors:
+        return False
+    dtypes = set(map(_get_dtype, tensors))
+    return (
+        len(dtypes) == 1
+        and next(iter(dtypes)) in DTYPE_CODES
+        and set(map(_get_device_type, tensors)) == {"cpu"}
+        and all(map(_is_contiguous, tensors))
+    )
+
+
+def scale_many_(tensors: Sequence[torch.Tensor], scale: float, check: bool = True) -> bool:
+    """``t *= scale`` in place for every tensor (disjoint memory); True if any value was inf/nan.
+
+    One apex_C call over an address table when `kernel_many` holds (grads left where autograd
+    put them: no flat buffer, no copy); ``scale == 1`` only checks. Otherwise one `scale_` per
+    tensor (torch ops where apex_C does not apply).
+    """
+    ts = list(tensors)
+    if not ts:
+        return False
+    if kernel_many(ts):
+        addr = torch.tensor(list(map(_data_ptr, ts)), dtype=torch.int64)
+        numel = torch.tensor(list(map(_numel, ts)), dtype=torch.int64)
+        return ext._raw_scale_gather_(addr.data_ptr(), numel.data_ptr(), len(ts), DTYPE_CODES[ts[0].dtype],
+                                      float(scale), bool(check), num_threads())
+    found = False
+    for t in ts:
+        if check or scale != 1.0:
+            found |= scale_(t, scale, check=check)
+    return bool(found)

@@ -27,7 +27,17 @@ like O1 grads. A model param that once had a gradient keeps its (zeroed) slot in
 ``L``, so under O2 + combine_grad a param unused in one iteration gets a zero
 master gradient rather than None.
 
-Sharing checks: grads that are not the expected view objects (``p.grad = None``
+Grads left where autograd put them (``zero_grad(set_to_none=True)`` /
+``model.zero_grad()`` before the backward): when no buffer needs its flat form
+at this exit (no O2 twin, no fp32 stash, no combine_ddp hook, no
+``check_combined_tensors``), the exit unscales and checks the grads in place,
+one apex_C call over their address table per buffer (`_core.scale_many_`), and
+copies nothing; the optimizer then reads them in place too. Such a buffer is
+"detached" (``gathered``): its flat form is stale until the grads are copied
+back into their slots, which happens only when a later backward needs it
+(a rescale for accumulation, or discarding the grads of a skipped step).
+
+Sharing checks otherwise: grads that are not the expected view objects (``p.grad = None``
 then backward, ``p.grad = t``) are adopted at exit; with
 ``check_combined_tensors`` every view's data pointer is verified as well (this
 also catches ``p.grad.data = t``), before the backward and at exit.
@@ -138,6 +148,7 @@ class CombinedGrads:
         self.low_dirty = False  # O2: model grads were consumed by an exit; zero them before the next backward
         self.low_pending: Optional[float] = None  # O2: scale the model grads carry
         self.ever_built = False
+        self.gathered = False  # the main grads were unscaled where they are: the flat buffers are stale
 
     # ------------------------------------------------------------ structure
     @property
@@ -146,6 +157,7 @@ class CombinedGrads:
 
     def invalidate(self) -> None:
         self.buffers = None
+        self.gathered = False
 
     def flat_buffers(self) -> List[torch.Tensor]:
         return [] if self.buffers is None else [b.flat for b in self.buffers]
@@ -169,6 +181,7 @@ class CombinedGrads:
             self.low_pending = scale  # first build: the model grads are this backward's
         self.buffers = buffers
         self.ever_built = True
+        self.gathered = False
 
     def _adopt_optimizer_buffers(self, model_of) -> List[_Buffer]:
         opt = self.optimizer
@@ -277,6 +290,10 @@ class CombinedGrads:
                 return False
         return True
 
+    def _main_grads_bound(self) -> bool:
+        """Every main grad is the view object the buffers expect (nothing to gather)."""
+        return all(all(map(operator.is_, map(_get_grad, b.params), b.views)) for b in self.buffers)
+
     def _sync_main_at_exit(self, b: _Buffer) -> None:
         grads = list(map(_get_grad, b.params))
         if all(map(operator.is_, grads, b.views)):
@@ -348,6 +365,8 @@ class CombinedGrads:
                 self._build(scale)
             discard = self.discard or self.stash.skip_pending is not None
             low_dirty = self.low_dirty or discard
+            if self.gathered:
+                self._reattach(scale, discard)
             for b in self.buffers:
                 if self.check_full and not self._views_valid(b):
                     self._heal_pointers(b)
@@ -372,6 +391,59 @@ class CombinedGrads:
         self.low_pending = scale
         self.pending = scale
 
+    def _reattach(self, scale: float, discard: bool) -> None:
+        """Before a backward onto grads that were unscaled in place: back into the flat buffers, if needed.
+
+        Needed only when the grads are present and this backward's bookkeeping works on the flat
+        form (a rescale to the new scale, or zeroing a skipped step's grads); grads set to None, or
+        known to be zero, can stay where they are.
+        """
+        present = any(g is not None for b in self.buffers for g in map(_get_grad, b.params))
+        if not present:
+            return
+        if not discard and (self.pending == scale or all(b.known_zero for b in self.buffers)):
+            return
+        if self.stash.ours:
+            flats = self.optimizer.combined_grad_buffers()  # the optimizer copies them into its slots
+            self.recombine_seen = self.optimizer.recombine_count
+            if len(flats) != len(self.buffers) or any(f is not b.flat for f, b in zip(flats, self.buffers)):
+                self._build(scale)
+        for b in self.buffers:
+            self._sync_main_at_exit(b)
+        self.gathered = False
+
+    def _gather_ready(self) -> bool:
+        """This exit may unscale the grads where they are (see the module docstring)."""
+        return (
+            not self.check_full
+            and self.stash.session.ddp is None
+            and all(not b.lows and b.stash is None for b in self.buffers)
+        )
+
+    def _unscale_gathered(self, scale: float, check: bool, fold: bool) -> Optional[bool]:
+        """Unscale + non-finite check over the grads where they are; None if they cannot be used so."""
+        per_buffer = []
+        for b in self.buffers:
+            gs = [g for g in map(_get_grad, b.params) if g is not None]
+            if gs and not _core.kernel_many(gs):
+                return None
+            per_buffer.append(gs)
+        ptrs = [g.data_ptr() for gs in per_buffer for g in gs]
+        if len(set(ptrs)) != len(ptrs):
+            return None  # one tensor bound as the grad of two params: a second scale would be wrong
+        found = False
+        for gs in per_buffer:
+            if fold:
+                found |= check and _core.scale_many_(gs, 1.0, check=True)
+            else:
+                found |= _core.scale_many_(gs, 1.0 / scale, check=check)
+        self.pending = scale if fold else 1.0
+        self.folded = fold
+        self.gathered = True
+        for b in self.buffers:
+            b.known_zero = False
+        return bool(found)
+
     def _rescale_main(self, b: _Buffer, scale: float) -> None:
         factor = scale / self.pending
         if not b.lows:
@@ -394,6 +466,11 @@ class CombinedGrads:
                 self._build(scale)
             else:
                 in_place = self.stash.ours and self._optimizer_grads_in_place()
+                if not in_place and self._gather_ready() and not self._main_grads_bound():
+                    found = self._unscale_gathered(scale, check, fold)
+                    if found is not None:
+                        return found
+                self.gathered = False  # the adoption below brings every grad back into the buffers
                 if self.stash.ours and not in_place:
                     # Fresh grads (after set_to_none) or a re-combine: the optimizer adopts them into its buffers.
                     flats = self.optimizer.combined_grad_buffers()

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _core
 from .._tensor_utils import zero_grad_
 from ._amp_state import logger, maybe_log
 from ._combined import CombinedGrads
@@ -56,6 +57,19 @@ def unscale_(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     for device, ts in by_device.items():
+        if device.type == "cpu":
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for t in ts:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            rest = []
+            for group in by_dtype.values():
+                if _core.kernel_many(group):  # one apex_C pass over the grads where they are
+                    found |= _core.scale_many_(group, inv, check=True)
+                else:
+                    rest += group
+            if not rest:
+                continue
+            ts = rest
         if any(t.is_sparse for t in ts):
             found |= _unscale_fallback(ts, inv, check)
             continue

@@ -11,7 +11,9 @@ Subclasses describe one optimizer's math once and provide two executors:
 Params are combined lazily at the first ``step()``, per param group and dtype.
 Each step first checks that params and grads still share the flat buffers and
 heals what user code broke (see `_flat.FlatSet`), so no update is ever silently
-applied to a stale buffer. A step is all-or-nothing: every group is checked
+applied to a stale buffer. Grads that are not the flat buffer's views (fresh
+after ``zero_grad(set_to_none=True)``) are read where they are by optimizers
+with ``_gather_grads`` (a per-slot grad address table; no copy). A step is all-or-nothing: every group is checked
 (and bad input rejected) before the first group is healed or updated.
 
 Subclass API (stable): ``_state_names(group)``, ``_state_fill``, ``_has_step``,
@@ -151,8 +153,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     Attributes:
         recombine_count: how many steps (or ``combined_grad_buffers`` calls) had to
-            (re)build flat buffers or re-bind grads: 1 after the first step, then +1 per
-            step that found sharing broken by user code.
+            (re)build flat buffers or copy grads into them: 1 after the first step, then +1 per
+            step that found sharing broken by user code. Fresh grads (after
+            ``zero_grad(set_to_none=True)``) that the update reads where they are do not count.
         last_executor: what ran the last update: ``"apex_C"`` (C++ kernel, CPU) or ``"torch"``
             (torch on the flat buffers: torch's fused op where it has one for the optimizer and
             device, else plain torch ops).
@@ -169,6 +172,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
     _state_fill: Dict[str, float] = {}
     #: whether state[p] carries a 'step' tensor (torch layout)
     _has_step = True
+    #: whether `_kernel_step` reads grads only through ``s.args`` (then the base `step()` lets the
+    #: kernel read grads where autograd left them, through a grad address table, instead of copying)
+    _gather_grads = False
 
     def __init__(self, params: Iterable, defaults: dict):
         self._init_combined()
@@ -299,9 +305,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
                         gi, len(group["params"]))
         return sets
 
-    def _prepare_groups(self) -> List[Tuple[dict, List[FlatSet]]]:
+    def _prepare_groups(self, gather: bool = False) -> List[Tuple[dict, List[FlatSet]]]:
         """Checks every group, then heals: re-combines moved params, adopts replaced grads.
 
+        ``gather``: sets the kernel updates may instead read replaced grads where they are
+        (`FlatSet.plan_gather`: no copy, ``p.grad`` stays the caller's tensor).
         Raises (bad params, sparse or mismatched grads, bad states) before anything is changed.
         """
         plans = []
@@ -310,18 +318,47 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if sets is None:
                 self._check_rebuild(group)
                 plans.append((gi, group, None, ()))
-            else:
-                stale = [(s, s.pending_grads()) for s in sets if not s.grads_intact()]  # validates
-                plans.append((gi, group, sets, stale))
+                continue
+            stale = []
+            for s in sets:
+                gs, ptrs = s.scan_grads()
+                if s.scanned_intact(gs, ptrs):
+                    stale.append((s, None, None))
+                elif gather and self._gathers(s, group):
+                    stale.append((s, gs, s.plan_gather(gs, ptrs)))  # validates
+                else:
+                    stale.append((s, None, s.pending_grads()))  # validates
+            plans.append((gi, group, sets, stale))
         healed = False
         for gi, group, sets, stale in plans:
             if sets is None:
-                self._build_group(gi, group)
-            for s, todo in stale:
-                healed |= s.sync_grads(todo) > 0
+                self._build_group(gi, group)  # grads present now are copied in once
+                continue
+            for s, gs, todo in stale:
+                if todo is None:
+                    s.use_flat()
+                elif gs is not None:
+                    s.use_gather(gs, todo)
+                    healed |= bool(todo[1])
+                else:
+                    healed |= s.sync_grads(todo) > 0
         self._force_rebuild = False
         self._count_event(healed)
         return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
+
+    def _gathers(self, s: FlatSet, group: dict) -> bool:
+        """Whether this step's update of `s` can read grads where they are (kernel or torch executor)."""
+        if self._executor == "auto" and s.args is not None:
+            return self._gather_grads
+        return self._torch_gather_ok(s, group)
+
+    def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
+        """Whether `_torch_gather_step` applies to `s` (torch executors; default: no, grads are copied in)."""
+        return False
+
+    def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
+        """The torch executor over each updated slot's param/state views and its grad where it is."""
+        raise NotImplementedError  # pragma: no cover - only called where _torch_gather_ok said yes
 
     def _all_sets(self) -> List[FlatSet]:
         """Every flat set, (re-)combined where params moved; grads are not synced (see FlatSet.sync_grads)."""
@@ -358,7 +395,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """One update of every param with a grad (torch.optim semantics); returns closure()'s loss."""
         loss = _call_closure(closure)
         use_kernel = self._executor == "auto"
-        for group, sets in self._prepare_groups():
+        for group, sets in self._prepare_groups(gather=use_kernel and self._gather_grads):
             for s in sets:
                 if s.n_skipped == s.nseg:
                     continue
@@ -369,7 +406,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
                     s.copy_out()
                 else:
                     self.last_executor = "torch"
-                    self._torch_step(s, group)
+                    if s.gathered:
+                        self._torch_gather_step(s, group)
+                    else:
+                        self._torch_step(s, group)
                     s.zero_padding()
                     s.copy_out(fused=False)
                 s.expose_new_states(self.state)

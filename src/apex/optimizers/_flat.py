@@ -11,8 +11,11 @@ Sharing can be broken from outside (``p.data = ...``, ``p.grad = new``,
 ``p.grad.data = ...`` or ``p.grad.set_(...)``). The optimizer checks, before
 every update, that each param and each grad still lives at its slot (one
 ``data_ptr`` per param and per grad, run as ``map()`` over the params, without
-a Python-level loop). Params that moved force a re-combine; grads that moved
-are copied into their slots and rebound (`sync_grads`).
+a Python-level loop). Params that moved force a re-combine. Grads that moved
+are either read where they are by the kernel (`scan_grads` / `plan_gather` /
+`use_gather`: a per-slot grad address table, no copy, ``p.grad`` untouched) or,
+for callers that need the flat grad buffer (amp, clipping, global norms), copied
+into their slots and rebound (`sync_grads`).
 
 Not detected (a documented limit, outside ordinary torch usage): replacing an
 entry of ``group["params"]`` in place by another object that shares the same
@@ -34,7 +37,9 @@ _get_layout = operator.attrgetter("layout")
 _get_dtype = operator.attrgetter("dtype")
 _get_device = operator.attrgetter("device")
 _get_shape = operator.attrgetter("shape")
+_get_is_cpu = operator.attrgetter("is_cpu")
 _data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
 _is = operator.is_
 
 
@@ -117,6 +122,7 @@ class FlatSet:
         # padding = the alignment gaps between slots; it must stay zero (norms and checks run over whole buffers)
         self.has_padding = any(e != s for e, s in zip(ends, self.offsets[1:]))
         self._pad_index: Optional[torch.Tensor] = None
+        self._grad_bytes: Optional[torch.Tensor] = None
 
         # params: rebound in place, values kept
         self.flat_p = combine_tensors(self.params, require_copy_value=True)
@@ -167,6 +173,11 @@ class FlatSet:
         self._n_unexposed = self.nseg - sum(self.exposed)
 
         self.param_ptrs = list(map(_data_ptr, self.params))
+        self.shapes = list(map(_get_shape, self.params))
+        self.strides = list(map(_stride, self.params))
+        # gather mode: the kernel reads each grad where it is (see plan_gather); the table stays alive here
+        self.gathered = False
+        self._gtab: Optional[torch.Tensor] = None
         self.n_skipped = 0
         self._refresh_skip()
         self.uses_kernel = self.total > 0 and _core.uses_kernel(self.flat_p)  # an all-empty set has no buffer address
@@ -277,12 +288,132 @@ class FlatSet:
         views, ptrs = self.grad_views, self.grad_ptrs
         return [(k, g) for k, g in live if g is not views[k] or g.data_ptr() != ptrs[k]]
 
+    # -- grads read where they are (gather) -------------------------------------
+    def scan_grads(self) -> Tuple[List[Optional[torch.Tensor]], Optional[List[int]]]:
+        """The params' current grads and, when none is None or sparse, their addresses (one map each)."""
+        gs = list(map(_get_grad, self.params))
+        try:
+            return gs, list(map(_data_ptr, gs))
+        except (TypeError, RuntimeError):  # a None (or sparse) grad: data_ptr does not apply
+            return gs, None
+
+    def scanned_intact(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]]) -> bool:
+        """`grads_intact()` from a `scan_grads()` result (no second walk over the params)."""
+        if not self.n_skipped:
+            return ptrs is not None and ptrs == self.grad_ptrs
+        if not all(map(_is, gs, self.expected_grads)):
+            return False
+        return list(map(_data_ptr, self._bound)) == self._bound_ptrs
+
+    def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]]):
+        """Validates the grads of one step for reading them in place; changes nothing.
+
+        Returns (table, todo, has_none): ``table`` holds one grad address per slot (0 where there is
+        no grad: skipped), ``todo`` the (k, grad) pairs that cannot be read in place and are copied
+        into their slots instead (strides other than the param's, an address not aligned to the
+        element size, or memory overlapping what the kernel writes), ``has_none``: some grad is None.
+        Raises (sparse, dtype, device or shape mismatch) as `pending_grads` does.
+        """
+        if ptrs is None:
+            live = [k for k, g in enumerate(gs) if g is not None]
+            for k in live:
+                if gs[k].layout != torch.strided:
+                    check_grad(k, self.params[k], gs[k])
+            lgs = [gs[k] for k in live]
+            lptrs = list(map(_data_ptr, lgs))
+            shapes = [self.shapes[k] for k in live]
+            strides = [self.strides[k] for k in live]
+        else:
+            live, lgs, lptrs, shapes, strides = None, gs, ptrs, self.shapes, self.strides
+        on_device = (
+            all(map(_get_is_cpu, lgs)) if self.device.type == "cpu"  # cheaper than comparing devices
+            else not set(map(_get_device, lgs)) - {self.device}
+        )
+        if not on_device or set(map(_get_dtype, lgs)) - {self.dtype} or list(map(_get_shape, lgs)) != shapes:
+            for k, g in enumerate(gs):
+                if g is not None:
+                    check_grad(k, self.params[k], g)
+        bad_strides = list(map(_stride, lgs)) != strides
+        table = torch.tensor(lptrs, dtype=torch.int64)
+        todo_idx = self._not_readable(table, live, lgs, strides if bad_strides else None)
+        if live is not None:
+            full = torch.zeros(self.nseg, dtype=torch.int64)
+            full[torch.tensor(live, dtype=torch.int64)] = table
+            table = full
+        todo = [(k, gs[k]) for k in todo_idx]
+        for k, _ in todo:
+            table[k] = self.grad_ptrs[k]
+        return table, todo, live is not None
+
+    def _not_readable(self, table: torch.Tensor, live: Optional[List[int]], lgs: List[torch.Tensor],
+                      strides: Optional[List[tuple]]) -> List[int]:
+        """Slots whose grad must be copied: strides unlike the param's slot, a misaligned address, or
+        memory the update writes (params, states, the O2 copy): the kernel assumes those disjoint."""
+        idx = set()
+        if strides is not None:
+            idx.update(j for j, (g, st) in enumerate(zip(lgs, strides)) if g.stride() != st)
+        writes = [self.flat_p, *self.flat_s.values()]
+        if self.flat_out is not None:
+            writes.append(self.flat_out)
+        if self._grad_bytes is None:
+            self._grad_bytes = torch.tensor([p.numel() * p.element_size() for p in self.params], dtype=torch.int64)
+        nbytes = self._grad_bytes if live is None else self._grad_bytes[torch.tensor(live, dtype=torch.int64)]
+        end = table + nbytes
+        hit = table.remainder(self.flat_g.element_size()) != 0
+        for w in writes:
+            lo = w.data_ptr()
+            h = (table < lo + w.numel() * w.element_size()) & (end > lo)
+            hit |= h
+        if bool(hit.any()):
+            idx.update(hit.nonzero().flatten().tolist())
+        if idx:
+            # a copy into a slot would change what a grad viewing that slot reads: copy those too
+            glo = self.flat_g.data_ptr()
+            in_g = (table >= glo) & (table < glo + self.flat_g.numel() * self.flat_g.element_size())
+            idx.update(in_g.nonzero().flatten().tolist())
+        return sorted(idx) if live is None else [live[j] for j in sorted(idx)]
+
+    def use_gather(self, gs: List[Optional[torch.Tensor]], plan) -> None:
+        """Makes the next kernel call read grads through `table` (from `plan_gather`); ``p.grad`` is kept.
+
+        The slots' bookkeeping (`expected_grads`) records which slots have a grad this step, as
+        slot views: no reference to a fresh grad is kept beyond the step.
+        """
+        table, todo, has_none = plan
+        self._adopt(todo)
+        self._gtab = table
+        self.gathered = True
+        if self.args is not None:
+            self.args.gtab = table.data_ptr()
+        if not has_none:
+            if self.n_skipped or self.expected_grads is not self.grad_views:
+                self.expected_grads = self.grad_views
+                self._refresh_skip()
+            return
+        self.expected_grads = [None if g is None else v for g, v in zip(gs, self.grad_views)]
+        self._refresh_skip()
+
+    def updated_slots(self) -> List[int]:
+        """Slots with a grad this step (not skipped)."""
+        if not self.n_skipped:
+            return list(range(self.nseg))
+        return [k for k, g in enumerate(self.expected_grads) if g is not None]
+
+    def use_flat(self) -> None:
+        """The next kernel call reads the flat grad buffer (grads are our slot views)."""
+        if self.gathered:
+            self.gathered = False
+            self._gtab = None
+            if self.args is not None:
+                self.args.gtab = 0
+
     def sync_grads(self, todo: Optional[List[Tuple[int, torch.Tensor]]] = None) -> int:
         """Re-binds grads that are not our views (values copied in); returns how many were adopted.
 
         Raises (sparse, dtype, device or shape mismatch) before anything is changed. `todo`: what
         `pending_grads()` returned just before, when nothing can have changed since (saves a pass).
         """
+        self.use_flat()
         if todo is None:
             if self.grads_intact():
                 return 0

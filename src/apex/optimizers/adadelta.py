@@ -32,6 +32,8 @@ class NpuFusedAdadelta(CombinedOptimizer):
     Args: params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0 (state: step, square_avg, acc_delta).
     """
 
+    _gather_grads = True  # the kernel reads grads only through OptArgs
+
     def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0):
         defaults = dict(
             lr=lr, rho=rho, eps=eps, weight_decay=weight_decay,

@@ -58,6 +58,8 @@ class NpuFusedAdam(CombinedOptimizer):
     are not implemented and rejected when a loaded state_dict sets them.
     """
 
+    _gather_grads = True  # the kernel reads grads only through OptArgs
+
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False):
@@ -93,12 +95,7 @@ class NpuFusedAdam(CombinedOptimizer):
         _core.ext.adam_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
-        if (
-            s.dtype == torch.float32
-            and self._grad_scale() == 1.0  # torch's op would unscale the stored grads in place
-            and self._torch_fused_allowed()
-            and s.device.type in _device.fused_optimizer_devices()
-        ):
+        if self._torch_fused_ok(s):
             self._torch_fused_step(s, group)
             return
         b1, b2 = group["betas"]
@@ -113,6 +110,31 @@ class NpuFusedAdam(CombinedOptimizer):
             )
 
         self._update_runs(s, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], update)
+
+    def _torch_fused_ok(self, s: FlatSet) -> bool:
+        return (
+            s.dtype == torch.float32
+            and self._grad_scale() == 1.0  # torch's op would unscale the caller's grads in place
+            and self._torch_fused_allowed()
+            and s.device.type in _device.fused_optimizer_devices()
+        )
+
+    def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
+        return self._torch_fused_ok(s)
+
+    def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
+        """torch's fused Adam(W) over the updated slots: param/state views, each grad where it is."""
+        b1, b2 = group["betas"]
+        ks = s.updated_slots()
+        views = s.state_views
+        vmax = [views["max_exp_avg_sq"][k] for k in ks] if group["amsgrad"] else []
+        steps = list(s.steps[ks].to(s.device).unbind()) if ks else []
+        op = getattr(torch, "_fused_adamw_" if self._decoupled else "_fused_adam_")
+        op(
+            [s.params[k] for k in ks], [s.params[k].grad for k in ks], [views["exp_avg"][k] for k in ks],
+            [views["exp_avg_sq"][k] for k in ks], vmax, steps, lr=float(group["lr"]), beta1=b1, beta2=b2,
+            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"], maximize=False,
+        )
 
     def _torch_fused_step(self, s: FlatSet, group: dict) -> None:
         """torch's fused Adam(W) over each run of segments that share a step count."""

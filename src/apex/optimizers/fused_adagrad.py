@@ -31,6 +31,8 @@ class FusedAdagrad(NvidiaCompatMixin, CombinedOptimizer):
     Args: params, lr=1e-2, eps=1e-10, weight_decay=0., set_grad_none=True, adagrad_w_mode=False.
     """
 
+    _gather_grads = True  # the kernel reads grads only through OptArgs
+
     _has_step = False
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True, adagrad_w_mode=False):

@@ -75,6 +75,8 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
     only in its capturable mode). ``zero_grad()`` without arguments follows ``set_grad_none``.
     """
 
+    _gather_grads = True  # the kernel reads grads only through OptArgs
+
     _has_step = False  # NVIDIA: group["step"], no per-param step
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,

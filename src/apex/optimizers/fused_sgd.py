@@ -66,3 +66,6 @@ class FusedSGD(NpuFusedSGD):
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         super()._torch_step(s, self._decay_first(s, group))
+
+    def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
+        super()._torch_gather_step(s, self._decay_first(s, group))

@@ -56,6 +56,8 @@ def rms_step(p, g, rms, buf, *, lr, momentum, lr_in_momentum, settle) -> None:
 class RMSpropFamily(CombinedOptimizer):
     """What torch's RMSprop and the TF variant share: state layout and kernel slots."""
 
+    _gather_grads = True  # the kernel reads grads only through OptArgs
+
     def _state_names(self, group: dict) -> List[str]:
         names = ["square_avg"]
         if group["momentum"] > 0:

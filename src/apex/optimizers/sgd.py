@@ -71,6 +71,8 @@ class NpuFusedSGD(CombinedOptimizer):
     is non-zero; its first value is the (decayed) gradient itself, as in torch.
     """
 
+    _gather_grads = True  # the kernel reads grads only through OptArgs
+
     _has_step = False  # torch's SGD keeps no step count
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False):
@@ -103,17 +105,39 @@ class NpuFusedSGD(CombinedOptimizer):
         flags = _core.ext.FLAG_NESTEROV if group["nesterov"] else 0
         _core.ext.sgd_step(self._prepare_args(s, self._hp(group), flags))
 
+    def _torch_fused_ok(self, s: FlatSet) -> bool:
+        return (
+            _FUSED_SGD is not None
+            and s.dtype == torch.float32
+            and self._grad_scale() == 1.0  # torch's op would unscale the caller's grads in place
+            and self._torch_fused_allowed()
+            and s.device.type in _device.fused_optimizer_devices()
+        )
+
+    def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
+        return self._torch_fused_ok(s)
+
+    def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
+        """torch's fused SGD over the updated slots (param/buffer views, each grad where it is), one call per
+        value of the first-update flag."""
+        lr, momentum, dampening, weight_decay = self._hp(group)
+        bufs = s.state_views.get("momentum_buffer")
+        ks = s.updated_slots()
+        first = s.first.tolist()
+        for is_first in sorted({bool(first[k]) for k in ks}):
+            sel = [k for k in ks if bool(first[k]) == is_first]
+            _FUSED_SGD(
+                [s.params[k] for k in sel], [s.params[k].grad for k in sel],
+                [] if bufs is None else [bufs[k] for k in sel],
+                weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                nesterov=bool(group["nesterov"]), maximize=False, is_first_step=is_first and bufs is not None,
+            )
+
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         lr, momentum, dampening, weight_decay = self._hp(group)
         flat_buf: Optional[torch.Tensor] = s.flat_s.get("momentum_buffer")
         parts = [part for _, _, _, k, j in s.active_runs() for part in split_by_first(s, k, j)]
-        if (
-            _FUSED_SGD is not None
-            and s.dtype == torch.float32
-            and self._grad_scale() == 1.0  # torch's op would unscale the stored grads in place
-            and self._torch_fused_allowed()
-            and s.device.type in _device.fused_optimizer_devices()
-        ):
+        if self._torch_fused_ok(s):
             # torch's fused SGD over the flat slices, one call per value of the first-update flag
             for first in sorted({f for _, _, f in parts}):
                 sl = [slice(lo, hi) for lo, hi, f in parts if f == first]

@@ -1,0 +1,304 @@
+"""Torch-free tests of the grad gather path of apex_C (numpy + the extension).
+
+`OptArgs.gtab` lets an optimizer kernel read slot k's grad from its own buffer (address table)
+instead of the flat grad buffer; the arithmetic is the same, so every kernel must give bitwise the
+same params, states and per-slot outputs either way, at every SIMD level and in every dtype.
+`_raw_scale_gather_` is amp's in-place unscale + non-finite check over separate buffers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+try:
+    import apex_C
+except ImportError as exc:  # a build that cannot load must fail loudly where the extension is required
+    if os.environ.get("APEX_REQUIRE_EXT") == "1":
+        raise
+    pytest.skip(f"apex_C is not importable ({exc}); set APEX_REQUIRE_EXT=1 to make this an error",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.kernels
+
+F32, F16, BF16 = 0, 1, 2
+DTYPES = {"f32": F32, "f16": F16, "bf16": BF16}
+STORAGE = {F32: np.float32, F16: np.float16, BF16: np.uint16}
+LEVELS = apex_C.supported_simd_levels()
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    apex_C.set_simd_level(request.param)
+    yield request.param
+    apex_C.set_simd_level("auto")
+
+
+def stored(rng: np.random.Generator, n: int, dt: int, lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
+    """Random values in the storage dtype (bf16 as its upper 16 bits of a float32)."""
+    x = rng.uniform(lo, hi, n).astype(np.float32)
+    if dt == BF16:
+        return (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return x.astype(STORAGE[dt])
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.tobytes() == b.tobytes()
+
+
+# slot sizes: empty, tiny, odd, one spanning several threads' ranges and reduction chunks
+SIZES = (5, 0, 1, 33, 70001, 17)
+
+
+class Case:
+    """Flat param/state buffers with gaps between slots, grads both flat and as separate arrays."""
+
+    def __init__(self, rng, pdt: int, gdt: int, nstates: int = 3, sizes=SIZES, skip=None):
+        self.sizes = list(sizes)
+        off, starts = 0, []
+        for n in self.sizes:
+            starts.append(off)
+            off += -(-max(n, 1) // 32) * 32  # slots at multiples of 32, gaps stay zero
+        self.total = off
+        self.seg = np.array([*starts, off], dtype=np.int64)
+        self.seg_end = np.array([s + n for s, n in zip(starts, self.sizes)], dtype=np.int64)
+        self.pdt, self.gdt = pdt, gdt
+        self.p = np.zeros(off, dtype=STORAGE[pdt])
+        self.s = [np.zeros(off, dtype=STORAGE[pdt]) for _ in range(nstates)]
+        self.g = np.zeros(off, dtype=STORAGE[gdt])
+        for s0, n in zip(starts, self.sizes):
+            self.p[s0:s0 + n] = stored(rng, n, pdt)
+            self.g[s0:s0 + n] = stored(rng, n, gdt)
+            for j, st in enumerate(self.s):  # positive values: second moments / accumulators stay valid
+                st[s0:s0 + n] = stored(rng, n, pdt, 0.01 if j else -1.0, 1.0)
+        # each slot's grad as its own array (separate allocation), as autograd leaves them
+        self.own = [self.g[s0:s0 + n].copy() for s0, n in zip(starts, self.sizes)]
+        nseg = len(self.sizes)
+        self.skip = np.zeros(nseg, dtype=np.uint8) if skip is None else np.array(skip, dtype=np.uint8)
+        # skipped slots may have no grad at all: a null address
+        self.table = np.array([0 if self.skip[k] else (a.ctypes.data if a.size else 0) for k, a in enumerate(self.own)],
+                              dtype=np.uint64)
+        self.steps = np.array([1.0 + (k % 4) for k in range(nseg)], dtype=np.float32)
+        self.first = np.array([k % 2 for k in range(nseg)], dtype=np.uint8)
+        self.seg_mul = np.array([0.0 if k % 3 == 0 else 0.5 + 0.1 * k for k in range(nseg)], dtype=np.float32)
+        self.seg_gmul = np.array([0.25 + 0.5 * (k % 3) for k in range(nseg)], dtype=np.float32)
+        self.seg_aux = np.array([1.0 if k % 2 else 0.1 for k in range(nseg)], dtype=np.float32)
+
+    def copy(self):
+        c = object.__new__(Case)
+        c.__dict__.update(self.__dict__)
+        c.p = self.p.copy()
+        c.s = [st.copy() for st in self.s]
+        return c
+
+    def args(self, gather: bool, hp, flags: int = 0, threads: int = 2, nout: int = 0):
+        a = apex_C.OptArgs()
+        a.p = self.p.ctypes.data
+        a.pdt, a.gdt, a.sdt = self.pdt, self.gdt, self.pdt
+        if gather:
+            a.gtab = self.table.ctypes.data
+        else:
+            a.g = self.g.ctypes.data
+        for j, st in enumerate(self.s):
+            setattr(a, f"s{j}", st.ctypes.data)
+        a.seg, a.seg_end, a.nseg = self.seg.ctypes.data, self.seg_end.ctypes.data, len(self.sizes)
+        a.steps, a.first = self.steps.ctypes.data, self.first.ctypes.data
+        a.skip = self.skip.ctypes.data if self.skip.any() else 0
+        a.seg_mul, a.seg_gmul, a.seg_aux = self.seg_mul.ctypes.data, self.seg_gmul.ctypes.data, self.seg_aux.ctypes.data
+        a.hp = list(hp)
+        a.flags = flags
+        a.grad_scale = 0.5
+        a.threads = threads
+        self.seg_out = np.full(max(nout, 1) * len(self.sizes), np.nan, dtype=np.float64)
+        a.seg_out = self.seg_out.ctypes.data
+        return a
+
+
+F = apex_C
+# (kernel, hyperparameters, flags, seg_out values per slot)
+KERNELS = [
+    ("sgd_step", [0.1, 0.9, 0.1, 0.01], 0, 0),
+    ("sgd_step", [0.1, 0.9, 0.0, 0.01], F.FLAG_NESTEROV, 0),
+    ("sgd_step", [0.1, 0.0, 0.0, 0.01], 0, 0),
+    ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
+    ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED | F.FLAG_AMSGRAD, 0),
+    ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], F.FLAG_NO_BIAS_CORRECTION, 0),
+    ("adadelta_step", [1.0, 0.9, 1e-6, 0.01], 0, 0),
+    ("rmsprop_step", [1e-2, 0.99, 1e-8, 0.01, 0.9], F.FLAG_CENTERED, 0),
+    ("rmsprop_step", [1e-2, 0.99, 1e-8, 0.0, 0.0], 0, 0),
+    ("rmsprop_tf_step", [1e-2, 0.9, 1e-10, 0.01, 0.9], F.FLAG_LR_IN_MOMENTUM | F.FLAG_DECOUPLED, 0),
+    ("bert_adam_step", [1e-3, 0.9, 0.999, 1e-6, 0.01], 0, 0),
+    ("lamb_stage1", [0.9, 0.999, 1e-6, 0.01, 0.1], F.FLAG_BIAS_CORRECTION | F.FLAG_BETA3, 2),
+    ("row_dots", [], 0, 3),
+    ("adamp_stage_a", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_NESTEROV, 1),
+    ("adamp_stage_b", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
+    ("adagrad_step", [1e-2, 1e-10, 0.01, 0.1], 0, 0),
+    ("adagrad_step", [1e-2, 1e-10, 0.01, 0.0], F.FLAG_DECOUPLED, 0),
+]
+
+
+def _run_both(case: Case, name: str, hp, flags: int, nout: int, threads: int = 2):
+    flat, gath = case.copy(), case.copy()
+    for c, gather in ((flat, False), (gath, True)):
+        a = c.args(gather, hp, flags, threads, nout)
+        if name == "adamp_stage_b":  # stage B reads stage A's per-row projections: none here
+            a.seg_out = 0
+        getattr(apex_C, name)(a)
+    return flat, gath
+
+
+@pytest.mark.parametrize("kernel,hp,flags,nout", KERNELS, ids=[f"{k[0]}-{i}" for i, k in enumerate(KERNELS)])
+@pytest.mark.parametrize("dt", DTYPES.values(), ids=DTYPES.keys())
+def test_gather_matches_flat_bitwise(level, kernel, hp, flags, nout, dt):
+    rng = np.random.default_rng(7)
+    case = Case(rng, dt, dt)
+    flat, gath = _run_both(case, kernel, hp, flags, nout)
+    assert same_bits(flat.p, gath.p), f"{kernel}: params differ"
+    for j, (a, b) in enumerate(zip(flat.s, gath.s)):
+        assert same_bits(a, b), f"{kernel}: state s{j} differs"
+    if nout:
+        assert same_bits(flat.seg_out, gath.seg_out), f"{kernel}: seg_out differs"
+    assert not same_bits(flat.p, case.p) or kernel in ("row_dots", "adamp_stage_a", "lamb_stage1")
+
+
+@pytest.mark.parametrize("gdt", [F16, BF16], ids=["f16", "bf16"])
+def test_gather_fp32_params_low_precision_grads(level, gdt):
+    rng = np.random.default_rng(3)
+    case = Case(rng, F32, gdt)
+    flat, gath = _run_both(case, "adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED, 0)
+    assert same_bits(flat.p, gath.p) and all(same_bits(a, b) for a, b in zip(flat.s, gath.s))
+
+
+def test_gather_skipped_slots_untouched_and_null_address(level):
+    rng = np.random.default_rng(11)
+    skip = [1, 0, 0, 1, 0, 1]
+    case = Case(rng, F32, F32, skip=skip)
+    assert case.table[0] == 0 and case.table[3] == 0
+    flat, gath = _run_both(case, "adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], 0, 0)
+    assert same_bits(flat.p, gath.p)
+    for k, sk in enumerate(skip):
+        lo, hi = case.seg[k], case.seg_end[k]
+        if sk:
+            assert same_bits(gath.p[lo:hi], case.p[lo:hi])
+    # gaps between slots are never written
+    mask = np.ones(case.total, dtype=bool)
+    for lo, hi in zip(case.seg[:-1], case.seg_end):
+        mask[lo:hi] = False
+    assert not gath.p[mask].any()
+
+
+def test_gather_thread_counts_agree(level):
+    rng = np.random.default_rng(5)
+    case = Case(rng, F32, F32)
+    one = case.copy()
+    apex_C.lamb_stage1(one.args(True, [0.9, 0.999, 1e-6, 0.01], 0, threads=1, nout=2))
+    two = case.copy()
+    apex_C.lamb_stage1(two.args(True, [0.9, 0.999, 1e-6, 0.01], 0, threads=2, nout=2))
+    assert same_bits(one.seg_out, two.seg_out) and same_bits(one.s[0], two.s[0])
+
+
+def test_gather_table_errors():
+    rng = np.random.default_rng(1)
+    case = Case(rng, F32, F32)
+    a = case.args(True, [0.1, 0.0, 0.0, 0.0])
+    bad = case.table.copy()
+    bad[1] = 0  # an empty slot may have no address
+    bad[2] = 0  # a slot with elements and no skip flag needs one
+    a.gtab = bad.ctypes.data
+    with pytest.raises(ValueError, match="slot 2 has a null grad address"):
+        apex_C.sgd_step(a)
+    bad = case.table.copy()
+    bad[3] += 2  # misaligned for float32
+    a.gtab = bad.ctypes.data
+    with pytest.raises(ValueError, match="slot 3 is not aligned"):
+        apex_C.sgd_step(a)
+    a.gtab = 0
+    a.g = 0
+    with pytest.raises(ValueError, match="gtab"):
+        apex_C.sgd_step(a)
+
+
+# ------------------------------------------------------------------ _raw_scale_gather_
+def _tables(arrays):
+    addr = np.array([a.ctypes.data if a.size else 0 for a in arrays], dtype=np.uint64)
+    numel = np.array([a.size for a in arrays], dtype=np.int64)
+    return addr, numel
+
+
+def _as_f32(a: np.ndarray, dt: int) -> np.ndarray:
+    if dt == BF16:
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a.astype(np.float32)
+
+
+@pytest.mark.parametrize("dt", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scale_gather_matches_one_scale_per_buffer(level, dt, threads):
+    """Same bits as scaling each buffer alone with scale_ (the elementwise kernel already tested)."""
+    rng = np.random.default_rng(2)
+    sizes = [0, 1, 7, 70001, 64, 3, 100003]
+    arrays = [stored(rng, n, dt, -100.0, 100.0) for n in sizes]
+    want = [a.copy() for a in arrays]
+    for w in want:
+        apex_C.scale_(w.ctypes.data, dt, w.ctypes.data, dt, w.size, 0.125, True, 1)
+    addr, numel = _tables(arrays)
+    found = apex_C._raw_scale_gather_(addr.ctypes.data, numel.ctypes.data, len(arrays), dt, 0.125, True, threads)
+    assert found is False
+    for k, (a, w) in enumerate(zip(arrays, want)):
+        assert same_bits(a, w), f"buffer {k}"
+
+
+@pytest.mark.parametrize("dt", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_scale_gather_finds_nonfinite_in_any_buffer(level, dt, scale):
+    rng = np.random.default_rng(4)
+    sizes = [3, 70001, 0, 9, 100003]
+    for target in (0, 1, 3, 4):
+        for pos in (0, sizes[target] - 1, sizes[target] // 2):
+            for bad in (np.inf, -np.inf, np.nan):
+                arrays = [stored(rng, n, dt) for n in sizes]
+                v = np.array([bad], dtype=np.float32)
+                arrays[target][pos] = (v.view(np.uint32) >> np.uint32(16)).astype(np.uint16)[0] if dt == BF16 \
+                    else v.astype(STORAGE[dt])[0]
+                before = [a.copy() for a in arrays]
+                addr, numel = _tables(arrays)
+                got = apex_C._raw_scale_gather_(addr.ctypes.data, numel.ctypes.data, len(arrays), dt, scale, True, 2)
+                assert got is True, (target, pos, bad)
+                if scale == 1.0:  # a check-only call writes nothing
+                    assert all(same_bits(a, b) for a, b in zip(arrays, before))
+                else:
+                    k = (target + 1) % len(sizes)
+                    exp = _as_f32(before[k], dt) * np.float32(scale)
+                    if dt == F16:  # halving can land in the subnormal range: rounded once, to nearest even
+                        exp = exp.astype(np.float16).astype(np.float32)
+                    assert np.array_equal(_as_f32(arrays[k], dt), exp)
+
+
+def test_scale_gather_no_check_and_empty():
+    arrays = [np.array([np.inf, 2.0], dtype=np.float32)]
+    addr, numel = _tables(arrays)
+    assert apex_C._raw_scale_gather_(addr.ctypes.data, numel.ctypes.data, 1, F32, 2.0, False, 1) is False
+    assert arrays[0][1] == 4.0
+    assert apex_C._raw_scale_gather_(0, 0, 0, F32, 2.0) is False
+
+
+def test_scale_gather_bad_arguments():
+    a = np.ones(4, dtype=np.float32)
+    addr, numel = _tables([a])
+    with pytest.raises(ValueError, match="dtype code"):
+        apex_C._raw_scale_gather_(addr.ctypes.data, numel.ctypes.data, 1, 7, 1.0)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        apex_C._raw_scale_gather_(addr.ctypes.data, numel.ctypes.data, -1, F32, 1.0)
+    with pytest.raises(ValueError, match="tables are required"):
+        apex_C._raw_scale_gather_(0, numel.ctypes.data, 1, F32, 1.0)
+    bad = np.array([0], dtype=np.uint64)
+    with pytest.raises(ValueError, match="buffer 0"):
+        apex_C._raw_scale_gather_(bad.ctypes.data, numel.ctypes.data, 1, F32, 1.0)
+    neg = np.array([-1], dtype=np.int64)
+    with pytest.raises(ValueError, match="buffer 0"):
+        apex_C._raw_scale_gather_(addr.ctypes.data, neg.ctypes.data, 1, F32, 1.0)
+    mis = np.array([a.ctypes.data + 2], dtype=np.uint64)
+    with pytest.raises(ValueError, match="aligned"):
+        apex_C._raw_scale_gather_(mis.ctypes.data, numel.ctypes.data, 1, F32, 1.0)

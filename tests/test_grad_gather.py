@@ -1,0 +1,399 @@
+"""Grads read where autograd left them (torch's default ``zero_grad(set_to_none=True)`` pattern).
+
+After ``zero_grad(set_to_none=True)`` (optimizer's or module's) autograd hands over fresh grad
+tensors every step. The kernel-backed optimizers then read them through a per-slot address table
+instead of copying them into the flat grad buffer: ``p.grad`` stays the caller's tensor, nothing is
+re-combined, and the update is bitwise the update of the combined path (same kernel arithmetic).
+amp unscales and checks such grads in place, one apex_C call per buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _optim_harness import assert_close_rel, assert_unchanged, snapshot
+
+from apex import _core
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedSGD,
+    NpuFusedAdadelta,
+    NpuFusedAdam,
+    NpuFusedAdamW,
+    NpuFusedRMSprop,
+    NpuFusedRMSpropTF,
+    NpuFusedSGD,
+)
+
+pytestmark = pytest.mark.skipif(_core.ext is None, reason="the gather path is the apex_C kernel's")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(7, 5), (0,), (5,), (3, 4, 2), (), (33,), (2, 9)]
+
+# (name, class, kwargs): every optimizer whose kernel step can read grads through the table
+GATHER = [
+    ("adam", NpuFusedAdam, dict(lr=1e-2, weight_decay=0.1)),
+    ("adam_amsgrad", NpuFusedAdam, dict(lr=1e-2, amsgrad=True)),
+    ("adamw", NpuFusedAdamW, dict(lr=1e-2)),
+    ("sgd", NpuFusedSGD, dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ("sgd_nesterov", NpuFusedSGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("sgd_plain", NpuFusedSGD, dict(lr=0.1)),
+    ("adadelta", NpuFusedAdadelta, dict(lr=1.0, weight_decay=0.01)),
+    ("rmsprop", NpuFusedRMSprop, dict(lr=1e-2, momentum=0.9, centered=True)),
+    ("rmsprop_tf", NpuFusedRMSpropTF, dict(lr=1e-2, momentum=0.9)),
+    ("fused_adagrad", FusedAdagrad, dict(lr=1e-2, weight_decay=0.01)),
+    ("fused_adam", FusedAdam, dict(lr=1e-2, weight_decay=0.01)),
+    ("fused_sgd", FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, wd_after_momentum=True)),
+]
+IDS = [g[0] for g in GATHER]
+
+
+def _params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _groups(params, cls):
+    lr = GATHER_LR.get(cls, 1e-2)
+    return [{"params": params[:3]}, {"params": params[3:5], "lr": lr * 0.5}, {"params": params[5:]}]
+
+
+GATHER_LR = {NpuFusedSGD: 0.1, FusedSGD: 0.1, NpuFusedAdadelta: 1.0}
+
+
+def _draw(gen, params, step, dtype):
+    """Grads of one step; None for some params on some steps (torch's skip rule)."""
+    out = []
+    for k, p in enumerate(params):
+        if (step + k) % 4 == 3:
+            out.append(None)
+        else:
+            out.append(torch.randn(p.shape, generator=gen).to(dtype))
+    return out
+
+
+def _kept(p, g):
+    """grads-kept mode: written into the existing grad (our slot view once combined)."""
+    if g is None:
+        p.grad = None
+    elif p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.copy_(g)
+
+
+def _fresh(p, g):
+    """set_to_none mode: a new tensor every step, as autograd makes after zero_grad(set_to_none=True)."""
+    p.grad = None if g is None else g.clone()
+
+
+def _sets(opt):
+    return [s for c in opt._groups.values() for s in c.sets]
+
+
+def _assert_bitwise(oa, pa, ob, pb, what):
+    for k, (x, y) in enumerate(zip(pa, pb)):
+        assert torch.equal(x, y), f"{what}: param {k} differs"
+        sa, sb = oa.state.get(x, {}), ob.state.get(y, {})
+        assert sorted(sa) == sorted(sb), f"{what}: state keys of param {k}"
+        for n in sa:
+            va, vb = sa[n], sb[n]
+            if isinstance(va, torch.Tensor):
+                assert torch.equal(va, vb), f"{what}: state {n!r} of param {k} differs"
+            else:
+                assert va == vb
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,cls,kw", GATHER, ids=IDS)
+def test_gather_bitwise_equals_combined(name, cls, kw, dtype):
+    """Fresh grads every step (read in place) vs grads copied into the flat buffer: same bits."""
+    pa, pb = _params(dtype), _params(dtype)
+    oa, ob = cls(_groups(pa, cls), **kw), cls(_groups(pb, cls), **kw)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        grads = _draw(gen, pa, step, dtype)
+        for p, g in zip(pa, grads):
+            _kept(p, g)
+        fresh = [None if g is None else g.clone() for g in grads]
+        for p, g in zip(pb, fresh):
+            p.grad = g
+        count = ob.recombine_count
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
+        if step:
+            assert ob.recombine_count == count, "fresh grads were adopted (copied) instead of read in place"
+            if not (cls is FusedAdam and dtype != torch.float32):  # fp32 shadows get converted copies
+                assert any(s.gathered for s in _sets(ob))
+            assert ob.last_executor == "apex_C"
+            for p, g in zip(pb, fresh):
+                assert p.grad is g, "p.grad must stay the caller's tensor"
+
+
+@pytest.mark.parametrize("name,cls,kw", GATHER, ids=IDS)
+def test_mixed_modes_between_and_within_steps(name, cls, kw):
+    """Some grads slot views, some fresh, some None; modes switching between steps."""
+    dtype = torch.float32
+    pa, pb = _params(dtype, 3), _params(dtype, 3)
+    oa, ob = cls(_groups(pa, cls), **kw), cls(_groups(pb, cls), **kw)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(8):
+        grads = _draw(gen, pa, step, dtype)
+        for p, g in zip(pa, grads):
+            _kept(p, g)
+        for k, (p, g) in enumerate(zip(pb, grads)):
+            (_fresh if (step + k) % 3 == 0 or step in (2, 3) else _kept)(p, g)
+        if step == 5:
+            ob.zero_grad(set_to_none=False)  # zeroes the fresh grads in place; backward-like add follows
+            for p, g in zip(pb, grads):
+                if g is not None and p.grad is not None:
+                    p.grad.add_(g)
+                elif g is not None:
+                    p.grad = g.clone()
+                else:
+                    p.grad = None
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
+
+
+TORCH_EQ = [
+    ("adam", NpuFusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    ("adamw", NpuFusedAdamW, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    ("sgd", NpuFusedSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("adadelta", NpuFusedAdadelta, torch.optim.Adadelta, dict(lr=1.0)),
+    ("rmsprop", NpuFusedRMSprop, torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("mode", ["optimizer_none", "module_none", "kept", "alternate"])
+@pytest.mark.parametrize("name,ours,ref,kw", TORCH_EQ, ids=[t[0] for t in TORCH_EQ])
+def test_matches_torch_in_every_zero_grad_mode(name, ours, ref, kw, mode):
+    m = _model()
+    r = copy.deepcopy(m)
+    params = list(m.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:4], "lr": kw["lr"] * 0.5}, {"params": params[4:]}]
+    rparams = list(r.parameters())
+    rgroups = [{"params": rparams[:2]}, {"params": rparams[2:4], "lr": kw["lr"] * 0.5}, {"params": rparams[4:]}]
+    o, t = ours(groups, **kw), ref(rgroups, **kw)
+    x = torch.randn(9, 6)
+    p0max = max(float(p.detach().abs().max()) for p in params)
+    for step in range(7):
+        set_to_none = mode != "kept" and not (mode == "alternate" and step % 2)
+        if mode == "module_none":
+            m.zero_grad()
+            r.zero_grad()
+        else:
+            o.zero_grad(set_to_none=set_to_none)
+            t.zero_grad(set_to_none=set_to_none)
+        if step == 3:  # the last layer gets no grad this step: skipped, its step count not advanced
+            m[4].requires_grad_(False)
+            r[4].requires_grad_(False)
+        m(x * (1 + step)).pow(2).mean().backward()
+        r(x * (1 + step)).pow(2).mean().backward()
+        m[4].requires_grad_(True)
+        r[4].requires_grad_(True)
+        o.step()
+        t.step()
+        if set_to_none and step:
+            assert any(s.gathered for s in _sets(o)), "fresh grads should be read in place"
+    for k, (p, q) in enumerate(zip(params, rparams)):
+        assert_close_rel(p, q, p0max, f"param {k}")
+        for n, v in t.state[q].items():
+            if n == "step":
+                assert float(o.state[p]["step"]) == float(v), f"param {k} step"
+            else:
+                # fp32 rounding differs from torch's op order; centered RMSprop amplifies it in its buffers
+                assert_close_rel(o.state[p][n], v, 10 * float(v.abs().max()) + 1e-12, f"param {k} state {n}")
+
+
+def test_grads_that_cannot_be_read_in_place_are_copied():
+    """Strides unlike the param's slot, or memory the update writes: copied, results unchanged."""
+    pa, pb = _params(torch.float32, 5), _params(torch.float32, 5)
+    oa, ob = NpuFusedAdam(pa, lr=1e-2), NpuFusedAdam(pb, lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        grads = _draw(gen, pa, step, torch.float32)
+        grads = [g if g is not None else torch.randn(p.shape, generator=gen) for p, g in zip(pa, grads)]
+        for p, g in zip(pa, grads):
+            _kept(p, g)
+        for p, g in zip(pb, grads):
+            p.grad = g.clone()
+        # a transposed (non-contiguous) grad of equal values
+        pb[0].grad = grads[0].t().contiguous().t()
+        if step >= 1:
+            # a grad living inside the optimizer's own state buffer, which the update writes: copied first
+            view = _sets(ob)[0].state_views["exp_avg_sq"][2]
+            pb[2].grad = view
+            pa[2].grad.copy_(view)
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"step {step}")
+
+
+def test_grad_overlapping_the_param_buffer_is_copied_first():
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    q = torch.nn.Parameter(p.detach().clone())
+    oa, ob = NpuFusedSGD([p], lr=0.5), NpuFusedSGD([q], lr=0.5)
+    q.grad = torch.ones(6, 4)
+    p.grad = torch.ones(6, 4)
+    oa.step()
+    ob.step()
+    g = p.detach().clone()
+    # the grad is the param itself: the kernel must not read what it is writing
+    p.grad = p.detach()
+    q.grad = g
+    oa.step()
+    ob.step()
+    assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "sparse"])
+def test_bad_fresh_grads_raise_before_any_change(bad):
+    ps = _params(torch.float32, 6)
+    opt = NpuFusedAdam([{"params": ps[:3]}, {"params": ps[3:]}], lr=1e-2)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    snap = snapshot(opt, ps)
+    if bad == "dtype":
+        ps[5].grad.data = torch.ones(ps[5].shape, dtype=torch.float64)
+        match = "dtype"
+    elif bad == "shape":
+        ps[5].grad.data = torch.ones(3, 3)
+        match = "shape"
+    else:
+        ps[5].grad = torch.ones_like(ps[5]).to_sparse()
+        match = "sparse"
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+
+
+def test_no_reference_to_fresh_grads_is_kept():
+    """After a gather step the optimizer holds no fresh grad: set_to_none frees the memory."""
+    import weakref
+
+    ps = _params(torch.float32, 7)
+    opt = NpuFusedAdamW(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    refs = [weakref.ref(p.grad) for p in ps]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("executor", ["torch", "torch_ops"])
+def test_torch_executors_with_fresh_grads(executor, monkeypatch):
+    """Executors other than the kernel still give the kernel's results with fresh grads (copied in)."""
+    pa, pb = _params(torch.float32, 8), _params(torch.float32, 8)
+    oa, ob = NpuFusedAdam(pa, lr=1e-2), NpuFusedAdam(pb, lr=1e-2)
+    ob.executor = executor
+    gen = torch.Generator().manual_seed(8)
+    for step in range(4):
+        grads = _draw(gen, pa, step, torch.float32)
+        for p, q, g in zip(pa, pb, grads):
+            _fresh(p, g)
+            _fresh(q, g)
+        oa.step()
+        ob.step()
+        assert ob.last_executor == "torch"
+    for k, (x, y) in enumerate(zip(pa, pb)):
+        assert_close_rel(x, y, 4.0, f"param {k}")
+
+
+# ------------------------------------------------------------------ amp
+@pytest.fixture
+def amp_models():
+    from _amp_harness import bn_mlp
+
+    torch.manual_seed(0)
+    return bn_mlp(6, 8, 3)
+
+
+def _amp_run(model, opt_level, combine, set_to_none, steps=6, inf_at=3, loss_scale="dynamic"):
+    from apex import amp
+
+    opt = NpuFusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, combine_grad=combine or None, verbosity=0,
+                                loss_scale=loss_scale)
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(3))
+    for step in range(steps):
+        if set_to_none:
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=False)
+        loss = model(x * (1 + 0.1 * step)).float().pow(2).mean()
+        if step == inf_at:
+            loss = loss * float("inf")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    out = [p.detach().clone() for p in model.parameters()]
+    amp.deinitialize()
+    return out, opt
+
+
+@pytest.mark.parametrize("combine", [False, True], ids=["plain", "combine_grad"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_amp_model_zero_grad_each_step(amp_env, amp_models, opt_level, combine):
+    """amp with model.zero_grad() (grads set to None) every step == amp with grads zeroed in place."""
+    ma, mb = copy.deepcopy(amp_models), copy.deepcopy(amp_models)
+    a, _ = _amp_run(ma, opt_level, combine, set_to_none=True)
+    b, _ = _amp_run(mb, opt_level, combine, set_to_none=False)
+    for k, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"param {k}"
+
+
+def test_amp_combined_unscales_fresh_grads_in_place(amp_env, amp_models):
+    """O1 + combine_grad + model.zero_grad(): no adoption copy at the exit, no re-combine at the step."""
+    from apex import amp
+
+    model = amp_models
+    opt = NpuFusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O1", combine_grad=True, verbosity=0)
+    x = torch.randn(16, 6)
+    counts = []
+    for _ in range(4):
+        model.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step()
+        assert all(a is b for a, b in zip(grads, [p.grad for p in model.parameters()])), "grads were rebound"
+        counts.append(opt.recombine_count)
+    assert counts[1:] == [counts[1]] * 3, f"re-combined while reading fresh grads: {counts}"
+    stash = opt._amp_stash
+    assert stash.combined.gathered
+
+
+def test_amp_unscale_many_matches_torch_foreach():
+    from apex.amp._optimizer import unscale_
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        ts = [torch.randn(s, generator=gen).to(dtype) * 1024 for s in [(7, 5), (0,), (70001,), (3,)]]
+        ref = [t.clone() for t in ts]
+        found_inf = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_([r.float() for r in ref], found_inf, torch.ones(1))
+        assert unscale_(ts, 1 / 1024, True) is False
+        for t, r in zip(ts, ref):
+            assert torch.equal(t, (r.float() / 1024).to(dtype))
+        ts[2][123] = float("nan")
+        assert unscale_(ts, 0.5, True) is True
