@@ -1,11 +1,11 @@
-"""Quickstart 2: amp with combine_grad: every gradient lives in one flat buffer per dtype.
+"""Quickstart 2: amp with combine_grad: the unscale + inf/nan check at scale_loss exit is one pass.
 
     python examples/quickstart_combine_grad.py
 
-With zero_grad(set_to_none=False), after the first backward the gradients are rebound as views into one flat
-buffer, so the unscale + inf/nan check at scale_loss exit is a single pass over that buffer (C++ on CPU) instead of
-one per parameter. With torch's default set_to_none=True the fresh gradients are unscaled where they are (one C++
-call over their addresses, no copy). Nothing else in the training loop changes; any torch.optim optimizer works.
+With torch's default zero_grad() (grads set to None) autograd's fresh gradients are unscaled where they are: one C++
+call over their addresses on CPU, no copy. With zero_grad(set_to_none=False) the gradients are rebound as views into
+one flat buffer after the first backward and the pass runs over that buffer. The loop runs both patterns. Nothing
+else in the training loop changes; any torch.optim optimizer works.
 """
 
 import torch
@@ -22,17 +22,14 @@ model, optimizer = amp.initialize(model, optimizer, opt_level="O1", combine_grad
 x = torch.randn(64, 32, device=device)
 y = torch.randint(0, 4, (64,), device=device)
 losses = []
-for _ in range(20):
+for step in range(20):
     loss = torch.nn.functional.cross_entropy(model(x), y)
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=step >= 10)  # kept grads first, then torch's default (fresh grads)
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()
     losses.append(loss.item())
 
-# The grads now share one storage: each is a view into the combined buffer.
-storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-assert len(storages) == 1, f"expected one combined grad buffer, got {len(storages)} storages"
-assert losses[-1] < losses[0], losses
-print(f"device {device}, amp O1 + combine_grad: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-      f"{sum(p.numel() for p in model.parameters())} grads in one buffer")
+assert losses[9] < losses[0] and losses[-1] < losses[9], losses
+print(f"device {device}, amp O1 + combine_grad: loss {losses[0]:.4f} -> {losses[9]:.4f} (kept grads, one buffer) "
+      f"-> {losses[-1]:.4f} (fresh grads, unscaled in place)")
