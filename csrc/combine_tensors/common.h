@@ -47,6 +47,11 @@ inline std::uint32_t f32_to_bits(float f) {
 inline std::int32_t s32(std::uint32_t u) { return static_cast<std::int32_t>(u); }
 inline std::uint32_t mask_if(bool c) { return 0u - static_cast<std::uint32_t>(c); }
 inline std::uint32_t pick(std::uint32_t m, std::uint32_t a, std::uint32_t b) { return (a & m) | (b & ~m); }
+// c ? a : b for floats, both arms evaluated: optimizer loops use it for a per-call option (nesterov, decoupled
+// decay), where a conditional float expression became a branch that kept the whole loop scalar.
+inline float pick_f32(bool c, float a, float b) {
+  return bits_to_f32(pick(mask_if(c), f32_to_bits(a), f32_to_bits(b)));
+}
 
 inline float half_to_f32_soft(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
