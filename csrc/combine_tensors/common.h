@@ -22,8 +22,13 @@ inline bool valid_dtype(int d) { return d == F32 || d == F16 || d == BF16; }
 inline std::size_t dtype_size(int d) { return d == F32 ? 4 : 2; }
 
 // ---------------------------------------------------------------------------
-// Scalar conversions, written branch-free (selects only) so that loops using
-// them auto-vectorise at every SIMD level.
+// Scalar conversions. The *_soft functions define the bits every SIMD level
+// must produce: round to nearest even, subnormals kept (also under DAZ/FTZ),
+// infinities kept, nan -> quiet nan of the same sign (fp16: 0x7e00, bf16: the
+// top 16 bits with the quiet bit set), nan loads keep their payload bits.
+// They are branch-free and every select is a mask, never a conditional
+// expression: GCC (default -ftrapping-math) will not speculate the float add
+// of one arm, so a conditional kept the whole optimizer loop scalar.
 // ---------------------------------------------------------------------------
 inline float bits_to_f32(std::uint32_t u) {
   float f;
@@ -36,7 +41,19 @@ inline std::uint32_t f32_to_bits(float f) {
   return u;
 }
 
-inline float half_to_f32(std::uint16_t h) {
+// All ones when c holds, else zero; pick(m, a, b) = m ? a : b without a branch.
+// Range tests compare as signed 32-bit (operands are below 2^31): one vector
+// compare on x86, where an unsigned one takes two.
+inline std::int32_t s32(std::uint32_t u) { return static_cast<std::int32_t>(u); }
+inline std::uint32_t mask_if(bool c) { return 0u - static_cast<std::uint32_t>(c); }
+inline std::uint32_t pick(std::uint32_t m, std::uint32_t a, std::uint32_t b) { return (a & m) | (b & ~m); }
+// c ? a : b for floats, both arms evaluated: optimizer loops use it for a per-call option (nesterov, decoupled
+// decay), where a conditional float expression became a branch that kept the whole loop scalar.
+inline float pick_f32(bool c, float a, float b) {
+  return bits_to_f32(pick(mask_if(c), f32_to_bits(a), f32_to_bits(b)));
+}
+
+inline float half_to_f32_soft(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   const std::uint32_t em = h & 0x7fffu;
   // Normal halves: move exponent+mantissa into float position and rebias the
@@ -47,12 +64,12 @@ inline float half_to_f32(std::uint16_t h) {
   // (DAZ/FTZ, e.g. torch.set_flush_denormal(True)).
   const std::uint32_t sub = f32_to_bits(bits_to_f32(0x3f000000u | em) - 0.5f);
   const std::uint32_t special = (em << 13) | 0x7f800000u;  // inf / nan keep payload
-  std::uint32_t out = (em < 0x0400u) ? sub : normal;
-  out = (em >= 0x7c00u) ? special : out;
+  std::uint32_t out = pick(mask_if(s32(em) < 0x0400), sub, normal);
+  out = pick(mask_if(s32(em) >= 0x7c00), special, out);
   return bits_to_f32(out | sign);
 }
 
-inline std::uint16_t f32_to_half(float f) {
+inline std::uint16_t f32_to_half_soft(float f) {
   const std::uint32_t u = f32_to_bits(f);
   const std::uint32_t sign = (u >> 16) & 0x8000u;
   const std::uint32_t a = u & 0x7fffffffu;
@@ -61,21 +78,55 @@ inline std::uint16_t f32_to_half(float f) {
   const std::uint32_t normal = (a + 0xc8000fffu + odd) >> 13;  // 0xc8000000 = (15-127)<<23
   // Subnormal range: adding 0.5f aligns the mantissa so the FPU rounds (RNE).
   const std::uint32_t sub = f32_to_bits(bits_to_f32(a) + 0.5f) - 0x3f000000u;
-  std::uint32_t r = (a < 0x38800000u) ? sub : normal;  // 2^-14
-  r = (a >= 0x477ff000u) ? 0x7c00u : r;                 // rounds to inf
-  r = (a > 0x7f800000u) ? 0x7e00u : r;                  // nan
+  std::uint32_t r = pick(mask_if(s32(a) < 0x38800000), sub, normal);  // 2^-14
+  r = pick(mask_if(s32(a) >= 0x477ff000), 0x7c00u, r);                 // rounds to inf
+  r = pick(mask_if(s32(a) > 0x7f800000), 0x7e00u, r);                  // nan
   return static_cast<std::uint16_t>(r | sign);
 }
 
 inline float bf16_to_f32(std::uint16_t h) { return bits_to_f32(static_cast<std::uint32_t>(h) << 16); }
 
+// Integer-only, so it is exact under any MXCSR/FPCR mode; hardware bf16
+// conversions (AVX512-BF16 VCVTNEPS2BF16, ARM BFCVT) flush denormal inputs to
+// zero and would need a fix-up costing as much as this.
 inline std::uint16_t f32_to_bf16(float f) {
   const std::uint32_t u = f32_to_bits(f);
   const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RNE
   const std::uint32_t nan = (u >> 16) | 0x0040u;                            // quiet nan
-  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<std::uint16_t>(is_nan ? nan : rounded);
+  return static_cast<std::uint16_t>(pick(mask_if(s32(u & 0x7fffffffu) > 0x7f800000), nan, rounded));
 }
+
+// fp16 through the F16C instructions (VCVTPH2PS, VCVTPS2PH with the MXCSR
+// rounding, nearest-even unless a program changes it; torch never does). They
+// give the *_soft bits for every non-nan input, subnormals included, with or
+// without DAZ/FTZ (checked over all 2^16 / 2^32 inputs), but quiet a
+// signalling nan on load and keep nan payload bits on store: nan inputs take
+// the *_soft result by a mask select. Only clang (zig, the release build)
+// vectorises _Float16 conversions into these instructions; GCC before 13 would
+// emit one call per element, so GCC builds use the *_soft forms (same bits).
+#if defined(__F16C__) && defined(__clang__)
+#define APEX_F16_HARDWARE 1
+inline float half_to_f32(std::uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  const std::uint32_t hw = f32_to_bits(static_cast<float>(x));
+  const std::uint32_t em = h & 0x7fffu;
+  const std::uint32_t nan = (static_cast<std::uint32_t>(h & 0x8000u) << 16) | (em << 13) | 0x7f800000u;
+  return bits_to_f32(pick(mask_if(s32(em) > 0x7c00), nan, hw));
+}
+inline std::uint16_t f32_to_half(float f) {
+  const _Float16 x = static_cast<_Float16>(f);
+  std::uint16_t hw;
+  std::memcpy(&hw, &x, 2);
+  const std::uint32_t u = f32_to_bits(f);
+  const std::uint32_t nan = ((u >> 16) & 0x8000u) | 0x7e00u;
+  return static_cast<std::uint16_t>(pick(mask_if(s32(u & 0x7fffffffu) > 0x7f800000), nan, hw));
+}
+#else
+#define APEX_F16_HARDWARE 0
+inline float half_to_f32(std::uint16_t h) { return half_to_f32_soft(h); }
+inline std::uint16_t f32_to_half(float f) { return f32_to_half_soft(f); }
+#endif
 
 // Storage types: float for F32, distinct 16-bit wrappers for F16 / BF16.
 struct half_t { std::uint16_t x; };

@@ -95,7 +95,7 @@ static void sgd(const OptArgs& a) {
         float b = keep * load(buf, i) + take * d;
         store(buf, i, b);
         b = load(buf, i);  // what torch sees when the buffer is low precision
-        float step = nesterov ? d + mom * b : b;
+        float step = pick_f32(nesterov, d + mom * b, b);
         float np = load(p, i) - lr * step;
         store(p, i, np);
         store(o, i, np);
@@ -511,7 +511,7 @@ static void adamp_stage_b(const OptArgs& a) {
         store(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
         float mv = load(m, i), vv = load(v, i);
         float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
-        float pert = (s.nesterov ? s.b1 * mv + s.omb1 * gv : mv) / denom;
+        float pert = pick_f32(s.nesterov, s.b1 * mv + s.omb1 * gv, mv) / denom;
         float pv = load(p, i);
         pert -= pv * pn * coef;
         float np = pv * decay - s.step_size * pert;
@@ -537,9 +537,9 @@ static void adagrad(const OptArgs& a) {
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
-        float gv = load(gk, i - lo) * gs + (wmode ? 0.f : wd * pv);
+        float gv = load(gk, i - lo) * gs + pick_f32(wmode, 0.f, wd * pv);
         store(sum, i, load(sum, i) + gv * gv);
-        float u = gv / (std::sqrt(load(sum, i)) + eps) + (wmode ? wd * pv : 0.f);
+        float u = gv / (std::sqrt(load(sum, i)) + eps) + pick_f32(wmode, wd * pv, 0.f);
         float np = pv - clr * u;
         store(p, i, np);
         store(o, i, np);

@@ -1,0 +1,304 @@
+"""fp16 / bf16 storage conversions of the apex_C kernels: exact bits at every SIMD level (torch-free, numpy only).
+
+The contract (csrc/combine_tensors/common.h): loads are exact (every 16-bit pattern, nan payload kept), stores
+round to nearest even with subnormal results kept, overflow to inf, and a nan becomes a quiet nan of the same sign
+(fp16: 0x7e00 | sign; bf16: the top 16 bits with the quiet bit set). Levels may use hardware conversions (F16C
+under clang builds) only where they give these bits, so every level is compared with references written from the
+definition and with the baseline level.
+
+Proof for float32 -> 16 bit without all 2^32 inputs (fast tier): every upper 16-bit pattern (sign, exponent, top
+7 mantissa bits) is combined with every low 16-bit value that sits on or next to a rounding boundary
+(k * 0x1000 - 1, k * 0x1000, k * 0x1000 + 1): fp16 rounds at bit 13 for normal results and at bits >= 14 for
+subnormal ones, bf16 at bit 16, and below the rounding bit only "zero / nonzero" matters (sticky). The full tier
+runs all 2^32 inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+import pytest
+
+try:
+    import apex_C
+except ImportError as exc:  # a build that cannot load must fail loudly where the extension is required
+    if os.environ.get("APEX_REQUIRE_EXT") == "1":
+        raise
+    pytest.skip(f"apex_C is not importable ({exc}); set APEX_REQUIRE_EXT=1 to make this an error",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.kernels
+
+F32, F16, BF16 = 0, 1, 2
+STORAGE = {F32: np.float32, F16: np.float16, BF16: np.uint16}
+SUPPORTED = apex_C.supported_simd_levels()
+# Every level a build for this architecture contains; the ones this CPU lacks are skipped with a reason.
+KNOWN_LEVELS = {"x86_64": ["baseline", "avx2", "avx512"], "aarch64": ["baseline", "neon"]}
+ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+LEVELS = KNOWN_LEVELS.get(ARCH, SUPPORTED)
+QUIET32 = np.uint32(0x00400000)
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    """Runs the test at one SIMD level (skipped where this CPU lacks it), restoring the previous level."""
+    if request.param not in SUPPORTED:
+        pytest.skip(f"this CPU does not support SIMD level {request.param!r} (supported: {SUPPORTED})")
+    previous = apex_C.simd_level()
+    apex_C.set_simd_level(request.param)
+    yield request.param
+    apex_C.set_simd_level(previous)
+
+
+def test_known_levels_cover_the_supported_ones():
+    assert set(SUPPORTED) <= set(LEVELS), f"a supported level has no conversion tests: {SUPPORTED} vs {LEVELS}"
+    assert SUPPORTED[0] == "baseline"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# references, written from the definitions (numpy's float16 cast is used only for non-nan values: it rounds to
+# nearest even with subnormals, which is the IEEE conversion)
+# ---------------------------------------------------------------------------------------------------------------
+def f16_bits_to_f32_bits(h: np.ndarray) -> np.ndarray:
+    """Exact widening; nan payload moved up unchanged, then quieted (copy_ multiplies by 1, which quiets)."""
+    h = h.astype(np.uint16)
+    out = h.view(np.float16).astype(np.float32).view(np.uint32).copy()
+    em = (h & 0x7FFF).astype(np.uint32)
+    nan = em > 0x7C00
+    sign = (h.astype(np.uint32) & 0x8000) << 16
+    out[nan] = sign[nan] | np.uint32(0x7F800000) | (em[nan] << 13) | QUIET32
+    return out
+
+
+def bf16_bits_to_f32_bits(h: np.ndarray) -> np.ndarray:
+    out = h.astype(np.uint32) << 16
+    nan = (out & 0x7FFFFFFF) > 0x7F800000
+    out[nan] |= QUIET32
+    return out
+
+
+def f32_bits_to_f16_bits(u: np.ndarray) -> np.ndarray:
+    u = u.astype(np.uint32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = u.view(np.float32).astype(np.float16).view(np.uint16).copy()
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    out[nan] = ((u[nan] >> 16) & 0x8000).astype(np.uint16) | np.uint16(0x7E00)
+    return out
+
+
+def f32_bits_to_bf16_bits(u: np.ndarray) -> np.ndarray:
+    u = u.astype(np.uint64)
+    kept, dropped = u >> 16, u & 0xFFFF
+    up = (dropped > 0x8000) | ((dropped == 0x8000) & ((kept & 1) == 1))
+    out = (kept + up).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    out[nan] = kept[nan].astype(np.uint16) | np.uint16(0x0040)
+    return out
+
+
+def boundary_inputs() -> np.ndarray:
+    """Every upper half x the low halves on and next to each rounding boundary (see the module docstring)."""
+    low = sorted({v & 0xFFFF for k in range(17) for v in (k * 0x1000 - 1, k * 0x1000, k * 0x1000 + 1)})
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    return (high[:, None] | np.array(low, dtype=np.uint32)[None, :]).ravel()
+
+
+def convert(src_bits: np.ndarray, sdt: int, ddt: int, threads: int = 2) -> np.ndarray:
+    src = np.ascontiguousarray(src_bits).view(STORAGE[sdt])
+    dst = np.zeros(src.size, STORAGE[ddt])
+    apex_C.copy_(src.ctypes.data, sdt, dst.ctypes.data, ddt, src.size, threads)
+    return dst.view(np.uint32 if ddt == F32 else np.uint16)
+
+
+def assert_bits(got: np.ndarray, want: np.ndarray, inputs: np.ndarray, what: str) -> None:
+    bad = np.flatnonzero(got != want)
+    if bad.size:
+        i = int(bad[0])
+        raise AssertionError(f"{what}: {bad.size} of {got.size} differ; first input {int(inputs[i]):#x} -> "
+                             f"{int(got[i]):#x}, expected {int(want[i]):#x}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exhaustive / boundary conversions at every level
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["f16", "bf16"])
+def test_every_16bit_pattern_widens_exactly(level, dt):
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = f16_bits_to_f32_bits(every) if dt == F16 else bf16_bits_to_f32_bits(every)
+    assert_bits(convert(every, dt, F32), want, every, f"{level}: 16-bit -> f32")
+
+
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["f16", "bf16"])
+def test_narrowing_at_every_rounding_boundary(level, dt):
+    x = boundary_inputs()
+    want = f32_bits_to_f16_bits(x) if dt == F16 else f32_bits_to_bf16_bits(x)
+    assert_bits(convert(x, F32, dt), want, x, f"{level}: f32 -> 16-bit")
+
+
+def test_reference_helpers_on_hand_checked_cases():
+    f16 = {0x3F801000: 0x3C00, 0x3F803000: 0x3C02, 0x3F801001: 0x3C01, 0x477FF000: 0x7C00, 0x477FEFFF: 0x7BFF,
+           0x33000000: 0x0000, 0x33000001: 0x0001, 0x33800000: 0x0001, 0x33C00000: 0x0002, 0x387FC000: 0x03FF,
+           0x387FDFFF: 0x03FF, 0x387FE000: 0x0400, 0x00000001: 0x0000,
+           0xFFC00001: 0xFE00, 0x7F800001: 0x7E00, 0xFF800000: 0xFC00}
+    x = np.array(list(f16), np.uint32)
+    assert f32_bits_to_f16_bits(x).tolist() == list(f16.values())
+    bf = {0x3F808000: 0x3F80, 0x3F818000: 0x3F82, 0x7F7F8000: 0x7F80, 0x007FFFFF: 0x0080, 0x7F800001: 0x7FC0,
+          0xFF810000: 0xFFC1}
+    x = np.array(list(bf), np.uint32)
+    assert f32_bits_to_bf16_bits(x).tolist() == list(bf.values())
+    assert f16_bits_to_f32_bits(np.array([0x7C01, 0x0001, 0xFC00], np.uint16)).tolist() == \
+        [0x7FC02000, 0x33800000, 0xFF800000]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["f16", "bf16"])
+def test_every_float32_narrows_exactly(level, dt):
+    step = 1 << 22
+    ref = f32_bits_to_f16_bits if dt == F16 else f32_bits_to_bf16_bits
+    for start in range(0, 1 << 32, step):
+        x = np.arange(start, start + step, dtype=np.uint64).astype(np.uint32)
+        assert_bits(convert(x, F32, dt), ref(x), x, f"{level}: f32 -> 16-bit")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernels at every level give the baseline's bits (scale_, copy_, axpy_, optimizer steps in fp16/bf16)
+# ---------------------------------------------------------------------------------------------------------------
+def special_f32(rng, n: int) -> np.ndarray:
+    """Values across the whole range, with subnormal-range (fp16 and f32), overflow-range, inf and nan entries."""
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 6, n)).astype(np.float32)
+    picks = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 6.0e-8, 2.0 ** -24, 2.0 ** -25,
+                      1.0e-40, -1.0e-42, 3.4e38, 1.1754944e-38], np.float32)
+    idx = rng.choice(n, size=min(n, 4 * picks.size), replace=False)
+    x[idx] = np.resize(picks, idx.size)
+    return x
+
+
+def run_at(lvl: str, fn):
+    previous = apex_C.simd_level()
+    apex_C.set_simd_level(lvl)
+    try:
+        return fn()
+    finally:
+        apex_C.set_simd_level(previous)
+
+
+def as_storage(x32: np.ndarray, dt: int) -> np.ndarray:
+    if dt == F32:
+        return x32.copy()
+    return convert(x32.view(np.uint32), F32, dt).view(STORAGE[dt]).copy()
+
+
+N_ODD = 4099  # not a multiple of any vector width: exercises the remainder loops
+
+
+@pytest.mark.parametrize("sdt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("ddt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_scale_copy_axpy_match_baseline(level, sdt, ddt):
+    rng = np.random.default_rng(11)
+    src = as_storage(special_f32(rng, N_ODD), sdt)
+    acc0 = as_storage(special_f32(rng, N_ODD), ddt)
+
+    def run():
+        out = []
+        for s in (1.0, 0.3, 1.0 / 65536.0, 3.0e4):
+            dst = np.zeros(N_ODD, STORAGE[ddt])
+            found = apex_C.scale_(src.ctypes.data, sdt, dst.ctypes.data, ddt, N_ODD, s, True, 2)
+            out += [dst.copy(), found]
+            acc = acc0.copy()
+            found = apex_C.axpy_(src.ctypes.data, sdt, acc.ctypes.data, ddt, N_ODD, s, True, 2)
+            out += [acc, found]
+        dst = np.zeros(N_ODD, STORAGE[ddt])
+        apex_C.copy_(src.ctypes.data, sdt, dst.ctypes.data, ddt, N_ODD, 2)
+        out.append(dst)
+        if sdt == ddt:
+            inplace = src.copy()
+            apex_C.scale_(inplace.ctypes.data, sdt, inplace.ctypes.data, sdt, N_ODD, 0.7, False, 2)
+            out.append(inplace)
+        return out
+
+    got, want = run(), run_at("baseline", run)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if isinstance(a, np.ndarray):
+            assert a.tobytes() == b.tobytes(), f"{level} result {i} differs from baseline"
+        else:
+            assert a == b
+
+
+def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng) -> list:
+    """Runs three steps of one optimizer kernel over two segments; returns every buffer's bytes."""
+    n = N_ODD
+    seg = np.array([0, 1000, n], np.int64)
+    p = as_storage(np.clip(special_f32(rng, n), -6.0e4, 6.0e4), dt)
+    states = [as_storage(np.abs(rng.standard_normal(n).astype(np.float32)) * 1e-3, dt) for _ in range(3)]
+    grads = [as_storage((rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 1, n)).astype(np.float32), dt)
+             for _ in range(3)]
+    grads[1][17] = as_storage(np.array([np.nan], np.float32), dt)[0]
+    grads[2][5] = as_storage(np.array([np.inf], np.float32), dt)[0]
+
+    def run():
+        pp, ss = p.copy(), [s.copy() for s in states]
+        for t, g in enumerate(grads, start=1):
+            a = apex_C.OptArgs()
+            a.pdt = a.gdt = a.sdt = dt
+            a.p, a.g, a.seg, a.nseg = pp.ctypes.data, g.ctypes.data, seg.ctypes.data, 2
+            a.s0, a.s1, a.s2 = (s.ctypes.data for s in ss)
+            steps = np.full(2, float(t), np.float32)
+            first = np.array([t == 1, 0], np.uint8)
+            a.steps, a.first, a.flags, a.hp, a.threads = steps.ctypes.data, first.ctypes.data, flags, list(hp), 2
+            getattr(apex_C, kernel)(a)
+        return [pp.tobytes()] + [s.tobytes() for s in ss]
+
+    return [run(), run_at("baseline", run)]
+
+
+OPT_CASES = {
+    "adam": ("adam_step", 0, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adamw": ("adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adam-amsgrad": ("adam_step", apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0]),
+    "sgd": ("sgd_step", 0, [0.1, 0.0, 0.0, 0.0]),
+    "sgd-momentum": ("sgd_step", 0, [0.1, 0.9, 0.1, 1e-4]),
+    "sgd-nesterov": ("sgd_step", apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 1e-4]),
+}
+
+
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("case", list(OPT_CASES))
+def test_low_precision_optimizer_steps_match_baseline(level, dt, case):
+    kernel, flags, hp = OPT_CASES[case]
+    got, want = _optimizer_case(kernel, dt, flags, hp, np.random.default_rng(5))
+    for name, a, b in zip(("param", "s0", "s1", "s2"), got, want):
+        assert a == b, f"{level} {case} {name} differs from baseline"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flush-denormal mode (MXCSR DAZ/FTZ, set by torch.set_flush_denormal): conversions must not change
+# ---------------------------------------------------------------------------------------------------------------
+def test_conversions_under_flush_denormal(level):
+    torch = pytest.importorskip("torch", reason="torch sets the flush-denormal mode for this check")
+    x = boundary_inputs()
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        h2f = convert(every, F16, F32)
+        b2f = convert(every, BF16, F32)
+        f2h = convert(x, F32, F16)
+        f2b = convert(x, F32, BF16)
+        opt = _optimizer_case("adam_step", F16, 0, [1e-3, 0.9, 0.999, 1e-8, 0.01], np.random.default_rng(3))
+    finally:
+        torch.set_flush_denormal(False)
+    assert_bits(h2f, f16_bits_to_f32_bits(every), every, f"{level}: f16 -> f32 under DAZ/FTZ")
+    # bf16 subnormals are float32 subnormals: the load is exact, copy_'s multiply by 1 then flushes them to a signed
+    # zero under DAZ, as any float32 arithmetic (torch's included) does
+    b2f_want = bf16_bits_to_f32_bits(every)
+    b2f_want = np.where((b2f_want & 0x7F800000) == 0, b2f_want & 0x80000000, b2f_want).astype(np.uint32)
+    assert_bits(b2f, b2f_want, every, f"{level}: bf16 -> f32 under DAZ/FTZ")
+    # every float32 denormal rounds to a signed zero in fp16, so DAZ on the input changes nothing
+    assert_bits(f2h, f32_bits_to_f16_bits(x), x, f"{level}: f32 -> f16 under DAZ/FTZ")
+    # copy_ multiplies by 1 in fp32 first, and DAZ flushes a float32 denormal input to a signed zero there;
+    # the bf16 narrowing itself is integer-only
+    flushed = np.where((x & 0x7F800000) == 0, x & 0x80000000, x).astype(np.uint32)
+    assert_bits(f2b, f32_bits_to_bf16_bits(flushed), x, f"{level}: f32 -> bf16 under DAZ/FTZ")
+    assert opt[0] == opt[1], f"{level}: fp16 Adam under DAZ/FTZ differs from baseline"
