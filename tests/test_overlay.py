@@ -103,9 +103,9 @@ UPSTREAM_FILES = {
 }
 
 OLD_AMP_FILES = {  # releases up to 25.05 still shipped amp
-    "apex/amp/__init__.py": "from .frontend import initialize\nfrom .upstream_opt import OptimWrapper\n",
+    "apex/amp/__init__.py": "from .frontend import initialize\nfrom .upstream_opt import UpstreamAmpHelper\n",
     "apex/amp/frontend.py": "def initialize(*args, **kwargs):\n    return 'upstream amp'\n",
-    "apex/amp/upstream_opt.py": "class OptimWrapper:\n    upstream_only = True\n",
+    "apex/amp/upstream_opt.py": "class UpstreamAmpHelper:\n    upstream_only = True\n",
 }
 
 
@@ -284,7 +284,7 @@ def test_merged_wheel_imports(tmp_path, our_ext, with_amp):
         assert apex.check_cudnn_version_and_warn("x", 1) in (True, False)
         assert "UpstreamLARS" in apex.optimizers.__all__ and "FusedAdam" in apex.optimizers.__all__
         assert amp.initialize.__module__ == "apex.amp.frontend" and "upstream" not in repr(amp.initialize)
-        assert hasattr(amp, "OptimWrapper") == {with_amp!r}         # upstream-only amp names still there
+        assert hasattr(amp, "UpstreamAmpHelper") == {with_amp!r}    # upstream-only amp names still there
         failed = [r for r in _overlay.REPORT if r["status"] == "failed"]
         assert [r["package"] for r in failed] == ["apex"] and "fused_layer_norm_cuda" in failed[0]["error"], failed
         assert apex.amp_C.__apex_fallback__                         # upstream's `import amp_C` got our ops

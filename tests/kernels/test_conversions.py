@@ -108,7 +108,7 @@ def boundary_inputs() -> np.ndarray:
 def convert(src_bits: np.ndarray, sdt: int, ddt: int, threads: int = 2) -> np.ndarray:
     src = np.ascontiguousarray(src_bits).view(STORAGE[sdt])
     dst = np.zeros(src.size, STORAGE[ddt])
-    apex_C.copy_(src.ctypes.data, sdt, dst.ctypes.data, ddt, src.size, threads)
+    apex_C._raw_copy_(src.ctypes.data, sdt, dst.ctypes.data, ddt, src.size, threads)
     return dst.view(np.uint32 if ddt == F32 else np.uint16)
 
 
@@ -204,17 +204,17 @@ def test_scale_copy_axpy_match_baseline(level, sdt, ddt):
         out = []
         for s in (1.0, 0.3, 1.0 / 65536.0, 3.0e4):
             dst = np.zeros(N_ODD, STORAGE[ddt])
-            found = apex_C.scale_(src.ctypes.data, sdt, dst.ctypes.data, ddt, N_ODD, s, True, 2)
+            found = apex_C._raw_scale_(src.ctypes.data, sdt, dst.ctypes.data, ddt, N_ODD, s, True, 2)
             out += [dst.copy(), found]
             acc = acc0.copy()
-            found = apex_C.axpy_(src.ctypes.data, sdt, acc.ctypes.data, ddt, N_ODD, s, True, 2)
+            found = apex_C._raw_axpy_(src.ctypes.data, sdt, acc.ctypes.data, ddt, N_ODD, s, True, 2)
             out += [acc, found]
         dst = np.zeros(N_ODD, STORAGE[ddt])
-        apex_C.copy_(src.ctypes.data, sdt, dst.ctypes.data, ddt, N_ODD, 2)
+        apex_C._raw_copy_(src.ctypes.data, sdt, dst.ctypes.data, ddt, N_ODD, 2)
         out.append(dst)
         if sdt == ddt:
             inplace = src.copy()
-            apex_C.scale_(inplace.ctypes.data, sdt, inplace.ctypes.data, sdt, N_ODD, 0.7, False, 2)
+            apex_C._raw_scale_(inplace.ctypes.data, sdt, inplace.ctypes.data, sdt, N_ODD, 0.7, False, 2)
             out.append(inplace)
         return out
 

@@ -242,7 +242,7 @@ def test_scale_gather_matches_one_scale_per_buffer(level, dt, threads):
     arrays = [stored(rng, n, dt, -100.0, 100.0) for n in sizes]
     want = [a.copy() for a in arrays]
     for w in want:
-        apex_C.scale_(w.ctypes.data, dt, w.ctypes.data, dt, w.size, 0.125, True, 1)
+        apex_C._raw_scale_(w.ctypes.data, dt, w.ctypes.data, dt, w.size, 0.125, True, 1)
     addr, numel = _tables(arrays)
     found = apex_C._raw_scale_gather_(addr.ctypes.data, numel.ctypes.data, len(arrays), dt, 0.125, True, threads)
     assert found is False
