@@ -30,6 +30,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+# Test tools the full suite needs beyond numpy and pytest (ci/wheelhouse.py downloads the same for full cells).
+FULL_TEST_TOOLS = ("hypothesis", "safetensors")
+
 
 class CellTestError(RuntimeError):
     pass
@@ -107,7 +110,8 @@ def test_cell(args) -> dict:
             # the test tools go to a private folder on PYTHONPATH: the environment under test stays as shipped
             # (and may belong to another user than the one running the tests)
             tools = tmp / "test-tools"
-            _run([py, "-m", "pip", "install", *pip_opts, "--target", tools, "pytest"])
+            _run([py, "-m", "pip", "install", *pip_opts, "--target", tools, "pytest",
+                  *(FULL_TEST_TOOLS if args.suite == "full" else ())])
             report["wheel"] = "preinstalled"
         else:
             wheel = find_wheel(args.wheel_dir, tag, arch)
@@ -116,7 +120,7 @@ def test_cell(args) -> dict:
             _run([args.python, "-m", "venv", venv])
             py = venv / "bin" / "python"
             pip = [py, "-m", "pip", "install", *pip_opts]
-            _run([*pip, "numpy", "pytest"])
+            _run([*pip, "numpy", "pytest", *(FULL_TEST_TOOLS if args.suite == "full" else ())])
             _run([*pip, "--no-deps", wheel])
             if args.torch:
                 # --no-index keeps pip off the network; torch itself comes from the find-links folder named in

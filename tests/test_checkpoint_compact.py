@@ -15,8 +15,6 @@ import apex.optimizers as O
 from apex import amp
 from apex.contrib.combine_tensors import is_combined_tensor_valid
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
 
 class Net(torch.nn.Module):
     """A large body and a small head, so a head checkpoint that drags the body along is obvious."""
@@ -81,6 +79,7 @@ def test_state_dict_entries_alias_the_params_like_torch():
 def test_safetensors_save_file_and_roundtrip(tmp_path):
     model, _ = _trained()
     path = tmp_path / "model.safetensors"
+    safetensors_torch = pytest.importorskip("safetensors.torch")  # in the test dependency group
     safetensors_torch.save_file(model.state_dict(), str(path))
     assert path.stat().st_size < _own_bytes(model) + 4096
     loaded = safetensors_torch.load_file(str(path))
