@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.machinery
 import importlib.util
 import logging
 import sys
@@ -67,6 +68,9 @@ def _timm_optim(module: str):
         for pkg_name, path in (("timm", root), ("timm.optim", f"{root}/optim")):
             pkg = types.ModuleType(pkg_name)
             pkg.__path__ = [path]  # a namespace-like stub: submodules load, __init__ does not run
+            # a spec, so importlib.util.find_spec("timm") (transformers asks it) still answers
+            pkg.__spec__ = importlib.machinery.ModuleSpec(pkg_name, None, is_package=True)
+            pkg.__spec__.submodule_search_locations = [path]
             sys.modules[pkg_name] = pkg
     try:
         return importlib.import_module(name)
