@@ -152,7 +152,10 @@ def test_core_uses_the_raw_fast_path(monkeypatch):
 
 
 def test_security_doc_lists_every_entry_point():
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "security.md")).read()
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "security.md")
+    if not os.path.exists(path):
+        pytest.skip("docs/ is not beside the tests (a copy of tests/ run against an installed wheel)")
+    text = open(path).read()
     public = ["scale_", "axpy_", "copy_", "fill_", "has_nonfinite", "sum_sq", "max_abs", "segment_sum_sq"]
     for name in public + ["_raw_" + n for n in public]:
         assert hasattr(apex_C, name), name
