@@ -72,7 +72,7 @@ def use_executor(monkeypatch, executor: str, device: str) -> str:
     if executor in ("torch", "torch_ops"):
         monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
     if executor == "torch_ops":
-        monkeypatch.setattr(CombinedOptimizer, "_torch_fused_allowed", lambda self: False)
+        monkeypatch.setattr(CombinedOptimizer, "_torch_fused_ok", lambda self, s: False)
     return "apex_C" if executor == "apex_C" else "torch"
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from .. import _core
+from .. import _core, _device
 from .._tensor_utils import zero_grad_
 from ..contrib.combine_tensors import compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
@@ -433,9 +433,16 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         raise NotImplementedError  # pragma: no cover - abstract
 
-    def _torch_fused_allowed(self) -> bool:
-        """Whether a torch executor may use torch's own fused op on the flat buffers."""
-        return self._executor != "torch_ops"
+    def _torch_fused_ok(self, s: FlatSet) -> bool:
+        """Whether a torch executor may run torch's own fused op over `s`: not the plain-ops executor, fp32, no
+        folded grad scale (torch's op would unscale the caller's grads in place), and a device torch lists for its
+        fused kernels."""
+        return (
+            self._executor != "torch_ops"
+            and s.dtype == torch.float32
+            and self._grad_scale() == 1.0
+            and s.device.type in _device.fused_optimizer_devices()
+        )
 
     # Helpers for torch executors: fp32 working copies of low-precision slices.
     @staticmethod

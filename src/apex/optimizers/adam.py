@@ -15,7 +15,7 @@ from typing import List
 
 import torch
 
-from .. import _core, _device
+from .. import _core
 from ._base import CombinedOptimizer, _check_adam_group
 from ._flat import FlatSet
 from .sgd import l2_grad
@@ -110,14 +110,6 @@ class NpuFusedAdam(CombinedOptimizer):
             )
 
         self._update_runs(s, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], update)
-
-    def _torch_fused_ok(self, s: FlatSet) -> bool:
-        return (
-            s.dtype == torch.float32
-            and self._grad_scale() == 1.0  # torch's op would unscale the caller's grads in place
-            and self._torch_fused_allowed()
-            and s.device.type in _device.fused_optimizer_devices()
-        )
 
     def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
         return self._torch_fused_ok(s)

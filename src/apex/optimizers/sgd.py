@@ -7,7 +7,7 @@ from typing import Callable, List, Optional
 import torch
 from torch.optim.optimizer import required
 
-from .. import _core, _device
+from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
 
@@ -106,13 +106,7 @@ class NpuFusedSGD(CombinedOptimizer):
         _core.ext.sgd_step(self._prepare_args(s, self._hp(group), flags))
 
     def _torch_fused_ok(self, s: FlatSet) -> bool:
-        return (
-            _FUSED_SGD is not None
-            and s.dtype == torch.float32
-            and self._grad_scale() == 1.0  # torch's op would unscale the caller's grads in place
-            and self._torch_fused_allowed()
-            and s.device.type in _device.fused_optimizer_devices()
-        )
+        return _FUSED_SGD is not None and super()._torch_fused_ok(s)
 
     def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
         return self._torch_fused_ok(s)
