@@ -165,6 +165,22 @@ class _GradStash:
         return overflow
 
 
+@contextlib.contextmanager
+def _scaled_backward(loss: torch.Tensor, scaler: LossScaler, optimizer):
+    """Yields ``loss.float() * scale`` for one backward; afterwards that backward's grads are unscaled (earlier grads
+    kept apart by `_GradStash`) and the scaler records whether they overflowed. The caller updates the scale."""
+    scale = scaler.loss_scale()
+    stash = _GradStash(_params_of(optimizer))
+    stash.before_backward()
+    try:
+        yield loss.float() * scale
+    except BaseException:
+        stash.restore_after_error()
+        raise
+    scaler.clear_overflow_state()
+    scaler.record_overflow(stash.after_backward(scale))
+
+
 def _unscale_(grads: List[torch.Tensor], inv_scale: float) -> bool:
     """Multiply each grad by ``inv_scale`` in place; True if any held a non-finite value before."""
     found = False
@@ -249,16 +265,8 @@ class OptimWrapper:
                 f"optimizer was wrapped with num_loss={self._num_loss}"
             )
         scaler = self._loss_scaler[self._loss_idx]
-        scale = scaler.loss_scale()
-        stash = _GradStash(_params_of(self._optimizer))
-        stash.before_backward()
-        try:
-            yield loss.float() * scale
-        except BaseException:
-            stash.restore_after_error()
-            raise
-        scaler.clear_overflow_state()
-        scaler.record_overflow(stash.after_backward(scale))
+        with _scaled_backward(loss, scaler, self._optimizer) as scaled:
+            yield scaled
         self._skip_next[self._loss_idx] = scaler.update_scale()
         self._loss_idx += 1
         self._amp_handle._clear_cache()
@@ -333,16 +341,8 @@ class AmpHandle:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"scale_loss: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         scaler = self._default_scaler
-        scale = scaler.loss_scale()
-        stash = _GradStash(_params_of(optimizer))
-        stash.before_backward()
-        try:
-            yield loss.float() * scale
-        except BaseException:
-            stash.restore_after_error()
-            raise
-        scaler.clear_overflow_state()
-        scaler.record_overflow(stash.after_backward(scale))
+        with _scaled_backward(loss, scaler, optimizer) as scaled:
+            yield scaled
         if scaler.update_scale():
             _skip_next_step(optimizer, "amp.init's scale_loss")
         # One iteration's weight casts end here: the optimizer is about to change the weights.
