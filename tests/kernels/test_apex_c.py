@@ -27,21 +27,10 @@ import warnings
 
 import numpy as np
 import pytest
-
-try:
-    import apex_C
-except ImportError as exc:  # a build that cannot load must fail loudly where the extension is required
-    if os.environ.get("APEX_REQUIRE_EXT") == "1":
-        raise
-    pytest.skip(f"apex_C is not importable ({exc}); set APEX_REQUIRE_EXT=1 to make this an error",
-                allow_module_level=True)
+from _apex_c_env import BF16, DTYPES, F16, F32, LEVELS, STORAGE, apex_C
 
 pytestmark = pytest.mark.kernels
 
-F32, F16, BF16 = 0, 1, 2
-DTYPES = {"f32": F32, "f16": F16, "bf16": BF16}
-STORAGE = {F32: np.float32, F16: np.float16, BF16: np.uint16}
-LEVELS = apex_C.supported_simd_levels()
 SIZES = (0, 1, 7, 4097)
 
 

@@ -15,25 +15,15 @@ runs all 2^32 inputs.
 
 from __future__ import annotations
 
-import os
 import platform
 
 import numpy as np
 import pytest
-
-try:
-    import apex_C
-except ImportError as exc:  # a build that cannot load must fail loudly where the extension is required
-    if os.environ.get("APEX_REQUIRE_EXT") == "1":
-        raise
-    pytest.skip(f"apex_C is not importable ({exc}); set APEX_REQUIRE_EXT=1 to make this an error",
-                allow_module_level=True)
+from _apex_c_env import BF16, F16, F32, LEVELS, STORAGE, apex_C
 
 pytestmark = pytest.mark.kernels
 
-F32, F16, BF16 = 0, 1, 2
-STORAGE = {F32: np.float32, F16: np.float16, BF16: np.uint16}
-SUPPORTED = apex_C.supported_simd_levels()
+SUPPORTED = LEVELS
 # Every level a build for this architecture contains; the ones this CPU lacks are skipped with a reason.
 KNOWN_LEVELS = {"x86_64": ["baseline", "avx2", "avx512"], "aarch64": ["baseline", "neon"]}
 ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
