@@ -136,7 +136,7 @@ def assert_ulp(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, scale:
 
 
 def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, atol_scale: float, what: str) -> None:
-    """The issue's fp32 criterion: rtol 1e-5, atol 1e-6 * (size of the initial values)."""
+    """The fp32 criterion: rtol 1e-5, atol 1e-6 * (size of the initial values)."""
     torch.testing.assert_close(
         ours.detach().double().cpu(), ref.detach().double().cpu(), rtol=RTOL, atol=1e-6 * atol_scale,
         msg=lambda m: f"{what}: {m}",

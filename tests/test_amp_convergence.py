@@ -1,6 +1,6 @@
 """Convergence (full tier): a small CNN and a small transformer trained 200 steps on CPU.
 
-Criterion (the seed's): the fp32 run's loss drops to at most half its initial value, and each
+Criterion: the fp32 run's loss drops to at most half its initial value, and each
 mixed-precision run ends within 5% (relative L1) of the fp32 run's final loss. Losses are measured on
 a fixed evaluation set in fp32 through the model's (amp-patched) forward. Runs: O1 and O2, bf16 and
 fp16; torch's Adam without and with combine_grad, apex's NpuFusedAdam (which always combines) with it.

@@ -146,7 +146,7 @@ def test_weight_norm_clamp_and_zero_norms():
 
 
 def test_eps_zero():
-    """eps=0 is accepted (as by the seed): the zero gaps between slots must stay out of the norms
+    """eps=0 is accepted (as by the Ascend patch): the zero gaps between slots must stay out of the norms
     (their update would be 0/0)."""
     params = make_params()
     groups = [dict(spec, eps=0.0) for spec in GROUPS]

@@ -1,4 +1,4 @@
-"""Loss scaler: static or dynamic, with the seed's tunables.
+"""Loss scaler: static or dynamic, with the Ascend patch's tunables (growth/backoff factors, window, min/max scale).
 
 Dynamic scaling: an overflow (inf/nan in the gradients) multiplies the scale by
 ``backoff_factor`` (never below ``min_loss_scale``) and resets the count of clean

@@ -1,9 +1,9 @@
-"""Acceptance checks of the fused-optimizer issue, run across all ten optimizers.
+"""Framework behaviour checked for every one of the ten optimizers.
 
 The per-optimizer files (tests/test_optim_*.py) check each optimizer's math in depth;
 most framework behaviour (sharing checks, add_param_group, closures, loaded torch
-options, ...) is proven there through NpuFusedAdam only. Here the same acceptance
-bullets are checked for every optimizer of the issue, so a subclass that overrides
+options, ...) is proven there through NpuFusedAdam only. Here the same behaviours
+are checked for every optimizer, so a subclass that overrides
 ``step`` or the state layout cannot silently fall out of them:
 
 * which executor ran: the apex_C kernel on CPU for fp32, bf16 and fp16 (spied at the
@@ -21,7 +21,7 @@ bullets are checked for every optimizer of the issue, so a subclass that overrid
 * under amp (O1 and O2 with combine_grad) every fused optimizer gives what it gives
   without amp on the same mixed-precision grads.
 
-``Lamb`` is the non-fused per-tensor reference of the seed (a plain torch.optim.Optimizer):
+``Lamb`` is the non-fused per-tensor reference of the Ascend patch (a plain torch.optim.Optimizer):
 it has no combined buffers and no executor; it is held to the error/closure/param-group
 bullets only.
 """
@@ -196,7 +196,7 @@ def test_centered_rmsprop_fp16_tiny_second_moment(executor):
 
 
 def test_lamb_reference_class_is_not_combined():
-    """Lamb is the seed's non-fused reference: a plain torch.optim.Optimizer, one tensor at a time."""
+    """Lamb is the Ascend patch's non-fused reference: a plain torch.optim.Optimizer, one tensor at a time."""
     assert issubclass(Lamb, torch.optim.Optimizer) and not issubclass(Lamb, CombinedOptimizer)
     assert all(issubclass(SPECS[n][0], CombinedOptimizer) for n in FUSED)
 

@@ -1,4 +1,4 @@
-"""Acceptance gaps of the distributed issue that the main distributed files leave to the slow tier or skip.
+"""Distributed faults on 3 ranks (inf on one rank, mismatched shapes, a dying rank) in the fast tier.
 
 The main files (test_distributed.py, test_distributed_ddp.py, test_sync_batchnorm.py) cover the grid; this one
 adds, in the fast tier:
@@ -26,7 +26,7 @@ from test_distributed import _check_train
 
 from apex import amp
 
-HERE = "test_accept_dist"
+HERE = "test_distributed_faults"
 
 
 # ---------------------------------------------------------------- scenarios (run on every rank)

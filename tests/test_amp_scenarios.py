@@ -1,4 +1,4 @@
-"""Acceptance checks of the apex.amp issue that the focused amp test files leave open.
+"""apex.amp scenarios that cross the focused amp test files: fp16 on CPU, clipping, the overflow-flag path.
 
 * fp16 on CPU chosen through ``APEX_AMP_DTYPE`` (the grid runs bf16, the CPU default):
   O1/O2, two losses x two optimizers, an overflow in one backward: only the owning
