@@ -1,6 +1,6 @@
 """Tensor shapes of the benchmark regimes, and helpers to build tensors/params of those shapes.
 
-Regimes (see ../shared/ANCHORS.md section 1):
+Regimes (the memory-bound one, the per-tensor-overhead one, and one in between):
   model-145        145 fp32 tensors, 108,094,464 params: one 30000x768 embedding + 12 GPT-2-small-like layers
                    (per layer: ln_1 w/b, attn qkv 2304x768 + b, attn proj 768x768 + b, ln_2 w/b, mlp fc 3072x768 + b,
                    mlp proj 768x3072 + b = 12 tensors, 7,087,872 params). Large tensors: memory-bound regime.
