@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _core
-from apex.optimizers._functional import adam_math, l2_grad, lamb_direction, lamb_moments
+from apex.optimizers._functional import adagrad_math, adam_math, l2_grad, lamb_direction, lamb_moments
 from apex.optimizers.sgd import sgd_math
 
 __all__ = [
@@ -413,13 +413,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     mode = _check_mode(op, mode)
     for g, p, h in zip(gs, ps, hs):
         p32, h32 = _work(p), _work(h)
-        g32 = g.detach().float()
-        if mode == 0 and wd != 0:
-            g32 = g32.add(p32, alpha=wd)
-        h32.addcmul_(g32, g32)
-        u = g32 / h32.sqrt().add_(eps)
-        if mode == 1 and wd != 0:
-            u.add_(p32, alpha=wd)
-        p32.add_(u, alpha=-lr)
+        adagrad_math(p32, g.detach().float(), h32, lr=lr, eps=eps, weight_decay=wd, decoupled=mode == 1,
+                     grad_scale=1.0)
         _store(p, p32)
         _store(h, h32)

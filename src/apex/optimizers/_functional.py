@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["adam_math", "l2_grad", "lamb_direction", "lamb_moments", "lamb_trust_ratio", "settler"]
+__all__ = ["adagrad_math", "adam_math", "l2_grad", "lamb_direction", "lamb_moments", "lamb_trust_ratio", "settler"]
 
 #: the NPU patch's LAMB clamps the weight norm of its trust ratio to this value
 LAMB_WEIGHT_NORM_CLAMP = 10.0
@@ -62,6 +62,22 @@ def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, am
     else:
         denom = v.sqrt().div_(bc2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+def adagrad_math(p, g, h, *, lr, eps, weight_decay, decoupled, grad_scale,
+                 settle: Callable[[torch.Tensor], None] = _keep) -> None:
+    """One Adagrad update without lr decay on fp32 tensors (in place), as NVIDIA's FusedAdagrad.
+
+    ``h += g^2``, ``p -= lr * (g / (sqrt(h) + eps) (+ weight_decay * p when decoupled))``; without
+    ``decoupled`` the decay is added to the grad first (L2). The update reads h as settled.
+    """
+    g = l2_grad(g, p, grad_scale, 0.0 if decoupled else weight_decay)
+    h.addcmul_(g, g)
+    settle(h)
+    u = g / h.sqrt().add_(eps)
+    if decoupled and weight_decay != 0:
+        u.add_(p, alpha=weight_decay)
+    p.add_(u, alpha=-lr)
 
 
 # ------------------------------------------------------------------ LAMB (NpuFusedLamb, Lamb, FusedLAMB, amp_C)
