@@ -9,7 +9,7 @@ decay, accumulator starting at 0)::
         h = h + grad^2 ;  p = p - lr * (grad / (sqrt(h) + eps) + weight_decay * p)
 
 Executors: the apex_C ``adagrad_step`` kernel on CPU (one pass per group x dtype),
-`_functional.adagrad_math` (torch ops) on flat slices elsewhere. ``state[p]`` holds ``sum`` only
+the same math as torch ops on flat slices elsewhere. ``state[p]`` holds ``sum`` only
 (NVIDIA's layout; torch's Adagrad also keeps a ``step``).
 """
 

@@ -11,9 +11,9 @@ Per param group, with the group's step count ``t`` (NVIDIA keeps one per group):
 so ``adam_w_mode=True`` (the default) is torch.optim.AdamW and ``adam_w_mode=False``
 torch.optim.Adam: the same math as NpuFusedAdam(W), with a per-group step count and
 optional bias correction. Executors: the apex_C ``adam_step`` kernel on CPU (one pass
-per group x dtype), `_functional.adam_math` (NpuFusedAdam's torch ops) on flat slices
-elsewhere; both shrink p by ``1 - lr * weight_decay`` before the Adam step, which is
-``p - lr * (u + weight_decay * p)`` up to rounding.
+per group x dtype), NpuFusedAdam's torch ops on flat slices elsewhere; both shrink p by
+``1 - lr * weight_decay`` before the Adam step, which is ``p - lr * (u + weight_decay * p)``
+up to rounding.
 
 fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
 and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`),

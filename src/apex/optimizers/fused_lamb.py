@@ -20,8 +20,8 @@ Executors: on CPU the apex_C ``sum_sq`` pass for the global norm, then two kerne
 per group x dtype (``lamb_stage1``: m, v and the per-tensor norms of p and u;
 ``lamb_stage2``: the update with the trust ratios). With ``adam_w_mode=False`` and a
 non-zero weight decay the L2 term is formed first in a scratch buffer (two more cheap
-passes). Elsewhere `lamb.lamb_flat_step`, the torch executor NpuFusedLamb uses too, runs
-the same math as torch ops on flat slices.
+passes). Elsewhere the same math runs as torch ops on flat slices (NpuFusedLamb's torch
+executor, with NVIDIA's options).
 
 Unlike NVIDIA, the grads are left as they are (NVIDIA overwrites ``p.grad`` with ``u``),
 bf16 params work, and ``max_grad_norm=None`` disables the clipping.
