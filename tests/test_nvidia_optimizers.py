@@ -493,6 +493,27 @@ def test_fused_lamb_errors_and_defaults(device):
     assert all(bool((p.grad == 3.0).all()) for p in params)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fused_lamb_eps_zero_norms_cover_params_only(device, executor):
+    """eps=0 is valid; the zero gaps between slots (0/0 there) stay out of the trust-ratio norms on every executor."""
+    params = make_params([(3,), (5, 2), (7,)], device, seed=41)
+    opt = FusedLAMB(params, lr=1e-2, betas=(0.9, 0.99), eps=0.0, weight_decay=0.01, max_grad_norm=None)
+    opt.executor = executor
+    base = dict(betas=(0.9, 0.99), eps=0.0, weight_decay=0.01, grad_averaging=True, bias_correction=True)
+    ref = RefLamb([dict(base, params=[p.detach().double().cpu() for p in params], lr=1e-2)],
+                  max_grad_norm=None, adam_w_mode=True, use_nvlamb=False)
+    gen = torch.Generator().manual_seed(42)
+    for _ in range(3):
+        grads = draw_grads(params, gen)
+        for p, g in zip(params, grads):
+            set_grad(p, g)
+        opt.step()
+        ref.step([[g.double().cpu() for g in grads]])
+    assert opt.last_executor == expected_executor(executor, device)
+    assert all(bool(torch.isfinite(p).all()) for p in params)
+    assert_params_close(params, ref.groups[0]["params"], max_abs(params), "lamb eps=0 param")
+
+
 # ------------------------------------------------------------------ FusedNovoGrad
 def ref_novograd(params, grads, state, *, step, lr, b1, b2, eps, wd, norm_type, init_zero, reg_inside_moment,
                  grad_averaging, bias_correction):

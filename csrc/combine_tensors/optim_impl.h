@@ -105,17 +105,23 @@ static void sgd(const OptArgs& a) {
 }
 
 // ---------------------------------------------------------------------------
-static void adam(const OptArgs& a) {
+// torch.optim.Adam / AdamW (and NVIDIA's FusedAdam: the same update without bias
+// correction when asked). AMSGrad is a template parameter, so there is one loop
+// body and no per-call branch inside it; L2 / decoupled decay and bias correction
+// are per-segment scalars (decay 1 and l2 0, or step_size lr, when off).
+template <bool AMSGRAD>
+static void adam_body(const OptArgs& a) {
   with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
     APEX_TYPES(pt, gt, ot);
     P* __restrict m = static_cast<P*>(a.s[0]);
     P* __restrict v = static_cast<P*>(a.s[1]);
     P* __restrict vmax = static_cast<P*>(a.s[2]);
+    (void)vmax;
     const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
     const float eps = static_cast<float>(a.hp[3]), wd = static_cast<float>(a.hp[4]);
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
     const float omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
-    const bool amsgrad = a.flags & kAmsgrad, decoupled = a.flags & kDecoupled;
+    const bool decoupled = a.flags & kDecoupled;
     const bool no_bc = a.flags & kNoBiasCorrection;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const double t = a.steps[k];
@@ -125,41 +131,33 @@ static void adam(const OptArgs& a) {
       const G* __restrict gk = grad_at(a, g, k, lo);
       const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
       const float l2 = decoupled ? 0.f : wd;
-      if (!amsgrad) {
-        APEX_IVDEP
-        for (idx_t i = lo; i < hi; ++i) {
-          float pv = load(p, i) * decay;
-          float gv = load(gk, i - lo) * gs + l2 * pv;
-          float mv = fb1 * load(m, i) + omb1 * gv;
-          float vv = fb2 * load(v, i) + omb2 * gv * gv;
-          store(m, i, mv);
-          store(v, i, vv);
-          float denom = std::sqrt(load(v, i)) / bc2_sqrt + eps;
-          float np = pv - step_size * load(m, i) / denom;
-          store(p, i, np);
-          store(o, i, np);
-        }
-      } else {
-        APEX_IVDEP
-        for (idx_t i = lo; i < hi; ++i) {
-          float pv = load(p, i) * decay;
-          float gv = load(gk, i - lo) * gs + l2 * pv;
-          float mv = fb1 * load(m, i) + omb1 * gv;
-          float vv = fb2 * load(v, i) + omb2 * gv * gv;
-          store(m, i, mv);
-          store(v, i, vv);
+      APEX_IVDEP
+      for (idx_t i = lo; i < hi; ++i) {
+        float pv = load(p, i) * decay;
+        float gv = load(gk, i - lo) * gs + l2 * pv;
+        float mv = fb1 * load(m, i) + omb1 * gv;
+        float vv = fb2 * load(v, i) + omb2 * gv * gv;
+        store(m, i, mv);
+        store(v, i, vv);
+        float vs = load(v, i);  // the second moment as stored
+        if (AMSGRAD) {
           float vm = load(vmax, i);
-          float vn = load(v, i);
-          vm = vn > vm ? vn : vm;
+          vm = vs > vm ? vs : vm;
           store(vmax, i, vm);
-          float denom = std::sqrt(load(vmax, i)) / bc2_sqrt + eps;
-          float np = pv - step_size * load(m, i) / denom;
-          store(p, i, np);
-          store(o, i, np);
+          vs = load(vmax, i);
         }
+        float denom = std::sqrt(vs) / bc2_sqrt + eps;
+        float np = pv - step_size * load(m, i) / denom;
+        store(p, i, np);
+        store(o, i, np);
       }
     });
   });
+}
+
+static void adam(const OptArgs& a) {
+  if (a.flags & kAmsgrad) adam_body<true>(a);
+  else adam_body<false>(a);
 }
 
 // ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _core
-from apex.optimizers.fused_adam import nvidia_adam_math
+from apex.optimizers._functional import adagrad_math, adam_math, l2_grad, lamb_direction, lamb_moments
 from apex.optimizers.sgd import sgd_math
 
 __all__ = [
@@ -266,9 +266,9 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
     for g, p, m, v in zip(gs, ps, ms, vs):
         p32, m32, v32 = _work(p), _work(m), _work(v)
-        nvidia_adam_math(p32, g.detach().float(), m32, v32, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=wd, step=step, adam_w_mode=mode == 1, bias_correction=bool(bias_correction),
-                         grad_scale=grad_scale)
+        adam_math(p32, g.detach().float(), m32, v32, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=wd, step=step, amsgrad=False, decoupled=mode == 1,
+                  bias_correction=bool(bias_correction), grad_scale=grad_scale)
         _store(p, p32)
         _store(m, m32)
         _store(v, v32)
@@ -341,14 +341,9 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     updates = []
     for g, p, m, v in zip(gs, ps, ms, vs):
         p32, m32, v32 = _f32(p), _work(m), _work(v)
-        g32 = g.detach().float() / clip
-        if mode == 0 and wd != 0:
-            g32 = g32.add(p32, alpha=wd)
-        m32.mul_(beta1).add_(g32, alpha=beta3)
-        v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-        u = (m32 / bc1).div_((v32 / bc2).sqrt_().add_(eps))
-        if mode == 1 and wd != 0:
-            u.add_(p32, alpha=wd)
+        g32 = l2_grad(g.detach().float() / clip, p32, 1.0, wd if mode == 0 else 0.0)
+        lamb_moments(g32, m32, v32, beta1=beta1, beta2=beta2, beta3=beta3)
+        u = lamb_direction(p32, m32, v32, eps=eps, weight_decay=wd if mode == 1 else 0.0, bc1=bc1, bc2=bc2)
         _store(m, m32)
         _store(v, v32)
         _store(g, u)
@@ -418,13 +413,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     mode = _check_mode(op, mode)
     for g, p, h in zip(gs, ps, hs):
         p32, h32 = _work(p), _work(h)
-        g32 = g.detach().float()
-        if mode == 0 and wd != 0:
-            g32 = g32.add(p32, alpha=wd)
-        h32.addcmul_(g32, g32)
-        u = g32 / h32.sqrt().add_(eps)
-        if mode == 1 and wd != 0:
-            u.add_(p32, alpha=wd)
-        p32.add_(u, alpha=-lr)
+        adagrad_math(p32, g.detach().float(), h32, lr=lr, eps=eps, weight_decay=wd, decoupled=mode == 1,
+                     grad_scale=1.0)
         _store(p, p32)
         _store(h, h32)

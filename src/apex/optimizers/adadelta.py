@@ -7,7 +7,7 @@ from typing import List
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
-from .sgd import l2_grad, settler
+from ._functional import l2_grad, settler
 
 
 def adadelta_math(p, g, square_avg, acc_delta, *, lr, rho, eps, weight_decay, grad_scale, settle):

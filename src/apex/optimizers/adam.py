@@ -18,34 +18,7 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _check_adam_group
 from ._flat import FlatSet
-from .sgd import l2_grad
-
-# devices whose torch has _fused_adam_/_fused_adamw_ kernels (CPU since torch 2.4)
-
-
-def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, amsgrad, decoupled, grad_scale,
-              state_dtype=torch.float32):
-    """One Adam(W) update on fp32 tensors (in place); torch.optim.Adam's formulas.
-
-    With a low-precision `state_dtype` the moments are rounded through it before
-    the param update reads them, as torch (and the kernel) read stored states.
-    """
-    g = l2_grad(g, p, grad_scale, 0.0 if decoupled else weight_decay)
-    if decoupled and weight_decay != 0:
-        p.mul_(1 - lr * weight_decay)
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    if state_dtype != torch.float32:
-        m.copy_(m.to(state_dtype))
-        v.copy_(v.to(state_dtype))
-    bc1 = 1 - beta1**step
-    bc2_sqrt = (1 - beta2**step) ** 0.5
-    if amsgrad:
-        torch.maximum(vmax, v, out=vmax)
-        denom = vmax.sqrt().div_(bc2_sqrt).add_(eps)
-    else:
-        denom = v.sqrt().div_(bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / bc1)
+from ._functional import adam_math, settler
 
 
 class NpuFusedAdam(CombinedOptimizer):
@@ -101,12 +74,13 @@ class NpuFusedAdam(CombinedOptimizer):
         b1, b2 = group["betas"]
         amsgrad = group["amsgrad"]
         lr = float(group["lr"])
+        settle = settler(s.dtype)
 
         def update(p, g, states, step):
             adam_math(
                 p, g, *states, lr=lr, beta1=b1, beta2=b2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=step, amsgrad=amsgrad, decoupled=self._decoupled,
-                grad_scale=self._grad_scale(), state_dtype=s.dtype,
+                grad_scale=self._grad_scale(), settle=settle,
             )
 
         self._update_runs(s, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], update)

@@ -13,7 +13,7 @@ from torch.optim.optimizer import required
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
-from .sgd import settler
+from ._functional import settler
 
 logger = logging.getLogger("apex.optimizers")
 

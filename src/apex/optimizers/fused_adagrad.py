@@ -20,6 +20,7 @@ from typing import List
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
+from ._functional import adagrad_math, settler
 from ._nvidia import NvidiaCompatMixin
 
 __all__ = ["FusedAdagrad"]
@@ -57,21 +58,11 @@ class FusedAdagrad(NvidiaCompatMixin, CombinedOptimizer):
         _core.ext.adagrad_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        gs = self._grad_scale()
-        for lo, hi, _, _, _ in s.active_runs():
-            p = self._f32(s.flat_p[lo:hi])
-            g = self._f32(s.flat_g[lo:hi])
-            g = g * gs if gs != 1.0 else g.clone()
-            h_st = s.flat_s["sum"][lo:hi]
-            h = self._f32(h_st)
-            if wd != 0 and not self.adagrad_w_mode:
-                g.add_(p, alpha=wd)
-            h.addcmul_(g, g)
-            self._write_back(h_st, h)
-            u = g.div_(self._f32(h_st).sqrt().add_(eps))
-            if wd != 0 and self.adagrad_w_mode:
-                u.add_(p, alpha=wd)
-            p.add_(u, alpha=-lr)
-            self._write_back(s.flat_p[lo:hi], p)
+        settle = settler(s.dtype)
+
+        def update(p, g, states, _):
+            adagrad_math(p, g, *states, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+                         decoupled=bool(self.adagrad_w_mode), grad_scale=self._grad_scale(), settle=settle)
+
+        self._update_runs(s, ["sum"], update)
         self.last_executor = "torch"

@@ -9,8 +9,11 @@ Per param group, with the group's step count ``t`` (NVIDIA keeps one per group):
     p = p - lr * (u + weight_decay * p)         (the decay term only when adam_w_mode=True: AdamW)
 
 so ``adam_w_mode=True`` (the default) is torch.optim.AdamW and ``adam_w_mode=False``
-torch.optim.Adam. Executors: the apex_C ``adam_step`` kernel on CPU (one pass per
-group x dtype), the same math as torch ops on flat slices elsewhere.
+torch.optim.Adam: the same math as NpuFusedAdam(W), with a per-group step count and
+optional bias correction. Executors: the apex_C ``adam_step`` kernel on CPU (one pass
+per group x dtype), NpuFusedAdam's torch ops on flat slices elsewhere; both shrink p by
+``1 - lr * weight_decay`` before the Adam step, which is ``p - lr * (u + weight_decay * p)``
+up to rounding.
 
 fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
 and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`),
@@ -29,38 +32,15 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
+from ._functional import adam_math, settler
 from ._nvidia import NvidiaCompatMixin, ShadowParamsMixin
-from .sgd import l2_grad
 
-__all__ = ["FusedAdam", "nvidia_adam_math"]
+__all__ = ["FusedAdam"]
 
 _LEGACY_STEP_ARGS_MSG = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and call step() "
     "with no arguments."
 )
-
-
-def nvidia_adam_math(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
-                     grad_scale, settle=None):
-    """One FusedAdam update on fp32 tensors (in place). ``settle(t)`` rounds a state through its storage dtype."""
-    g = l2_grad(g, p, grad_scale, 0.0 if adam_w_mode else weight_decay)
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    if settle is not None:
-        settle(m)
-        settle(v)
-    bc1 = 1 - beta1**step if bias_correction else 1.0
-    bc2 = 1 - beta2**step if bias_correction else 1.0
-    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
-    if weight_decay != 0 and adam_w_mode:
-        u.add_(p, alpha=weight_decay)
-    p.add_(u, alpha=-lr)
-
-
-def _settler(dtype: torch.dtype):
-    if dtype == torch.float32:
-        return None
-    return lambda t: t.copy_(t.to(dtype))
 
 
 class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
@@ -129,12 +109,13 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         step = self._use_group_step(s, group)
         b1, b2 = group["betas"]
-        settle = _settler(s.dtype)
+        settle = settler(s.dtype)
+        lr = float(group["lr"])
 
         def update(p, g, states, _):  # `step` is the group's (NVIDIA's bias correction)
-            nvidia_adam_math(
-                p, g, *states, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                weight_decay=group["weight_decay"], step=step, adam_w_mode=self.adam_w_mode,
+            adam_math(
+                p, g, *states, None, lr=lr, beta1=b1, beta2=b2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=step, amsgrad=False, decoupled=self.adam_w_mode,
                 bias_correction=group["bias_correction"], grad_scale=self._grad_scale(), settle=settle,
             )
 

@@ -20,7 +20,8 @@ Executors: on CPU the apex_C ``sum_sq`` pass for the global norm, then two kerne
 per group x dtype (``lamb_stage1``: m, v and the per-tensor norms of p and u;
 ``lamb_stage2``: the update with the trust ratios). With ``adam_w_mode=False`` and a
 non-zero weight decay the L2 term is formed first in a scratch buffer (two more cheap
-passes). Elsewhere the same math runs as torch ops on flat slices.
+passes). Elsewhere the same math runs as torch ops on flat slices (NpuFusedLamb's torch
+executor, with NVIDIA's options).
 
 Unlike NVIDIA, the grads are left as they are (NVIDIA overwrites ``p.grad`` with ``u``),
 bf16 params work, and ``max_grad_norm=None`` disables the clipping.
@@ -36,8 +37,10 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group, _check_range
 from ._flat import FlatSet
+from ._functional import lamb_trust_ratio
 from ._nvidia import NvidiaCompatMixin
-from .clip import grad_runs, healed_sets, total_grad_norm
+from .clip import healed_sets, total_grad_norm
+from .lamb import lamb_flat_step
 
 __all__ = ["FusedLAMB", "lamb_clip_divisor"]
 
@@ -49,6 +52,11 @@ def lamb_clip_divisor(norm: Union[float, torch.Tensor], max_grad_norm: Optional[
     if isinstance(norm, torch.Tensor):
         return torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
     return norm / max_grad_norm if norm > max_grad_norm else 1.0
+
+
+def _nvidia_trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
+    """``||p|| / ||u||`` per param, 1 where either is 0: `lamb_trust_ratio` without the NPU patch's clamp."""
+    return lamb_trust_ratio(p_norm, u_norm, max_weight_norm=None)
 
 
 class _Scratch:
@@ -166,9 +174,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
             _core.ext.lamb_stage1(a)
             if self._uses_ratio(group):
                 sq = scratch.norms.view(-1, 2).sqrt()
-                p_norm, u_norm = sq[:, 0], sq[:, 1]
-                ok = (p_norm != 0) & (u_norm != 0)
-                scratch.ratio.copy_(torch.where(ok, p_norm / torch.where(ok, u_norm, 1.0), 1.0))
+                scratch.ratio.copy_(_nvidia_trust_ratio(sq[:, 0], sq[:, 1]))
                 a.seg_mul = scratch.ratio.data_ptr()
             a.hp = [float(group["lr"]), eps, kernel_wd, b1, b2]
             _core.ext.lamb_stage2(a)
@@ -180,36 +186,12 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         step = self._use_group_step(s, group)
         b1, b2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], float(group["lr"])
-        b3 = self._beta3(group)
+        wd = group["weight_decay"]
         bc1 = 1 - b1**step if group["bias_correction"] else 1.0
         bc2 = 1 - b2**step if group["bias_correction"] else 1.0
-        mul = self._grad_mul()
-        bounds = [*s.offsets, s.total]
-        for lo, hi, k0, k1 in grad_runs(s):
-            p = self._f32(s.flat_p[lo:hi])
-            g = self._f32(s.flat_g[lo:hi]) * mul  # a new tensor: the user's grads stay as they are
-            if wd != 0 and not self.adam_w_mode:
-                g.add_(p, alpha=wd)
-            m_st, v_st = s.flat_s["exp_avg"][lo:hi], s.flat_s["exp_avg_sq"][lo:hi]
-            m, v = self._f32(m_st), self._f32(v_st)
-            m.mul_(b1).add_(g, alpha=b3)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            self._write_back(m_st, m)
-            self._write_back(v_st, v)
-            # u from the stored (possibly rounded) moments, as the kernel computes it
-            u = (self._f32(m_st) / bc1).div_((self._f32(v_st) / bc2).sqrt_().add_(eps))
-            if wd != 0 and self.adam_w_mode:
-                u.add_(p, alpha=wd)
-            if self._uses_ratio(group):
-                lengths = [bounds[k + 1] - bounds[k] for k in range(k0, k1)]
-                p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, lengths))))
-                u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, lengths))))
-                ok = (p_norm != 0) & (u_norm != 0)
-                ratio = torch.where(ok, p_norm / torch.where(ok, u_norm, 1.0), 1.0)
-                scale = torch.repeat_interleave(ratio, torch.tensor(lengths, device=p.device), output_size=hi - lo)
-                p.addcmul_(scale, u, value=-lr)
-            else:
-                p.add_(u, alpha=-lr)
-            self._write_back(s.flat_p[lo:hi], p)
+        lamb_flat_step(
+            self, s, grad_mul=self._grad_mul(), l2=0.0 if self.adam_w_mode else wd, beta1=b1, beta2=b2,
+            beta3=self._beta3(group), eps=group["eps"], weight_decay=wd if self.adam_w_mode else 0.0, bc1=bc1,
+            bc2=bc2, lr=float(group["lr"]), trust_ratio=_nvidia_trust_ratio if self._uses_ratio(group) else None,
+        )
         self.last_executor = "torch"

@@ -26,43 +26,18 @@ both executors, so u is computed from the stored moments.
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind, group_params
 from ._flat import FlatSet
+from ._functional import LAMB_WEIGHT_NORM_CLAMP, l2_grad, lamb_direction, lamb_moments, lamb_trust_ratio
 from ._state_check import COUNT, PARAM_SHAPED, SCALAR, check_unique_params, naming, validate_loaded_state
 from .clip import grad_runs, healed_sets, total_grad_norm
 
-__all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_moments", "lamb_trust_ratio"]
-
-_WEIGHT_NORM_CLAMP = 10.0
-
-
-# ------------------------------------------------------------------ the math (fp32 tensors)
-def lamb_moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, beta1: float, beta2: float) -> None:
-    """m, v updated in place from the (already multiplied) grad."""
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-
-
-def lamb_direction(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, eps: float,
-                   weight_decay: float) -> torch.Tensor:
-    """u = m / (sqrt(v) + eps) + weight_decay * p (a new tensor)."""
-    u = m / v.sqrt().add_(eps)
-    if weight_decay != 0:
-        u.add_(p, alpha=weight_decay)
-    return u
-
-
-def lamb_trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, adam: bool = False) -> torch.Tensor:
-    """min(||p||, 10) / ||u||, elementwise over per-param norms; 1 where either norm is 0 (or adam)."""
-    if adam:
-        return torch.ones_like(p_norm)
-    w = p_norm.clamp(max=_WEIGHT_NORM_CLAMP)
-    return torch.where((w == 0) | (u_norm == 0), torch.ones_like(w), w / u_norm)
+__all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_flat_step", "lamb_moments", "lamb_trust_ratio"]
 
 
 def _validate_lamb_group(group: dict) -> None:
@@ -86,6 +61,50 @@ def _global_multiplier(norm: float) -> float:
 
 
 # ------------------------------------------------------------------ fused
+def lamb_flat_step(opt: CombinedOptimizer, s: FlatSet, *, grad_mul: Union[float, torch.Tensor], l2: float,
+                   beta1: float, beta2: float, beta3: Optional[float], eps: float, weight_decay: float, bc1: float,
+                   bc2: float, lr: float,
+                   trust_ratio: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]) -> None:
+    """One LAMB update of a FlatSet in torch ops (the torch executor of NpuFusedLamb and FusedLAMB).
+
+    Per run of slots with a grad: ``g = grad * grad_mul + l2 * p`` (a new tensor when either term
+    applies: user grads stay as they are), `lamb_moments`, the moments stored, `lamb_direction`
+    from the stored (possibly rounded) moments as the kernel computes it, then
+    ``p -= lr * r * u`` with ``r = trust_ratio(||p||, ||u||)`` per param (r = 1 when None). The
+    norms cover the params only, not the zero gaps between slots, as the kernel's.
+    """
+    bounds = [*s.offsets, s.total]
+    for lo, hi, k0, k1 in grad_runs(s):
+        p = opt._f32(s.flat_p[lo:hi])
+        g = opt._f32(s.flat_g[lo:hi])
+        if isinstance(grad_mul, torch.Tensor):
+            g = g * grad_mul.to(g.device)
+        elif grad_mul != 1.0:
+            g = g * grad_mul
+        g = l2_grad(g, p, 1.0, l2)
+        m_st, v_st = s.flat_s["exp_avg"][lo:hi], s.flat_s["exp_avg_sq"][lo:hi]
+        m, v = opt._f32(m_st), opt._f32(v_st)
+        lamb_moments(g, m, v, beta1=beta1, beta2=beta2, beta3=beta3)
+        opt._write_back(m_st, m)
+        opt._write_back(v_st, v)
+        u = lamb_direction(p, opt._f32(m_st), opt._f32(v_st), eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+        if trust_ratio is None:
+            p.add_(u, alpha=-lr)
+        else:
+            # pieces: param k0, gap, param k0+1, gap, ... (norms over the params only)
+            pieces = []
+            for k in range(k0, k1):
+                n = s.params[k].numel()
+                pieces += [n, bounds[k + 1] - bounds[k] - n]
+            p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, pieces)[0::2])))
+            u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, pieces)[0::2])))
+            ratio = trust_ratio(p_norm, u_norm)
+            slots = torch.tensor([bounds[k + 1] - bounds[k] for k in range(k0, k1)], device=p.device)
+            scale = torch.repeat_interleave(ratio, slots, output_size=hi - lo)
+            p.addcmul_(scale, u, value=-lr)
+        opt._write_back(s.flat_p[lo:hi], p)
+
+
 class _KernelPlan:
     """Kernel arguments of one FlatSet for LAMB, whose segments are the params *without* the zero gaps
     between slots: segment 2k is param k, segment 2k+1 the gap after it (always skipped). The gaps must
@@ -185,38 +204,9 @@ class NpuFusedLamb(CombinedOptimizer):
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         b1, b2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
-        mul = self._group_mul(group)
-        bounds = [*s.offsets, s.total]
-        for lo, hi, k0, k1 in grad_runs(s):
-            p = self._f32(s.flat_p[lo:hi])
-            g = self._f32(s.flat_g[lo:hi])
-            if isinstance(mul, torch.Tensor):
-                g = g * mul.to(g.device)  # a new tensor: user grads stay as they are
-            elif mul != 1.0:
-                g = g * mul
-            m_st, v_st = s.flat_s["exp_avg"][lo:hi], s.flat_s["exp_avg_sq"][lo:hi]
-            m, v = self._f32(m_st), self._f32(v_st)
-            lamb_moments(g, m, v, beta1=b1, beta2=b2)
-            self._write_back(m_st, m)
-            self._write_back(v_st, v)
-            # u from the stored (possibly rounded) moments, as the kernel does
-            u = lamb_direction(p, self._f32(m_st), self._f32(v_st), eps=eps, weight_decay=wd)
-            if group["adam"]:
-                p.add_(u, alpha=-lr)
-            else:
-                # pieces: param k0, gap, param k0+1, gap, ... (norms over the params only, as the kernel)
-                pieces = []
-                for k in range(k0, k1):
-                    n = s.params[k].numel()
-                    pieces += [n, bounds[k + 1] - bounds[k] - n]
-                p_norm = torch.stack(torch._foreach_norm(list(torch.split(p, pieces)[0::2])))
-                u_norm = torch.stack(torch._foreach_norm(list(torch.split(u, pieces)[0::2])))
-                ratio = lamb_trust_ratio(p_norm, u_norm)
-                slots = torch.tensor([bounds[k + 1] - bounds[k] for k in range(k0, k1)], device=p.device)
-                scale = torch.repeat_interleave(ratio, slots, output_size=hi - lo)
-                p.addcmul_(scale, u, value=-lr)
-            self._write_back(s.flat_p[lo:hi], p)
+        lamb_flat_step(self, s, grad_mul=self._group_mul(group), l2=0.0, beta1=b1, beta2=b2, beta3=None,
+                       eps=group["eps"], weight_decay=group["weight_decay"], bc1=1.0, bc2=1.0, lr=group["lr"],
+                       trust_ratio=None if group["adam"] else lamb_trust_ratio)
 
 
 # ------------------------------------------------------------------ per-tensor reference
@@ -329,7 +319,7 @@ class Lamb(torch.optim.Optimizer):
                 u_norm = torch.linalg.vector_norm(u)
                 ratio = lamb_trust_ratio(w_norm, u_norm)
                 state["weight_norm"], state["adam_norm"], state["trust_ratio"] = (
-                    w_norm.clamp(max=_WEIGHT_NORM_CLAMP), u_norm, ratio)
+                    w_norm.clamp(max=LAMB_WEIGHT_NORM_CLAMP), u_norm, ratio)
                 if group["adam"]:
                     ratio = torch.ones_like(ratio)
                 p.copy_(pf.sub_(u.mul_(ratio), alpha=group["lr"]))

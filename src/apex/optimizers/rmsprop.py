@@ -7,7 +7,7 @@ from typing import List
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
-from .sgd import l2_grad, settler
+from ._functional import l2_grad, settler
 
 # The rmsprop kernels read fixed state slots: s0 square_avg, s1 momentum_buffer,
 # s2 grad_avg. A group keeps only the states its options need (torch's layout),

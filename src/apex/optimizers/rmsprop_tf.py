@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .. import _core
 from ._flat import FlatSet
+from ._functional import l2_grad
 from .rmsprop import RMSpropFamily, rms_step
-from .sgd import l2_grad
 
 
 def rmsprop_tf_math(p, g, square_avg, buf, grad_avg, *, lr, alpha, eps, weight_decay, momentum, decoupled_decay,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 from torch.optim.optimizer import required
@@ -10,6 +10,7 @@ from torch.optim.optimizer import required
 from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
+from ._functional import l2_grad, settler
 
 # devices whose torch has a fused SGD kernel (CPU since torch 2.4); used by the torch executor
 _FUSED_SGD = getattr(torch, "_fused_sgd_", None)
@@ -32,22 +33,6 @@ def sgd_math(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, firs
         settle(buf)
         d = d.add(buf, alpha=momentum) if nesterov else buf
     p.add_(d, alpha=-lr)
-
-
-def l2_grad(g: torch.Tensor, p: torch.Tensor, grad_scale: float, weight_decay: float) -> torch.Tensor:
-    """``g * grad_scale + weight_decay * p`` (L2 decay); a new tensor when either term applies, never g changed."""
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if weight_decay != 0:
-        g = g.add(p, alpha=weight_decay)
-    return g
-
-
-def settler(dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
-    """In-place rounding of an fp32 working copy through a storage dtype (no-op for fp32)."""
-    if dtype == torch.float32:
-        return lambda t: None
-    return lambda t: t.copy_(t.to(dtype))
 
 
 def split_by_first(s: FlatSet, k: int, j: int):
