@@ -16,12 +16,10 @@ Environment knobs:
 import os
 import platform
 import sysconfig
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
-from setuptools.errors import CompileError
 
 SRC = os.path.join("csrc", "combine_tensors")
 
@@ -31,20 +29,12 @@ SIMD_FLAGS = {
         "baseline": [],
         "avx2": ["-mavx2", "-mfma", "-mf16c"],
         "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-        # avx512 + bf16 stores through VCVTNEPS2BF16; built only where the compiler accepts the flag (see
-        # OPTIONAL_LEVELS), otherwise the level is absent from the build.
-        "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                       "-mavx512bf16"],
     },
     "aarch64": {
         "baseline": [],
         "neon": [],  # Advanced SIMD is part of the AArch64 baseline
     },
 }
-
-
-# Levels whose flags not every supported compiler accepts: level -> macro that tells dispatch.cpp it was built.
-OPTIONAL_LEVELS = {"avx512bf16": "APEX_WITH_AVX512BF16"}
 
 
 def target_arch():
@@ -111,31 +101,14 @@ class BuildSimd(build_ext):
         want = f"{target_arch()}-linux-gnu"
         return name.replace(host, want) if host != want and host in name else name
 
-    def accepts_flags(self, flags):
-        """Whether the compiler compiles an empty unit with these flags (an unknown -m option is an error)."""
-        with tempfile.TemporaryDirectory(prefix="apex-probe-") as tmp:
-            src = os.path.join(tmp, "probe.cpp")
-            with open(src, "w") as f:
-                f.write("int apex_probe() { return 0; }\n")
-            try:
-                self.compiler.compile([src], output_dir=tmp, extra_postargs=flags)
-            except CompileError:
-                return False
-        return True
-
     def build_extension(self, ext):
         arch = target_arch()
-        levels = {}
-        for level, extra in SIMD_FLAGS[arch].items():
-            if level == "baseline":
-                continue
-            if level in OPTIONAL_LEVELS and not self.accepts_flags(extra):
-                print(f"apex_C: the compiler does not accept {' '.join(extra)}; building without the {level} level")
-                continue
-            levels[level] = extra
-        macros = list(ext.define_macros) + [(OPTIONAL_LEVELS[lvl], "1") for lvl in levels if lvl in OPTIONAL_LEVELS]
         units = [(src, []) for src in sorted(ext.sources)]
-        units += [(os.path.join(SRC, f"kernels_{level}.cpp"), extra) for level, extra in levels.items()]
+        units += [
+            (os.path.join(SRC, f"kernels_{level}.cpp"), extra)
+            for level, extra in SIMD_FLAGS[arch].items()
+            if level != "baseline"
+        ]
         ext_path = self.get_ext_fullpath(ext.name)
         if not (self.force or _newer([u for u, _ in units] + list(ext.depends), ext_path)):
             return
@@ -146,7 +119,7 @@ class BuildSimd(build_ext):
                 [src],
                 output_dir=self.build_temp,
                 include_dirs=ext.include_dirs,
-                macros=macros,
+                macros=ext.define_macros,
                 debug=self.debug,
                 extra_postargs=ext.extra_compile_args + extra,
                 depends=ext.depends,

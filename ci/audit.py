@@ -40,8 +40,8 @@ IMPORT_PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import apex_
                 "'levels': list(apex_C.supported_simd_levels())}))")
 # SIMD levels of the core and the CPU features each needs (x86_64: from /proc/cpuinfo flags; aarch64: NEON is baseline
 # of the architecture, so every aarch64 build must offer it).
-_AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
-X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": _AVX512, "avx512bf16": _AVX512 | {"avx512_bf16"}}
+X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                          "avx512dq"}}
 
 
 class AuditFailure(RuntimeError):

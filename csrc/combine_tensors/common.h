@@ -86,40 +86,16 @@ inline std::uint16_t f32_to_half_soft(float f) {
 
 inline float bf16_to_f32(std::uint16_t h) { return bits_to_f32(static_cast<std::uint32_t>(h) << 16); }
 
-// Integer-only, so it is exact under any MXCSR/FPCR mode.
-inline std::uint16_t f32_to_bf16_soft(float f) {
+// Integer-only, so it is exact under any MXCSR/FPCR mode. Hardware bf16
+// narrowing (AVX512-BF16 VCVTNEPS2BF16, ARM BFCVT) reads denormal inputs as
+// zero; VCVTNEPS2BF16 with an exact fix-up for those inputs was measured and is
+// slower in the bf16 Adam kernels (docs/DESIGN-NOTES.md, f16/bf16 storage).
+inline std::uint16_t f32_to_bf16(float f) {
   const std::uint32_t u = f32_to_bits(f);
   const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RNE
   const std::uint32_t nan = (u >> 16) | 0x0040u;                            // quiet nan
   return static_cast<std::uint16_t>(pick(mask_if(s32(u & 0x7fffffffu) > 0x7f800000), nan, rounded));
 }
-
-// bf16 narrowing through AVX512-BF16 VCVTNEPS2BF16 (the avx512bf16 level).
-// The instruction rounds to nearest even whatever MXCSR says, quiets a nan as
-// the soft form does (top half | 0x40), and never produces a denormal from a
-// normal input (bf16 has float32's exponent range), but it reads every
-// denormal input as zero. Those inputs (exponent field 0) get exponent field 1
-// first: that number is normal, its rounding happens at the same bit (16) with
-// the same carry, and subtracting one exponent step (0x0080) from the result
-// gives the soft bits (a carry out of the mantissa lands on the smallest
-// normal, as in the soft form). Checked against the soft form over all 2^32
-// inputs with and without DAZ/FTZ. Only clang vectorises the __bf16 cast into
-// this instruction (it is the same one _mm512_cvtneps_pbh issues); GCC 12 has
-// no __bf16 conversions in C++, so GCC builds of the level keep the soft form.
-#if defined(__AVX512BF16__) && defined(__clang__)
-#define APEX_BF16_HARDWARE 1
-inline std::uint16_t f32_to_bf16(float f) {
-  const std::uint32_t u = f32_to_bits(f);
-  const std::uint32_t tiny = mask_if((u & 0x7f800000u) == 0);  // zero or denormal
-  const __bf16 x = static_cast<__bf16>(bits_to_f32(u | (tiny & 0x00800000u)));
-  std::uint16_t hw;
-  std::memcpy(&hw, &x, 2);
-  return static_cast<std::uint16_t>(hw - (tiny & 0x0080u));
-}
-#else
-#define APEX_BF16_HARDWARE 0
-inline std::uint16_t f32_to_bf16(float f) { return f32_to_bf16_soft(f); }
-#endif
 
 // fp16 through the F16C instructions (VCVTPH2PS, VCVTPS2PH with the MXCSR
 // rounding, nearest-even unless a program changes it; torch never does). They
@@ -300,9 +276,6 @@ const Kernels& kernels_baseline();
 #if defined(__x86_64__) || defined(_M_X64)
 const Kernels& kernels_avx2();
 const Kernels& kernels_avx512();
-#if defined(APEX_WITH_AVX512BF16)
-const Kernels& kernels_avx512bf16();
-#endif
 #endif
 #if defined(__aarch64__)
 const Kernels& kernels_neon();

@@ -55,7 +55,7 @@ namespace {
 // __cpu_indicator_init fills, and zig's compiler_rt (the manylinux release build) stubs that out -- every level
 // above baseline would silently vanish from the wheel. XGETBV also checks that the OS saves the YMM/ZMM state.
 struct X86Levels {
-  bool avx2 = false, avx512 = false, avx512bf16 = false;
+  bool avx2 = false, avx512 = false;
 };
 
 X86Levels detect_x86() {
@@ -72,11 +72,6 @@ X86Levels detect_x86() {
   f.avx2 = ymm_state && fma && f16c && (b & (1u << 5));
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // f dq bw vl
   f.avx512 = f.avx2 && zmm_state && avx512;
-  const unsigned max_sub7 = a;  // leaf 7 subleaf 0: EAX = highest subleaf
-  if (f.avx512 && max_sub7 >= 1) {
-    __cpuid_count(7, 1, a, b, c, d);
-    f.avx512bf16 = a & (1u << 5);  // AVX512_BF16
-  }
   return f;
 }
 }  // namespace
@@ -88,9 +83,6 @@ std::vector<std::string> supported_levels() {
   static const X86Levels x86 = detect_x86();
   if (x86.avx2) out.push_back("avx2");
   if (x86.avx512) out.push_back("avx512");
-#if defined(APEX_WITH_AVX512BF16)
-  if (x86.avx512bf16) out.push_back("avx512bf16");
-#endif
 #elif defined(__aarch64__)
   out.push_back("neon");  // Advanced SIMD is mandatory on AArch64
 #endif
@@ -112,12 +104,6 @@ static void select(const std::string& level) {
     k = &kernels_avx512();
     o = &optim_kernels_avx512();
   }
-#if defined(APEX_WITH_AVX512BF16)
-  else if (level == "avx512bf16") {
-    k = &kernels_avx512bf16();
-    o = &optim_kernels_avx512bf16();
-  }
-#endif
 #endif
 #if defined(__aarch64__)
   else if (level == "neon") {

@@ -340,7 +340,7 @@ PYBIND11_MODULE(apex_C, m) {
   m.def("supported_simd_levels", &supported_levels, "SIMD levels this CPU and build support, lowest first");
   m.def("simd_level", [] { return std::string(K().name); }, "the SIMD level in use");
   m.def("set_simd_level", &set_simd_level, py::arg("level"),
-        "select a SIMD level ('baseline', 'avx2', 'avx512', 'avx512bf16', 'neon' or 'auto'); ValueError if unsupported");
+        "select a SIMD level ('baseline', 'avx2', 'avx512', 'neon' or 'auto'); ValueError if unsupported");
   m.def("get_num_threads", &default_threads);
   m.def("set_num_threads", &set_default_threads, py::arg("n"), "default thread count (<= 0: APEX_NUM_THREADS or all cores)");
 

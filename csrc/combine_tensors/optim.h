@@ -97,9 +97,6 @@ const OptimKernels& optim_kernels_baseline();
 #if defined(__x86_64__) || defined(_M_X64)
 const OptimKernels& optim_kernels_avx2();
 const OptimKernels& optim_kernels_avx512();
-#if defined(APEX_WITH_AVX512BF16)
-const OptimKernels& optim_kernels_avx512bf16();
-#endif
 #endif
 #if defined(__aarch64__)
 const OptimKernels& optim_kernels_neon();
