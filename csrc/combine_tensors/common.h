@@ -86,9 +86,10 @@ inline std::uint16_t f32_to_half_soft(float f) {
 
 inline float bf16_to_f32(std::uint16_t h) { return bits_to_f32(static_cast<std::uint32_t>(h) << 16); }
 
-// Integer-only, so it is exact under any MXCSR/FPCR mode; hardware bf16
-// conversions (AVX512-BF16 VCVTNEPS2BF16, ARM BFCVT) flush denormal inputs to
-// zero and would need a fix-up costing as much as this.
+// Integer-only, so it is exact under any MXCSR/FPCR mode. Hardware bf16
+// narrowing (AVX512-BF16 VCVTNEPS2BF16, ARM BFCVT) reads denormal inputs as
+// zero; VCVTNEPS2BF16 with an exact fix-up for those inputs was measured and is
+// slower in the bf16 Adam kernels (docs/DESIGN-NOTES.md, f16/bf16 storage).
 inline std::uint16_t f32_to_bf16(float f) {
   const std::uint32_t u = f32_to_bits(f);
   const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RNE

@@ -216,16 +216,26 @@ def test_scale_copy_axpy_match_baseline(level, sdt, ddt):
             assert a == b
 
 
-def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng) -> list:
-    """Runs three steps of one optimizer kernel over two segments; returns every buffer's bytes."""
+def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states: bool = False) -> list:
+    """Runs three steps of one optimizer kernel over two segments; returns every buffer's bytes.
+
+    subnormal_states (bf16): the states start as positive bf16 subnormals (raw bits 0x0001..0x007f) and every
+    third grad is zero."""
     n = N_ODD
     seg = np.array([0, 1000, n], np.int64)
     p = as_storage(np.clip(special_f32(rng, n), -6.0e4, 6.0e4), dt)
-    states = [as_storage(np.abs(rng.standard_normal(n).astype(np.float32)) * 1e-3, dt) for _ in range(3)]
+    if subnormal_states:
+        assert dt == BF16, "subnormal_states builds raw bf16 bits"
+        states = [rng.integers(1, 0x80, n).astype(np.uint16) for _ in range(3)]
+    else:
+        states = [as_storage(np.abs(rng.standard_normal(n).astype(np.float32)) * 1e-3, dt) for _ in range(3)]
     grads = [as_storage((rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 1, n)).astype(np.float32), dt)
              for _ in range(3)]
     grads[1][17] = as_storage(np.array([np.nan], np.float32), dt)[0]
     grads[2][5] = as_storage(np.array([np.inf], np.float32), dt)[0]
+    if subnormal_states:
+        for g in grads:
+            g[::3] = 0  # zero grads leave exp_avg_sq at (flushed) zero, so the max keeps the subnormal state
 
     def run():
         pp, ss = p.copy(), [s.copy() for s in states]
@@ -277,6 +287,10 @@ def test_conversions_under_flush_denormal(level):
         f2h = convert(x, F32, F16)
         f2b = convert(x, F32, BF16)
         opt = _optimizer_case("adam_step", F16, 0, [1e-3, 0.9, 0.999, 1e-8, 0.01], np.random.default_rng(3))
+        # AMSGrad's max keeps the loaded bf16 subnormal max_exp_avg_sq (a compare under DAZ reads it as zero but
+        # selects its bits): the bf16 store itself sees denormal inputs here, and must keep them under DAZ
+        ams = _optimizer_case("adam_step", BF16, apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0],
+                              np.random.default_rng(4), subnormal_states=True)
     finally:
         torch.set_flush_denormal(False)
     assert_bits(h2f, f16_bits_to_f32_bits(every), every, f"{level}: f16 -> f32 under DAZ/FTZ")
@@ -292,3 +306,7 @@ def test_conversions_under_flush_denormal(level):
     flushed = np.where((x & 0x7F800000) == 0, x & 0x80000000, x).astype(np.uint32)
     assert_bits(f2b, f32_bits_to_bf16_bits(flushed), x, f"{level}: f32 -> bf16 under DAZ/FTZ")
     assert opt[0] == opt[1], f"{level}: fp16 Adam under DAZ/FTZ differs from baseline"
+    assert ams[0] == ams[1], f"{level}: bf16 AMSGrad with subnormal states under DAZ/FTZ differs from baseline"
+    vmax = np.frombuffer(ams[0][3], np.uint16)
+    stored_subnormals = np.count_nonzero(((vmax & 0x7F80) == 0) & ((vmax & 0x7F) != 0))
+    assert stored_subnormals > 0, "the case must store bf16 subnormals (else it checks nothing)"
