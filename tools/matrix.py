@@ -69,12 +69,17 @@ class Matrix:
     def torch(self) -> dict:
         return self.raw["torch"]
 
+    def _entry(self, table: str, name: str):
+        """raw[table][name], or a ValueError naming what the table has."""
+        try:
+            return self.raw[table][name]
+        except KeyError:
+            raise ValueError(f"no {name!r} in [{table}] of {MATRIX_FILE.name}: expected one of "
+                             f"{sorted(self.raw.get(table, {}))}") from None
+
     def tool(self, name: str) -> str:
         """A tool's version specifier ([tools]), e.g. ">=6.2"."""
-        try:
-            return self.raw["tools"][name]
-        except KeyError:
-            raise ValueError(f"no tool pin {name!r} in {MATRIX_FILE.name}: have {sorted(self.raw['tools'])}") from None
+        return self._entry("tools", name)
 
     def requirement(self, name: str) -> str:
         """A pip requirement for a pinned tool, e.g. "auditwheel>=6.2"."""
@@ -89,20 +94,14 @@ class Matrix:
         return self.raw["release"]["manylinux_max"]
 
     def arch(self, arch: str) -> dict:
-        try:
-            return self.raw["arch"][arch]
-        except KeyError:
-            raise ValueError(f"unknown arch {arch!r}: expected one of {self.arches}") from None
+        return self._entry("arch", arch)
 
     @property
     def local(self) -> dict:
         return self.raw["local"]
 
     def variant(self, name: str) -> dict:
-        try:
-            return self.raw["variants"][name]
-        except KeyError:
-            raise ValueError(f"unknown variant {name!r}: expected one of {sorted(self.raw['variants'])}") from None
+        return self._entry("variants", name)
 
     def cells(self) -> list[Cell]:
         """Every release cell, x86_64 first (the order `nox -s matrix` builds in)."""

