@@ -1,5 +1,5 @@
 # /// script
-# requires-python = ">=3.8"
+# requires-python = ">=3.11"
 # dependencies = ["nox>=2025.2.9"]
 # ///
 """Build, test and lint apex with nox (`pip install nox`, or run this file as a PEP 723 script).
@@ -25,6 +25,7 @@ find-links where a machine has one. `nox -s NAME -- --help` lists the options of
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import glob
 import importlib.util
@@ -93,9 +94,13 @@ def write_pytest_ini(directory: Path) -> None:
 
 
 def npu_requested(pytest_args) -> bool:
-    """Whether pytest's arguments ask for the npu device (--device npu / --device=npu)."""
-    args = list(pytest_args)
-    return any(a == "--device=npu" or (a == "--device" and args[i + 1:i + 2] == ["npu"]) for i, a in enumerate(args))
+    """Whether pytest's arguments ask for the npu device (--device npu / --device=npu); the rest is pytest's."""
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    peek.add_argument("--device")
+    try:
+        return peek.parse_known_args(list(pytest_args))[0].device == "npu"
+    except argparse.ArgumentError:  # `--device` without a value: pytest reports it
+        return False
 
 
 def build_emulator(session: nox.Session) -> None:

@@ -90,8 +90,8 @@ def test_noxfile_literals_agree_with_the_matrix():
     header = re.search(r"^# /// script\n(.*?)^# ///$", text, re.M | re.S).group(1)
     meta = tomllib.loads("\n".join(line[2:] for line in header.splitlines()))
     assert meta["dependencies"] == ["nox" + m.tool("nox")]
-    oldest = min(m.pythons, key=lambda v: tuple(map(int, v.split("."))))
-    assert meta["requires-python"] == f">={oldest}"
+    # nox itself runs on the main Python (tools/matrix.py needs tomllib), whatever Pythons the sessions test
+    assert meta["requires-python"] == f">={m.main_python}"
     # .ci/run bootstraps with the main Python (it reads the matrix with it)
     assert re.findall(r"python3\.\d+", (ROOT / ".ci" / "run").read_text()) == [f"python{m.main_python}"] * len(
         re.findall(r"python3\.\d+", (ROOT / ".ci" / "run").read_text()))
