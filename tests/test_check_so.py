@@ -1,4 +1,4 @@
-"""ci/check_so.py (the wheel hardening audit) on small shared objects built here with the host C compiler.
+"""tools/check_so.py (the wheel hardening audit) on small shared objects built here with the host C compiler.
 
 Each defect is introduced alone into an otherwise hardened module, and the audit must name exactly that check.
 Runs from the source tree only (the audit is a build tool, not part of the wheel); needs cc and readelf.
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "ci" / "check_so.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "check_so.py"
 CC = shutil.which("cc") or shutil.which("gcc")
 ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine())
 
 pytestmark = [
-    pytest.mark.skipif(not SCRIPT.is_file(), reason="ci/check_so.py is not here (run from the source tree)"),
+    pytest.mark.skipif(not SCRIPT.is_file(), reason="tools/check_so.py is not here (run from the source tree)"),
     pytest.mark.skipif(CC is None or shutil.which("readelf") is None, reason="needs a C compiler and readelf"),
     pytest.mark.skipif(sys.platform != "linux" or ARCH not in ("x86_64", "aarch64"), reason="Linux x86_64/aarch64"),
 ]

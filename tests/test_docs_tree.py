@@ -4,8 +4,8 @@ tests/test_docs.py runs the runnable blocks, resolves relative links and keeps d
 checks the rest of what a reader acts on, without importing torch:
 
 * every document is reachable: docs/index.md links every docs/*.md, README.md every user document;
-* every `nox -s NAME` names a session that exists (noxfile.py and the ci/nox_*.py it imports);
-* every repository path written in the text (examples/..., tests/..., ci/..., ...) exists;
+* every `nox -s NAME` names a session that exists (noxfile.py and tools/release.py, which it imports);
+* every repository path written in the text (examples/..., tests/..., tools/..., ...) exists;
 * every `--flag` passed to an example script in the docs (or in the script's own docstring) is one the script
   parses;
 * README's fresh-machine section is two commands;
@@ -65,7 +65,7 @@ def test_index_links_every_doc_and_readme_every_user_doc():
 
 def _nox_sessions() -> set:
     names = set()
-    for path in [ROOT / "noxfile.py", *sorted((ROOT / "ci").glob("nox_*.py"))]:
+    for path in [ROOT / "noxfile.py", ROOT / "tools" / "release.py"]:
         for deco, func in re.findall(r"^@nox\.session\(([^\n]*)\)\s*\ndef (\w+)", _text(path), flags=re.M):
             named = re.search(r"name=\"([\w-]+)\"", deco)
             names.add(named.group(1) if named else func)
@@ -84,10 +84,7 @@ def test_nox_sessions_named_in_the_docs_exist():
     assert not bad, f"unknown nox sessions (have {sorted(sessions)}): {bad}"
 
 
-PATH = re.compile(r"(?<![\w/.-])((?:examples|tests|docs|bench|ci|docker|csrc|src)/[\w./-]*[\w/])")
-
-
-NOT_PATHS = {"docker/setup-qemu-action"}  # a GitHub Action's name, not a file of ours
+PATH = re.compile(r"(?<![\w/.-])((?:examples|tests|docs|bench|tools|docker|csrc|src)/[\w./-]*[\w/])")
 
 
 def test_repository_paths_named_in_the_docs_exist():
@@ -96,7 +93,7 @@ def test_repository_paths_named_in_the_docs_exist():
         text = _text(doc)
         for m in PATH.finditer(text):
             path = m.group(1)
-            if text[m.end():m.end() + 1] in ("*", "<", "{") or path in NOT_PATHS:
+            if text[m.end():m.end() + 1] in ("*", "<", "{"):
                 continue  # a glob or a template (examples/quickstart*.py), not one path
             if not (ROOT / path).exists():
                 bad.append(f"{doc.name}: {path}")

@@ -1,5 +1,5 @@
-"""Unit tests of the release tooling's pure parts (run by `nox -s docker` before it builds, and on their own with
-`python -m pytest ci/tests`). The container paths themselves are exercised by the sessions, not mocked here."""
+"""Unit tests of the release tooling's pure parts (run by `nox -s container` before it builds, and on their own with
+`python -m pytest tools/tests`). The container paths themselves are exercised by the sessions, not mocked here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ci import audit, container, cross_headers, matrix, sbom, test_cell  # noqa: E402
+from tools import audit, container, cross_headers, matrix, sbom, util  # noqa: E402
 
 X86_PYCONFIG = """\
 #define HAVE_FOO 1
@@ -96,11 +96,11 @@ def test_dispatch_check_flags_missing_levels(monkeypatch):
 
 
 def test_find_wheel_wants_exactly_one(tmp_path):
-    with pytest.raises(test_cell.CellTestError, match="found 0"):
-        test_cell.find_wheel(tmp_path, "cp311", "x86_64")
+    with pytest.raises(util.WheelNotFound, match="found 0"):
+        util.find_wheel(tmp_path, "cp311", "x86_64")
     (tmp_path / "apex-0.1.0-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"")
     (tmp_path / "apex-0.1.0-cp311-cp311-manylinux_2_17_aarch64.whl").write_bytes(b"")
-    assert test_cell.find_wheel(tmp_path, "cp311", "x86_64").name.endswith("_x86_64.whl")
+    assert util.find_wheel(tmp_path, "cp311", "x86_64").name.endswith("_x86_64.whl")
 
 
 def test_ulimits_stay_below_the_hard_limits():

@@ -6,20 +6,20 @@ on hybrid cgroups and on setrlimit) and explicit ulimits below the host's hard l
 to every build and run it issues.
 
 Base images, two paths:
-- public (a registry is reachable): the PyPA manylinux_2_28 image of each arch, pinned by digest in ci/matrix.toml;
+- public (a registry is reachable): the PyPA manylinux_2_28 image of each arch, pinned by digest in tools/matrix.toml;
 - local (no registry, e.g. this machine): Debian userlands made with debootstrap and imported into the engine. A
   locally imported image's digest pins nothing, so each one's package manifest (`dpkg -l`) is written into the image
   and beside it on the host (.cache/release/images/*.json); the release SBOM lists it. Images are cached under a key
   over everything that went into them (suite, arch, packages, interpreters, this recipe's version).
-  * the build image (amd64, ci/matrix.toml [local] build_suite) also carries this machine's CPython interpreters
+  * the build image (amd64, tools/matrix.toml [local] build_suite) also carries this machine's CPython interpreters
     (pyenv) under /opt/python/cpXY-cpXY, the manylinux layout, so docker/Dockerfile.wheel serves both paths;
   * arm64 test userlands (bullseye 3.9, bookworm 3.11, trixie 3.13) are bootstrapped under qemu-user-static.
 
 CLI (also what the nox sessions call):
-    python -m ci.container engine                 # which engine and flags
-    python -m ci.container base                   # ensure the local build image, print its tag
-    python -m ci.container userland bookworm      # ensure an arm64 test userland
-    python -m ci.container pin                    # re-resolve the manylinux digests (needs a registry)
+    python -m tools.container engine                 # which engine and flags
+    python -m tools.container base                   # ensure the local build image, print its tag
+    python -m tools.container userland bookworm      # ensure an arm64 test userland
+    python -m tools.container pin                    # re-resolve the manylinux digests (needs a registry)
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ci import matrix
+from tools import matrix
+from tools.util import run as _run
+from tools.util import sha256 as _file_sha256
 
-log = logging.getLogger("ci.container")
+log = logging.getLogger("tools.container")
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "release"
@@ -54,7 +56,7 @@ RECIPE_VERSION = 3
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 # Shared libraries the pyenv interpreters' extension modules link against (found with ldd on this machine; _tkinter is
-# left out of the copy, so no X11/Tk), plus binutils: ci/check_so.py reads the built .so with readelf.
+# left out of the copy, so no X11/Tk), plus binutils: tools/check_so.py reads the built .so with readelf.
 BUILD_PACKAGES = (
     "binutils",
     "libbz2-1.0",
@@ -195,14 +197,6 @@ def pyenv_interpreter(version: str) -> Path:
     return found[-1]
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _python_identity(version: str) -> dict:
     """What the image key sees of one interpreter: its full version and the hash of its shared libpython."""
     prefix = pyenv_interpreter(version)
@@ -237,11 +231,6 @@ def _lock(name: str):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    log.info("+ %s", " ".join(cmd))
-    return subprocess.run(cmd, check=True, **kw)
 
 
 def ensure_binfmt(arch: str) -> None:
@@ -435,7 +424,7 @@ def pip_config_mounts() -> tuple[list[str], dict[str, str]]:
 
 
 def pin(engine: Engine) -> dict[str, str]:
-    """Resolve quay.io/pypa/manylinux_2_28_<arch>:latest to digests (prints the lines for ci/matrix.toml)."""
+    """Resolve quay.io/pypa/manylinux_2_28_<arch>:latest to digests (prints the lines for tools/matrix.toml)."""
     if not registry_reachable():
         raise ContainerError("quay.io is not reachable from here: pins can only be refreshed where a registry is")
     out = {}
@@ -454,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("engine")
     b = sub.add_parser("base")
-    b.add_argument("--python", action="append", help="only these versions (default: all of ci/matrix.toml)")
+    b.add_argument("--python", action="append", help="only these versions (default: all of tools/matrix.toml)")
     ul = sub.add_parser("userland")
     ul.add_argument("suite")
     sub.add_parser("pin")

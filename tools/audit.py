@@ -1,16 +1,16 @@
 """Per-wheel release audit: `nox -s audit` runs it on every wheel of a release directory.
 
 Checks, each one fatal:
-  policy    `auditwheel show` names a manylinux policy no newer than ci/matrix.toml's manylinux_max (2_28), and
+  policy    `auditwheel show` names a manylinux policy no newer than tools/matrix.toml's manylinux_max (2_28), and
             every manylinux tag in the file name is no newer either (the wheel was repaired, not just built)
-  elf       ci/check_so.py on every .so: ELF machine == platform tag == module suffix arch, module suffix matches
+  elf       tools/check_so.py on every .so: ELF machine == platform tag == module suffix arch, module suffix matches
             the python tag, torch-free NEEDED, full RELRO + BIND_NOW, NX stack, no TEXTREL, stack canary, no
             RPATH/RUNPATH, stripped, PyInit_ exported
   import    the extension imports in an interpreter of the wheel's own Python and arch: natively for x86_64
             (this machine's interpreters), under qemu in the arm64 test userland for aarch64 where one exists;
             where none exists the check says so ("not possible here") and does not count as a pass or a failure
 
-    python -m ci.audit dist/release/*.whl [--json audit.json]
+    python -m tools.audit dist/release/*.whl [--json audit.json]
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ci import check_so, container, matrix
+from tools import check_so, container, matrix
+from tools.util import cpu_flags, expected_simd_levels
 
-log = logging.getLogger("ci.audit")
+log = logging.getLogger("tools.audit")
 
 WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
@@ -38,10 +39,6 @@ LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 1
 IMPORT_PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import apex_C; "
                 "print(json.dumps({'module': apex_C.__file__.rsplit('/', 1)[-1], 'level': apex_C.simd_level(), "
                 "'levels': list(apex_C.supported_simd_levels())}))")
-# SIMD levels of the core and the CPU features each needs (x86_64: from /proc/cpuinfo flags; aarch64: NEON is baseline
-# of the architecture, so every aarch64 build must offer it).
-X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                                          "avx512dq"}}
 
 
 class AuditFailure(RuntimeError):
@@ -146,23 +143,10 @@ def check_import(a: WheelAudit, wheel: Path, engine: container.Engine | None, us
         check_dispatch(a, probe["levels"])
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 def check_dispatch(a: WheelAudit, levels: list[str]) -> None:
     """The run-time dispatch must offer every SIMD level the CPU it runs on supports (a build whose CPU detection
     does not work silently runs the baseline kernels only)."""
-    if a.arch == "x86_64":
-        flags = cpu_flags()
-        expected = ["baseline", *(lvl for lvl, need in X86_LEVELS.items() if need <= flags)]
-    else:
-        expected = ["baseline", "neon"]
+    expected = expected_simd_levels(a.arch, cpu_flags() if a.arch == "x86_64" else set())
     missing = [lvl for lvl in expected if lvl not in levels]
     a.add("dispatch", not missing,
           f"offers {levels}; this CPU supports {expected}" + (f"; MISSING {missing}: the extension's CPU feature "

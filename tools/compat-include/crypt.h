@@ -1,7 +1,7 @@
 /* <crypt.h> for zig's glibc targets, which ship no libcrypt headers (zig has them for musl only).
  *
  * CPython <= 3.8's Python.h includes <crypt.h> whenever its pyconfig.h says HAVE_CRYPT_H, only to declare crypt();
- * apex never calls it. ci/build_cell.py adds this directory with -idirafter, so it is searched only after every
+ * apex never calls it. tools/build_cell.py adds this directory with -idirafter, so it is searched only after every
  * system include directory: a toolchain that has the real header keeps using it. The declaration is glibc's
  * (libcrypt.so.1). */
 #ifndef APEX_COMPAT_CRYPT_H

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks what an environment imports as apex / apex_C before its tests run (nox tests, test-wheel, demo, bench).
 
-    python ci/check_install.py SOURCE_DIR [--no-torch]
+    python tools/check_install.py SOURCE_DIR [--no-torch]
 
 - apex and apex_C must come from the installed copy, never from SOURCE_DIR (the tree's src/), so a test run can
   not pass against files the wheel does not ship;
@@ -15,29 +15,12 @@ Exit status 0 when all holds; 1 with the reason otherwise.
 from __future__ import annotations
 
 import os
-import platform
 import sys
+from pathlib import Path
 
-X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                                         "avx512dq"}}
-
-
-def expected_levels() -> list:
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
-        return ["baseline", "neon"]
-    if machine not in ("x86_64", "amd64"):
-        return ["baseline"]
-    flags: set = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        return ["baseline"]
-    return ["baseline"] + [level for level, need in X86_LEVELS.items() if need <= flags]
+if __package__ != "tools":  # run as a file: the tools package is the folder above this one
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.util import cpu_flags, expected_simd_levels, host_arch
 
 
 def main(argv: list) -> int:
@@ -58,7 +41,7 @@ def main(argv: list) -> int:
         print(f"{mod.__name__:7} from {path}")
         if path.startswith(source + os.sep):
             problems.append(f"{mod.__name__} is imported from the source tree ({path}), not the installed copy")
-    have, want = apex_C.supported_simd_levels(), expected_levels()
+    have, want = apex_C.supported_simd_levels(), expected_simd_levels(host_arch(), cpu_flags())
     print(f"apex_C  simd level {apex_C.simd_level()}; supported {have}; this CPU offers {want}")
     missing = [level for level in want if level not in have]
     if missing:

@@ -14,7 +14,7 @@ What it records, and why:
 The serial number and timestamp derive from SOURCE_DATE_EPOCH and the artifacts' hashes, so the same release
 inputs give the same SBOM bytes.
 
-    python -m ci.sbom dist/release --images IMAGE_MANIFEST.json ... [--base-image REF] -o dist/release/sbom.cdx.json
+    python -m tools.sbom dist/release --images IMAGE_MANIFEST.json ... [--base-image REF] -o dist/release/sbom.cdx.json
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from pathlib import Path
 
 import tomllib
 
+from tools.util import sha256 as _sha256
+
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)-(?P<rest>.+)\.whl$")
-GENERATOR = "apex ci/sbom.py"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+GENERATOR = "apex tools/sbom.py"
 
 
 def _hashes(digest: str) -> list[dict]:

@@ -15,7 +15,7 @@ other headers are copied unchanged from the x86_64 interpreter (pyenv here, /opt
 This is how the aarch64 cells without an arm64 interpreter on this machine (3.8, 3.10, 3.12) get their headers;
 PyPI has no CPython headers and python-build-standalone is not reachable from here.
 
-    python ci/cross_headers.py --python /opt/python/cp38-cp38/bin/python --arch aarch64 --out /tmp/xh
+    python tools/cross_headers.py --python /opt/python/cp38-cp38/bin/python --arch aarch64 --out /tmp/xh
     # -> prints the include directory to put first on the compiler's -I path
 
 Runs under any Python >= 3.8 (it is called inside the build containers).
@@ -61,7 +61,7 @@ def derive_pyconfig(x86_text: str, arch: str) -> str:
     out = x86_text
     for name, (value, required) in AARCH64_MACROS.items():
         out = _set_macro(out, name, value, required)
-    note = ("/* Derived for aarch64 from the x86_64 pyconfig.h of the same CPython by ci/cross_headers.py "
+    note = ("/* Derived for aarch64 from the x86_64 pyconfig.h of the same CPython by tools/cross_headers.py "
             "(see its docstring). */\n")
     return note + out
 
