@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import tomllib
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from ci import matrix
 
@@ -80,6 +81,19 @@ def download(python: str, arch: str, requirements: list[str], dest: Path) -> Non
     subprocess.run(cmd, check=True)
 
 
+def wheels_of(folder: Path, project: str) -> list[Path]:
+    """The wheels of one project in a folder (names compared in normal form: Torch, torch; never torch_npu)."""
+    out = []
+    for whl in sorted(folder.glob("*.whl")):
+        try:
+            name = parse_wheel_filename(whl.name)[0]
+        except (InvalidWheelFilename, ValueError):
+            continue
+        if name == canonicalize_name(project):
+            out.append(whl)
+    return out
+
+
 def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_64") -> Path:
     """Download what `cells` need (skipped per job when already done for the same requirement set)."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
@@ -100,7 +114,7 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
         download(python, arch, reqs, WHEELHOUSE)
         if what == "torch-deps":
             # torch itself must come from pip's configured find-links folder at test time, not from here
-            for whl in WHEELHOUSE.glob("torch-*.whl"):
+            for whl in wheels_of(WHEELHOUSE, "torch"):
                 whl.unlink()
         done[key] = digest
         stamps.write_text(json.dumps(done, indent=1, sort_keys=True))

@@ -167,3 +167,16 @@ def test_sbom_lists_artifacts_images_and_tools(tmp_path, monkeypatch):
     broken["components"][0]["hashes"] = [{"alg": "SHA-256", "content": "not hex"}]
     with pytest.raises(sbom.SbomError, match="does not validate"):
         sbom.validate(broken)
+
+
+def test_wheelhouse_finds_one_projects_wheels_by_normal_name(tmp_path):
+    from ci import wheelhouse
+
+    for name in ("torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl", "Torch-2.14.1-cp311-cp311-linux_x86_64.whl",
+                 "torch_npu-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl", "torchvision-0.1-py3-none-any.whl",
+                 "torch-notawheel.whl"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in wheelhouse.wheels_of(tmp_path, "torch")] == [
+        "Torch-2.14.1-cp311-cp311-linux_x86_64.whl", "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    assert [p.name for p in wheelhouse.wheels_of(tmp_path, "torch-npu")] == [
+        "torch_npu-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl"]
