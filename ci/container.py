@@ -396,39 +396,82 @@ def arm64_userland(suite: str, engine: Engine | None = None) -> dict:
     return ensure_userland(Userland("test", suite, "aarch64", USERLAND_PACKAGES), engine)
 
 
-def pip_config_mounts() -> tuple[list[str], dict[str, str]]:
-    """Bind mounts (read-only, same paths) and environment that give a container this host's pip configuration.
+TORCH_WHEELS_ENV = "APEX_TORCH_WHEELS"
 
-    Every existing pip configuration file, and every local path its values or PIP_* variables name (find-links
-    folders, constraints, CA bundle, file:// indexes), is mounted where the host has it, so pip in the container
-    resolves exactly as on the host; the PIP_* variables are passed through.
-    """
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True,
-                         check=True).stdout
-    paths, env = set(), {}
-    for line in out.splitlines():
-        m = re.match(r"\s+(/\S+), exists: True", line)
-        if m:
-            paths.add(m.group(1))
+
+def _pip_config_list() -> str:
+    """`pip config list`: pip's documented listing of its active configuration, one `name='value'` per line."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise ContainerError(f"pip config list failed (rc {out.returncode}): {out.stderr.strip()[-300:]}")
+    return out.stdout
+
+
+def pip_find_links(listing: str | None = None) -> list[Path]:
+    """Local folders named by pip's find-links setting (configuration files or PIP_FIND_LINKS), in pip's order."""
+    folders: list[Path] = []
+    for line in (_pip_config_list() if listing is None else listing).splitlines():
+        name, sep, value = line.partition("=")
+        if not sep or not name.strip().endswith(".find-links"):
             continue
-        m = re.match(r"\s+(PIP_[A-Z_]+)='(.*)'$", line)
-        value = None
-        if m:
-            env[m.group(1)] = m.group(2)
-            value = m.group(2)
-        else:
-            m = re.match(r"\s+[\w.-]+: (.+)$", line)
-            value = m.group(1) if m else None
-        for token in (value or "").split():
+        for token in value.strip().strip("'\"").split():
             token = token[len("file://"):] if token.startswith("file://") else token
-            if token.rstrip("/").endswith("/simple"):  # a PEP 503 index whose files may sit beside simple/
-                token = os.path.dirname(token.rstrip("/"))
-            if token.startswith("/") and os.path.exists(token):
-                paths.add(token)
-    mounts = []
-    for p in sorted(paths):
-        mounts += ["-v", f"{p}:{p}:ro"]
-    return mounts, env
+            path = Path(token)
+            if path.is_absolute() and path.is_dir() and path not in folders:
+                folders.append(path)
+    return folders
+
+
+def torch_wheels(folder: Path, version: str | None = None) -> list[Path]:
+    """torch wheels in a folder (any version, or those matching ==version: 2.13.0 matches 2.13.0+cpu)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    spec = SpecifierSet(f"=={version}") if version else None
+    found = []
+    for whl in sorted(folder.glob("*.whl")):
+        try:
+            name, ver, _, _ = parse_wheel_filename(whl.name)
+        except (InvalidWheelFilename, ValueError):
+            continue
+        if name == "torch" and (spec is None or spec.contains(ver, prereleases=True)):
+            found.append(whl)
+    return found
+
+
+def torch_wheel_folder(version: str | None = None, listing: str | None = None) -> Path:
+    """The local folder the test containers install torch (==version when given) from.
+
+    Explicit input: APEX_TORCH_WHEELS=<folder>; it must hold the wanted torch wheel. Fallback, documented in
+    docs/release.md: the first folder of pip's find-links setting (read with `pip config list`) that holds it.
+    """
+    want = f"torch=={version}" if version else "a torch wheel"
+    explicit = os.environ.get(TORCH_WHEELS_ENV)
+    if explicit:
+        folder = Path(explicit)
+        if not folder.is_dir():
+            raise ContainerError(f"{TORCH_WHEELS_ENV}={explicit}: not a directory")
+        if not torch_wheels(folder, version):
+            have = [p.name for p in torch_wheels(folder)]
+            raise ContainerError(f"{TORCH_WHEELS_ENV}={explicit} holds no wheel for {want} (torch wheels there: "
+                                 f"{have or 'none'})")
+        return folder.resolve()
+    candidates = pip_find_links(listing)
+    for folder in candidates:
+        if torch_wheels(folder, version):
+            return folder.resolve()
+    raise ContainerError(f"no local folder with {want}: set {TORCH_WHEELS_ENV}=/path/to/folder (pip's find-links "
+                         f"folders, the fallback, hold none: {[str(f) for f in candidates] or 'none configured'})")
+
+
+def pip_config_mounts(version: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """Bind mount (read-only, same path) and environment that let pip in a container install torch offline.
+
+    Only the torch wheel folder (`torch_wheel_folder`) is mounted, and PIP_FIND_LINKS names it; the containers
+    run pip with --no-index, so nothing else of this host's pip configuration is needed or seen there.
+    """
+    folder = str(torch_wheel_folder(version))
+    return ["-v", f"{folder}:{folder}:ro"], {"PIP_FIND_LINKS": folder}
 
 
 # ---------------------------------------------------------------------------------------------------- public pins

@@ -7,7 +7,7 @@ on this machine that includes a local find-links folder and a constraints file),
           wheels are cross-compiled there), since the containers run the same `nox -s build` as a workstation
   runner: nox itself (and auditwheel for cp38 repairs), for the interpreter that runs nox inside the build image
   test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
-         torch itself: that comes from pip's configured find-links folder, mounted with pip's configuration.
+         torch itself: that comes from the torch wheel folder (ci/container.py torch_wheel_folder), mounted.
 
     python -m ci.wheelhouse [--cell cp311-x86_64 ...]
 """
@@ -113,7 +113,7 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
             continue
         download(python, arch, reqs, WHEELHOUSE)
         if what == "torch-deps":
-            # torch itself must come from pip's configured find-links folder at test time, not from here
+            # torch itself must come from the mounted torch wheel folder at test time, not from here
             for whl in wheels_of(WHEELHOUSE, "torch"):
                 whl.unlink()
         done[key] = digest

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import resource
 import sys
 import zipfile
@@ -111,13 +110,41 @@ def test_ulimits_stay_below_the_hard_limits():
         assert soft == hard <= 4096 and (limit == resource.RLIM_INFINITY or hard <= limit)
 
 
-def test_pip_config_mounts_are_read_only_existing_paths():
-    mounts, env = container.pip_config_mounts()
-    assert mounts[0::2] == ["-v"] * (len(mounts) // 2)
-    for spec in mounts[1::2]:
-        src, dst, mode = spec.split(":")
-        assert src == dst and mode == "ro" and os.path.exists(src)
-    assert all(k.startswith("PIP_") for k in env)
+def _torch_folder(path: Path, *names: str) -> Path:
+    path.mkdir(parents=True)
+    for name in names:
+        (path / name).write_bytes(b"")
+    return path
+
+
+def test_torch_folder_is_an_explicit_input(tmp_path, monkeypatch):
+    folder = _torch_folder(tmp_path / "wheels", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+                           "torch_npu-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl")
+    monkeypatch.setenv(container.TORCH_WHEELS_ENV, str(folder))
+    assert container.torch_wheel_folder("2.13.0") == folder.resolve()  # 2.13.0 matches the +cpu local build
+    mounts, env = container.pip_config_mounts("2.13.0")
+    assert mounts == ["-v", f"{folder.resolve()}:{folder.resolve()}:ro"]
+    assert env == {"PIP_FIND_LINKS": str(folder.resolve())}
+    with pytest.raises(container.ContainerError, match=r"holds no wheel for torch==2\.14\.1 .*torch-2\.13\.0\+cpu"):
+        container.torch_wheel_folder("2.14.1")
+    monkeypatch.setenv(container.TORCH_WHEELS_ENV, str(tmp_path / "missing"))
+    with pytest.raises(container.ContainerError, match="not a directory"):
+        container.torch_wheel_folder("2.13.0")
+
+
+def test_torch_folder_falls_back_to_pip_find_links(tmp_path, monkeypatch):
+    monkeypatch.delenv(container.TORCH_WHEELS_ENV, raising=False)
+    empty = _torch_folder(tmp_path / "empty")
+    full = _torch_folder(tmp_path / "full", "torch-2.13.0-cp311-cp311-linux_x86_64.whl")
+    listing = (f"global.find-links='{tmp_path / 'absent'} file://{empty}'\n"
+               f"global.extra-index-url='file:///somewhere/simple'\n"
+               f":env:.find-links='{full}'\n")
+    assert container.pip_find_links(listing) == [empty, full]
+    assert container.torch_wheel_folder("2.13.0", listing) == full.resolve()
+    with pytest.raises(container.ContainerError, match=f"set {container.TORCH_WHEELS_ENV}="):
+        container.torch_wheel_folder("2.14.1", listing)
+    with pytest.raises(container.ContainerError, match="none configured"):
+        container.torch_wheel_folder("2.13.0", "global.cert='/etc/ssl/certs/ca-certificates.crt'\n")
 
 
 def _fake_wheel(path: Path) -> Path:
