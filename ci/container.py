@@ -7,7 +7,7 @@ to every build and run it issues.
 
 Base images, two paths:
 - public (a registry is reachable): the PyPA manylinux_2_28 image of each arch, pinned by digest in ci/matrix.toml;
-- local (no registry, e.g. this machine): Debian userlands made with debootstrap and imported into the engine. A
+- local (no registry, e.g. this machine): Debian userlands made with mmdebstrap and imported into the engine. A
   locally imported image's digest pins nothing, so each one's package manifest (`dpkg -l`) is written into the image
   and beside it on the host (.cache/release/images/*.json); the release SBOM lists it. Images are cached under a key
   over everything that went into them (suite, arch, packages, interpreters, this recipe's version).
@@ -50,7 +50,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "release"
 IMAGES = CACHE / "images"
 # Bump when the recipe below changes in a way the key does not see (so cached images are rebuilt).
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
+# mmdebstrap's hook set that gives a merged /usr the way debootstrap does: without it mmdebstrap installs the
+# usrmerge package, which pulls perl in (bookworm minbase: 110 instead of 102 packages, 189 instead of 138 MB).
+MERGED_USR_HOOKS = Path("/usr/share/mmdebstrap/hooks/merged-usr")
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 # Shared libraries the pyenv interpreters' extension modules link against (found with ldd on this machine; _tkinter is
@@ -289,28 +292,34 @@ def _dpkg_manifest(rootfs: Path) -> tuple[list[dict], str]:
 
 
 def build_userland(u: Userland, engine: Engine, key: str) -> dict:
-    """debootstrap -> (interpreters) -> manifest -> import. Returns the manifest record."""
-    for tool in ("debootstrap", "dpkg-query", "tar"):
+    """mmdebstrap -> (interpreters) -> manifest -> import. Returns the manifest record."""
+    for tool in ("mmdebstrap", "dpkg-query", "tar"):
         if not shutil.which(tool):
             raise ContainerError(f"{tool} not found: the offline base image path needs it (apt-get install -y {tool})")
+    if not MERGED_USR_HOOKS.is_dir():
+        raise ContainerError(f"{MERGED_USR_HOOKS} missing: the Debian mmdebstrap package (>= 1.0) ships it")
     ensure_binfmt(u.arch)
     mirror = matrix.load().local["mirror"]
     debs = CACHE / "debs" / f"{u.suite}-{u.debian_arch}"
+    if any(c.isspace() for c in str(debs)):
+        raise ContainerError(f"{debs}: mmdebstrap's sync-in/sync-out hooks split paths on spaces; move the checkout")
     debs.mkdir(parents=True, exist_ok=True)
+    bootstrap_version = subprocess.run(["mmdebstrap", "--version"], capture_output=True, text=True,
+                                       check=True).stdout.strip()
     tag = f"{u.repo}:{key}"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rootfs-", dir=CACHE) as tmp:
         rootfs = Path(tmp) / "rootfs"
-        foreign = u.arch != os.uname().machine
-        cmd = ["debootstrap", "--variant=minbase", f"--arch={u.debian_arch}", f"--cache-dir={debs}"]
+        # One run for every arch: a foreign arch's maintainer scripts run through qemu-user-static (binfmt above).
+        # The downloaded .debs are kept in `debs` between builds (copied in before apt runs, out after).
+        cmd = ["mmdebstrap", "--variant=minbase", f"--architectures={u.debian_arch}", "--format=directory",
+               f"--hook-dir={MERGED_USR_HOOKS}", "--skip=essential/unlink",
+               '--setup-hook=mkdir -p "$1"/var/cache/apt/archives/',
+               f"--setup-hook=sync-in {debs} /var/cache/apt/archives/",
+               f"--customize-hook=sync-out /var/cache/apt/archives {debs}"]
         if u.packages:
             cmd.append("--include=" + ",".join(u.packages))
-        if foreign:
-            cmd.append("--foreign")
         _run([*cmd, u.suite, str(rootfs), mirror], stdout=subprocess.DEVNULL)
-        if foreign:
-            # second stage runs the target's own maintainer scripts, through qemu-user-static
-            _run(["chroot", str(rootfs), "/debootstrap/debootstrap", "--second-stage"], stdout=subprocess.DEVNULL)
         pythons = {}
         for v in u.pythons:
             pythons[v] = {**_python_identity(v), "path": _copy_python(v, rootfs)}
@@ -329,6 +338,7 @@ def build_userland(u: Userland, engine: Engine, key: str) -> dict:
             "spec": asdict(u),
             "debian_arch": u.debian_arch,
             "mirror": mirror,
+            "bootstrap": bootstrap_version,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "pythons": pythons,
             "packages": pkgs,

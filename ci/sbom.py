@@ -119,8 +119,8 @@ def image_components(manifests: list[dict], public_refs: list[str]) -> list:
                 properties=_props(path=py["path"], source=f"copied from this build host ({py['source']})")))
         out.append(component.Component(
             type=container, bom_ref=ref, name=man["image"].split(":")[0], version=man["key"], scope=scope,
-            description=f"Debian {suite} {arch} minbase bootstrapped locally with debootstrap from {man['mirror']}"
-                        f" ({man['created']}); {man['note']}",
+            description=f"Debian {suite} {arch} minbase bootstrapped locally with "
+                        f"{man.get('bootstrap', 'debootstrap')} from {man['mirror']} ({man['created']}); {man['note']}",
             properties=_props(role=f"{man['spec']['role']} image", image_id=man.get("image_id", "")),
             components=children))
     return out
