@@ -110,15 +110,36 @@ def check_upstream(path: str) -> Path:
     return root.resolve()
 
 
+def _toml(path: Path) -> dict:
+    """A TOML file parsed by tomllib (Python >= 3.11) or tomli (older Pythons); OverlayError if it is invalid."""
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise OverlayError(f"overlay: reading {path.name} on Python < 3.11 needs tomli: pip install "
+                               "'tomli>=1.1'") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise OverlayError(f"overlay: {path} is not valid TOML: {exc}") from None
+
+
 def upstream_version(root: Path) -> str:
-    """The version upstream's build declares (setup.py's version=..., or pyproject's), else "unknown"."""
-    for name, pattern in (("setup.py", r"""version\s*=\s*["']([^"']+)["']"""),
-                          ("pyproject.toml", r"""^version\s*=\s*["']([^"']+)["']""")):
-        f = root / name
-        if f.is_file():
-            m = re.search(pattern, f.read_text(encoding="utf-8", errors="replace"), re.MULTILINE)
-            if m:
-                return m.group(1)
+    """The version upstream's build declares (setup.py's version=..., else pyproject's [project] version), else
+    "unknown". setup.py is Python, not data: its literal `version=` argument is searched for, never executed."""
+    setup = root / "setup.py"
+    if setup.is_file():
+        m = re.search(r"""version\s*=\s*["']([^"']+)["']""", setup.read_text(encoding="utf-8", errors="replace"))
+        if m:
+            return m.group(1)
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file():
+        version = _toml(pyproject).get("project", {}).get("version")
+        if isinstance(version, str) and version:
+            return version
     return "unknown"
 
 
@@ -141,11 +162,27 @@ def our_version(ours: Path) -> str:
     return m.group(1)
 
 
-def our_requirements() -> List[str]:
-    """Requires-Dist of our distribution (pyproject's [project] dependencies)."""
-    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8") if (ROOT / "pyproject.toml").is_file() else ""
-    m = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.MULTILINE | re.DOTALL)
-    return re.findall(r"""["']([^"']+)["']""", m.group(1)) if m else []
+def our_requirements(pyproject: Optional[Path] = None) -> List[str]:
+    """Requires-Dist of our distribution: pyproject's [project] dependencies, each parsed and written back in its
+    normal form by packaging (extras and markers included); an invalid one is an OverlayError."""
+    pyproject = pyproject or ROOT / "pyproject.toml"
+    if not pyproject.is_file():
+        return []
+    deps = _toml(pyproject).get("project", {}).get("dependencies", [])
+    if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
+        raise OverlayError(f"overlay: {pyproject}: [project] dependencies must be a list of requirement strings")
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:
+        raise OverlayError("overlay: the wheel's requirements are read with packaging: pip install "
+                           "'packaging>=22'") from None
+    out = []
+    for dep in deps:
+        try:
+            out.append(str(Requirement(dep)))
+        except InvalidRequirement as exc:
+            raise OverlayError(f"overlay: {pyproject}: invalid requirement {dep!r}: {exc}") from None
+    return out
 
 
 def overlay_version(ours: str, upstream: str) -> str:

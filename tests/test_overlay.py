@@ -358,3 +358,38 @@ def test_cli_error_exit_code(tmp_path, capsys):
         ov.main([str(tmp_path / "nope"), "--out", str(tmp_path / "dist"), "--ext", "x"])
     assert exc.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ pyproject reading
+def test_requirements_keep_extras_and_markers(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "x"\nversion = "1"\ndependencies = [\n    "torch>=2.1",\n'
+                         '    "accelerate[testing,deepspeed] >= 1.0 ; python_version < \'3.12\'",\n]\n')
+    assert ov.our_requirements(pyproject) == ["torch>=2.1",
+                                              'accelerate[deepspeed,testing]>=1.0; python_version < "3.12"']
+    assert ov.our_requirements(tmp_path / "missing.toml") == []
+    assert ov.our_requirements() == ["torch>=2.1"]  # this project's own pyproject
+
+
+def test_bad_requirements_are_errors(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["torch >= = 2"]\n')
+    with pytest.raises(ov.OverlayError, match="invalid requirement 'torch >= = 2'"):
+        ov.our_requirements(pyproject)
+    pyproject.write_text('[project]\ndependencies = "torch"\n')
+    with pytest.raises(ov.OverlayError, match="must be a list of requirement strings"):
+        ov.our_requirements(pyproject)
+    pyproject.write_text('[project\n')
+    with pytest.raises(ov.OverlayError, match="not valid TOML"):
+        ov.our_requirements(pyproject)
+
+
+def test_upstream_version_from_setup_or_pyproject(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\n[project]\nname = "apex"\n'
+                                             'version = "0.2.dev0"\n[tool.x]\nversion = "9"\n')
+    assert ov.upstream_version(tmp_path) == "0.2.dev0"
+    (tmp_path / "setup.py").write_text('setup(name="apex", version="0.1")\n')
+    assert ov.upstream_version(tmp_path) == "0.1"
+    (tmp_path / "setup.py").write_text("setup(name='apex')\n")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "apex"\ndynamic = ["version"]\n')
+    assert ov.upstream_version(tmp_path) == "unknown"

@@ -1,8 +1,9 @@
 """Per-wheel release audit: `nox -s audit` runs it on every wheel of a release directory.
 
 Checks, each one fatal:
-  policy    `auditwheel show` names a manylinux policy no newer than tools/matrix.toml's manylinux_max (2_28), and
-            every manylinux tag in the file name is no newer either (the wheel was repaired, not just built)
+  policy    `auditwheel show --json` (auditwheel >= 6.8) names a manylinux policy no newer than tools/matrix.toml's
+            manylinux_max (2_28), and every manylinux tag in the file name is no newer either (the wheel was
+            repaired, not just built)
   elf       tools/check_so.py on every .so: ELF machine == platform tag == module suffix arch, module suffix matches
             the python tag, torch-free NEEDED, full RELRO + BIND_NOW, NX stack, no TEXTREL, stack canary, no
             RPATH/RUNPATH, stripped, PyInit_ exported
@@ -26,14 +27,20 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
+from typing import Sequence
+
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import Version
 
 from tools import check_so, container, matrix
 from tools.util import cpu_flags, expected_simd_levels
 
 log = logging.getLogger("tools.audit")
 
-WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
+# `auditwheel show --json` exists from auditwheel 6.8 (which needs Python >= 3.10).
+AUDITWHEEL_JSON = Version("6.8")
 MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
 LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 IMPORT_PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import apex_C; "
@@ -74,16 +81,58 @@ def glibc_of(tag: str) -> tuple[int, int]:
     raise AuditFailure(f"{tag!r} is not a manylinux platform tag")
 
 
+def wheel_tags(wheel: Path) -> tuple[list[str], list[str]]:
+    """(python tags, platform tags) of a wheel's file name, sorted (packaging's parser)."""
+    try:
+        _, _, _, tags = parse_wheel_filename(wheel.name)
+    except (InvalidWheelFilename, ValueError) as exc:
+        raise AuditFailure(f"{wheel.name}: not a wheel file name ({exc})") from None
+    return sorted({t.interpreter for t in tags}), sorted({t.platform for t in tags})
+
+
+def auditwheel_show(wheel: Path, command: Sequence[str] = (sys.executable, "-m", "auditwheel"),
+                    env: dict | None = None) -> dict:
+    """`auditwheel show --json` of one wheel as a dict (overall_tag = the policy the wheel satisfies).
+
+    The default command is the auditwheel of this interpreter, whose version is checked first: older releases
+    have no --json, and their text output is not parsed here. AuditFailure says what to install.
+    """
+    if tuple(command) == (sys.executable, "-m", "auditwheel"):
+        try:
+            have = metadata.version("auditwheel")
+        except metadata.PackageNotFoundError:
+            raise AuditFailure(f"auditwheel is not installed for {sys.executable}: pip install "
+                               f"'auditwheel>={AUDITWHEEL_JSON}'") from None
+        if Version(have) < AUDITWHEEL_JSON:
+            raise AuditFailure(f"auditwheel {have} has no `show --json` (added in {AUDITWHEEL_JSON}, Python >= "
+                               f"3.10): pip install 'auditwheel>={AUDITWHEEL_JSON}'")
+    out = subprocess.run([*command, "show", "--json", str(wheel)], capture_output=True, text=True, env=env)
+    try:
+        shown = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        shown = None
+    if not isinstance(shown, dict):
+        tail = " ".join((out.stdout + out.stderr).split())[-300:]
+        raise AuditFailure(f"auditwheel show --json {wheel.name} gave no JSON (rc {out.returncode}): {tail}")
+    if out.returncode != 0 or "error" in shown or not shown.get("overall_tag"):
+        raise AuditFailure(f"auditwheel show {wheel.name} (rc {out.returncode}): "
+                           f"{shown.get('error') or 'no platform tag'}")
+    return shown
+
+
 def check_policy(a: WheelAudit, wheel: Path, limit: str) -> None:
     cap = glibc_of(limit + "_x")
-    out = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True)
-    text = " ".join((out.stdout + out.stderr).split())
-    found = re.search(r'consistent with the following platform tag: "([^"]+)"', text)
-    if out.returncode != 0 or not found:
-        a.add("policy", False, f"auditwheel show failed (rc {out.returncode}): {text[-300:]}")
+    try:
+        shown = auditwheel_show(wheel)
+    except AuditFailure as exc:
+        a.add("policy", False, str(exc))
         return
-    a.policy = found.group(1)
-    tags = WHEEL_NAME.match(wheel.name).group("plat").split(".")
+    a.policy = shown["overall_tag"]
+    if not a.policy.startswith("manylinux"):
+        why = [k for k in ("pyfpe", "ucs2", "unsupported_isa") if shown.get(k)] or ["external libraries or symbols"]
+        a.add("policy", False, f"auditwheel: {a.policy}, no manylinux policy ({', '.join(why)}); limit {limit}")
+        return
+    tags = wheel_tags(wheel)[1]
     bad = [t for t in tags if not t.startswith("manylinux") or glibc_of(t) > cap]
     policy_ok = glibc_of(a.policy) <= cap
     a.add("policy", policy_ok and not bad,
@@ -155,11 +204,11 @@ def check_dispatch(a: WheelAudit, levels: list[str]) -> None:
 
 def audit_wheel(wheel: Path, m: matrix.Matrix, engine: container.Engine | None, imports: bool = True,
                 base: str = "local") -> WheelAudit:
-    name = WHEEL_NAME.match(wheel.name)
-    if not name:
-        raise AuditFailure(f"{wheel.name}: not a wheel file name (name-version-python-abi-platform.whl)")
-    py = name.group("py")
-    arch = next((x for x in m.arches if name.group("plat").endswith("_" + x)), "?")
+    pythons, plats = wheel_tags(wheel)
+    py = next((t for t in pythons if re.fullmatch(r"cp3\d+", t)), None)
+    if py is None:
+        raise AuditFailure(f"{wheel.name}: python tags {pythons} name no CPython 3 version (cp3XY)")
+    arch = next((x for x in m.arches if all(p.endswith("_" + x) for p in plats)), "?")
     data = wheel.read_bytes()
     a = WheelAudit(wheel.name, len(data), hashlib.sha256(data).hexdigest(), f"{py[2]}.{py[3:]}", arch)
     check_policy(a, wheel, m.manylinux_max)

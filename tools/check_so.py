@@ -3,7 +3,7 @@
 
 Usage:  python tools/check_so.py dist/*.whl [more.whl | module.so ...] [--json]
 
-Every ELF shared object found is checked with `readelf` (binutils; it reads any architecture):
+Every ELF shared object found is read with pyelftools (any architecture, no binutils) and checked:
   torch-free   no libtorch / libc10 / libtorch_python / libtorch_cpu / libshm in NEEDED
   no-rpath     neither RPATH nor RUNPATH
   relro        a GNU_RELRO segment                       full RELRO = relro + bind-now
@@ -24,7 +24,9 @@ API for other tools (the release toolchain uses it):
   check_paths(paths) -> list[SoReport]   wheels and/or .so files; SoReport.ok, .failures, .findings
   check_wheel(path)  -> list[SoReport]   every .so inside one wheel, checked against the wheel's tags
   check_so(path, expect_arch=None, expect_python=None) -> SoReport
-Exit status of the CLI: 0 all passed, 1 a check failed, 2 bad input (no .so in a wheel, file missing, no readelf).
+Needs pyelftools (ELF) and packaging (wheel file names); runs on Python >= 3.8 (the build sessions of every cell).
+Exit status of the CLI: 0 all passed, 1 a check failed, 2 bad input (no .so in a wheel, file missing, not an ELF
+file, pyelftools or packaging missing).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -43,15 +44,26 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["AuditError", "Finding", "SoReport", "check_paths", "check_so", "check_wheel", "main"]
 
-# readelf "Machine:" text -> wheel/multiarch architecture name
+# ELF e_machine (pyelftools' name) -> wheel/multiarch architecture name
 MACHINES = {
-    "Advanced Micro Devices X86-64": "x86_64",
-    "AArch64": "aarch64",
-    "Intel 80386": "i686",
-    "PowerPC64": "ppc64le",
-    "IBM S/390": "s390x",
-    "ARM": "armv7l",
+    "EM_X86_64": "x86_64",
+    "EM_AARCH64": "aarch64",
+    "EM_386": "i686",
+    "EM_PPC64": "ppc64le",
+    "EM_S390": "s390x",
+    "EM_ARM": "armv7l",
 }
+# Bit values of the ELF gABI: program header flags, section flags, DT_FLAGS and DT_FLAGS_1 (names as readelf prints).
+PF_X, PF_W, PF_R = 0x1, 0x2, 0x4
+SHF_EXECINSTR = 0x4
+DF_TEXTREL, DF_BIND_NOW = 0x4, 0x8
+DF_NAMES = ((0x1, "ORIGIN"), (0x2, "SYMBOLIC"), (DF_TEXTREL, "TEXTREL"), (DF_BIND_NOW, "BIND_NOW"),
+            (0x10, "STATIC_TLS"))
+DF_1_NOW = 0x1
+DF_1_NAMES = tuple((1 << i, n) for i, n in enumerate(
+    "NOW GLOBAL GROUP NODELETE LOADFLTR INITFIRST NOOPEN ORIGIN DIRECT TRANS INTERPOSE NODEFLIB NODUMP CONFALT "
+    "ENDFILTEE DISPRELDNE DISPRELPND NODIRECT IGNMULDEF NOKSYMS NOHDR EDITED NORELOC SYMINTPOSE GLOBAUDIT SINGLETON "
+    "STUB PIE".split()))
 KNOWN_ARCHES = ("x86_64", "aarch64", "i686", "ppc64le", "s390x", "armv7l")
 TORCH_LIBS = re.compile(r"^lib(torch|torch_cpu|torch_cuda|torch_python|torch_global_deps|c10|c10_cuda|shm)\b")
 CANARY_SYMBOLS = ("__stack_chk_fail", "__stack_chk_guard", "__stack_chk_fail_local")
@@ -69,7 +81,7 @@ SUFFIX = re.compile(
 
 
 class AuditError(Exception):
-    """Input that cannot be audited (missing file, no readelf, a wheel without extension modules)."""
+    """Input that cannot be audited (missing file, not ELF, no pyelftools, a wheel without extension modules)."""
 
 
 @dataclass
@@ -97,76 +109,109 @@ class SoReport:
         self.findings.append(Finding(check, ok, detail, fatal))
 
 
-def _readelf(args: Sequence[str], path: str) -> str:
-    exe = shutil.which("readelf")
-    if exe is None:
-        raise AuditError("readelf not found on PATH: install binutils (apt-get install binutils)")
-    proc = subprocess.run(
-        [exe, "-W", *args, path], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}, check=False
-    )
-    if proc.returncode != 0:
-        raise AuditError(f"readelf {' '.join(args)} {path} failed: {proc.stderr.strip()}")
-    return proc.stdout
+def _open_elf(path: str):
+    """An ELFFile over `path` (the caller closes the stream); AuditError for a non-ELF file or a missing pyelftools."""
+    try:
+        from elftools.common.exceptions import ELFError
+        from elftools.elf.elffile import ELFFile
+    except ImportError:
+        raise AuditError("pyelftools is not installed: pip install 'pyelftools>=0.29' (the audit reads ELF files "
+                         "with it)") from None
+    stream = open(path, "rb")  # check_so closes it
+    try:
+        return ELFFile(stream)
+    except ELFError as exc:
+        stream.close()
+        raise AuditError(f"{path}: not an ELF file ({exc})") from None
 
 
-def _segments(text: str) -> Dict[str, str]:
-    """Program header type -> flags ('RW', 'R E', ...) from `readelf -lW`."""
-    segs = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if parts and parts[0].startswith(("GNU_", "LOAD", "DYNAMIC")) and len(parts) >= 8:
-            segs.setdefault(parts[0], " ".join(parts[6:-1]))
+def _bit_names(value: int, names: Sequence[Tuple[int, str]]) -> List[str]:
+    out = [name for bit, name in names if value & bit]
+    rest = value & ~sum(bit for bit, _ in names)
+    return out + ([hex(rest)] if rest else [])
+
+
+def _segments(elf) -> Dict[str, str]:
+    """Program header type (readelf's spelling: GNU_STACK, LOAD, ...) -> flags ('RW', 'R E', 'RWE')."""
+    segs: Dict[str, str] = {}
+    for seg in elf.iter_segments():
+        kind = seg["p_type"]
+        kind = kind[3:] if isinstance(kind, str) and kind.startswith("PT_") else str(kind)
+        f = seg["p_flags"]
+        text = ("R" if f & PF_R else " ") + ("W" if f & PF_W else " ") + ("E" if f & PF_X else " ")
+        segs.setdefault(kind, text.strip())
     return segs
 
 
-def _dynamic(text: str) -> List[Tuple[str, str]]:
-    """(tag, value) pairs from `readelf -dW`."""
-    out = []
-    for line in text.splitlines():
-        m = re.match(r"\s*0x[0-9a-f]+\s+\((\w+)\)\s+(.*)$", line)
-        if m:
-            out.append((m.group(1), m.group(2).strip()))
+def _dynamic(elf) -> List[Tuple[str, object]]:
+    """(tag without DT_, value) pairs of the dynamic section: library names for NEEDED/RPATH/RUNPATH, else ints."""
+    out: List[Tuple[str, object]] = []
+    for section in elf.iter_sections():
+        if section["sh_type"] != "SHT_DYNAMIC":
+            continue
+        for tag in section.iter_tags():
+            name = str(tag.entry.d_tag)
+            name = name[3:] if name.startswith("DT_") else name
+            value = {"NEEDED": "needed", "RPATH": "rpath", "RUNPATH": "runpath"}.get(name)
+            out.append((name, getattr(tag, value) if value else tag.entry.d_val))
     return out
 
 
-def _sections(text: str) -> List[Tuple[str, int, int, str]]:
-    """(name, file offset, size, flags) from `readelf -SW`."""
+def _sections(elf) -> List[Tuple[str, int, int, bool]]:
+    """(name, file offset, size, executable) of every section with file contents."""
+    return [(s.name, s["sh_offset"], s["sh_size"], bool(s["sh_flags"] & SHF_EXECINSTR))
+            for s in elf.iter_sections() if s["sh_type"] not in ("SHT_NULL", "SHT_NOBITS")]
+
+
+def _symbols(elf, section_type: str) -> List[Tuple[str, str, str]]:
+    """(name, binding GLOBAL/WEAK/LOCAL, 'UND' or the section index) of every symbol of one table type."""
     out = []
-    for line in text.splitlines():
-        m = re.match(r"\s*\[\s*\d+\]\s+(\S+)\s+\S+\s+[0-9a-f]+\s+([0-9a-f]+)\s+([0-9a-f]+)\s+[0-9a-f]+\s+(\S*)", line)
-        if m and m.group(1) != "NULL":
-            flags = m.group(4) if not m.group(4).isdigit() else ""
-            out.append((m.group(1), int(m.group(2), 16), int(m.group(3), 16), flags))
+    for section in elf.iter_sections():
+        if section["sh_type"] != section_type:
+            continue
+        for sym in section.iter_symbols():
+            bind = sym["st_info"]["bind"]
+            ndx = sym["st_shndx"]
+            out.append((sym.name, bind[4:] if bind.startswith("STB_") else bind,
+                        "UND" if ndx == "SHN_UNDEF" else str(ndx)))
     return out
 
 
-def _symbols(text: str) -> List[Tuple[str, str, str]]:
-    """(name without version, binding, section index or UND) from `readelf -sW` / `--dyn-syms`."""
-    out = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 8 and parts[0].endswith(":") and parts[0][:-1].isdigit():
-            name = parts[7].split("@")[0]
-            out.append((name, parts[4], parts[6]))
-    return out
+def _glibc_versions(elf) -> List[str]:
+    """GLIBC_x.y versions the module requires (its version-needs section), oldest first."""
+    found = set()
+    for section in elf.iter_sections():
+        if section["sh_type"] != "SHT_GNU_verneed":
+            continue
+        for _, auxiliaries in section.iter_versions():
+            for aux in auxiliaries:
+                m = re.fullmatch(r"GLIBC_([0-9]+(?:\.[0-9]+)*)", aux.name)
+                if m:
+                    found.add(m.group(1))
+    return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
-def _x86_canary_loads(path: str, sections: List[Tuple[str, int, int, str]]) -> int:
+def _x86_canary_loads(path: str, sections: List[Tuple[str, int, int, bool]]) -> int:
     count = 0
     with open(path, "rb") as fh:
-        for name, offset, size, flags in sections:
-            if "X" in flags and name != ".plt":
+        for name, offset, size, executable in sections:
+            if executable and name != ".plt":
                 fh.seek(offset)
                 count += len(X86_CANARY_LOAD.findall(fh.read(size)))
     return count
 
 
 def _wheel_tags(wheel_name: str) -> Tuple[List[str], List[str]]:
-    """(python tags, platform tags) from a wheel file name (PEP 427: name-ver(-build)?-py-abi-plat.whl)."""
-    parts = os.path.basename(wheel_name)[: -len(".whl")].split("-")
-    if len(parts) not in (5, 6):
-        raise AuditError(f"{wheel_name}: not a wheel file name (expected name-version-python-abi-platform.whl)")
-    return parts[-3].split("."), parts[-1].split(".")
+    """(python tags, platform tags) of a wheel file name, each sorted (packaging's PEP 427 parser)."""
+    try:
+        from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    except ImportError:
+        raise AuditError("packaging is not installed: pip install 'packaging>=22'") from None
+    try:
+        _, _, _, tags = parse_wheel_filename(os.path.basename(wheel_name))
+    except (InvalidWheelFilename, ValueError) as exc:
+        raise AuditError(f"{wheel_name}: not a wheel file name ({exc})") from None
+    return sorted({t.interpreter for t in tags}), sorted({t.platform for t in tags})
 
 
 def _platform_arch(plat: str) -> Optional[str]:
@@ -182,19 +227,22 @@ def check_so(path: str, expect_arch: Optional[str] = None, expect_python: Option
     if not os.path.isfile(path):
         raise AuditError(f"{path}: no such file")
     rep = SoReport(display or path)
-    header = _readelf(["-h"], path)
-    if "ELF" not in header:
-        raise AuditError(f"{path}: not an ELF file")
-    machine_text = re.search(r"Machine:\s+(.*)", header)
-    machine = MACHINES.get(machine_text.group(1).strip(), machine_text.group(1).strip()) if machine_text else "?"
-    segs = _segments(_readelf(["-l"], path))
-    dyn = _dynamic(_readelf(["-d"], path))
-    sections = _sections(_readelf(["-S"], path))
-    dynsyms = _symbols(_readelf(["--dyn-syms"], path))
-    section_names = {s[0] for s in sections}
-    symtab = _symbols(_readelf(["-s"], path)) if ".symtab" in section_names else []
+    elf = _open_elf(path)
+    try:
+        machine = MACHINES.get(elf["e_machine"], str(elf["e_machine"]))
+        segs = _segments(elf)
+        dyn = _dynamic(elf)
+        sections = _sections(elf)
+        dynsyms = _symbols(elf, "SHT_DYNSYM")
+        symtab = _symbols(elf, "SHT_SYMTAB")
+        glibc = _glibc_versions(elf)
+    except Exception as exc:  # pyelftools raises plain errors (struct, ELFError) on truncated or corrupt files
+        raise AuditError(f"{path}: unreadable ELF file ({type(exc).__name__}: {exc})") from None
+    finally:
+        elf.stream.close()
+    section_names = {s[0] for s in sections} | ({".symtab"} if symtab else set())
 
-    needed = [v.strip("[]").split("[")[-1].rstrip("]") for t, v in dyn if t == "NEEDED"]
+    needed = [str(v) for t, v in dyn if t == "NEEDED"]
     torch = [n for n in needed if TORCH_LIBS.match(n)]
     rep.add("torch-free", not torch, f"NEEDED: {', '.join(needed) or 'none'}" + (f"; links {torch}" if torch else ""))
 
@@ -202,15 +250,23 @@ def check_so(path: str, expect_arch: Optional[str] = None, expect_python: Option
     rep.add("no-rpath", not paths, "; ".join(paths) or "no RPATH/RUNPATH")
 
     rep.add("relro", "GNU_RELRO" in segs, "GNU_RELRO segment present" if "GNU_RELRO" in segs else "no GNU_RELRO")
-    flags = " ".join(v for t, v in dyn if t in ("FLAGS", "FLAGS_1", "BIND_NOW"))
-    bind_now = any(t == "BIND_NOW" for t, _ in dyn) or bool(re.search(r"\bBIND_NOW\b|\bNOW\b", flags))
+    df = 0
+    df_1 = 0
+    for t, v in dyn:
+        df |= int(v) if t == "FLAGS" else 0
+        df_1 |= int(v) if t == "FLAGS_1" else 0
+    # the spelling of `readelf -d`: DT_FLAGS bit names, then "Flags:" and the DT_FLAGS_1 bit names
+    words = [*(["BIND_NOW"] if any(t == "BIND_NOW" for t, _ in dyn) else []), *_bit_names(df, DF_NAMES),
+             *(["Flags:", *_bit_names(df_1, DF_1_NAMES)] if any(t == "FLAGS_1" for t, _ in dyn) else [])]
+    flags = " ".join(words)
+    bind_now = any(t == "BIND_NOW" for t, _ in dyn) or bool(df & DF_BIND_NOW) or bool(df_1 & DF_1_NOW)
     rep.add("bind-now", bind_now, f"dynamic flags: {flags or 'none'}")
 
     stack = segs.get("GNU_STACK")
     rep.add("nx-stack", stack is not None and "E" not in stack,
             f"GNU_STACK flags {stack!r}" if stack is not None else "no GNU_STACK segment (the loader assumes exec)")
-    rep.add("no-textrel", not any(t == "TEXTREL" for t, _ in dyn) and "TEXTREL" not in flags,
-            "text relocations present" if "TEXTREL" in flags else "no TEXTREL")
+    textrel = any(t == "TEXTREL" for t, _ in dyn) or bool(df & DF_TEXTREL)
+    rep.add("no-textrel", not textrel, "text relocations present" if textrel else "no TEXTREL")
 
     imported = {n for n, _, ndx in dynsyms if ndx == "UND" and n}
     all_names = {n for n, _, _ in dynsyms} | {n for n, _, _ in symtab}
@@ -259,8 +315,6 @@ def check_so(path: str, expect_arch: Optional[str] = None, expect_python: Option
     names = f" ({', '.join(fortified)})" if fortified else ""
     rep.add("fortify", True, f"{len(fortified)} fortified imports{names}; fortifiable calls imported plainly: "
             f"{', '.join(plain) or 'none'}", fatal=False)
-    glibc = sorted({v for v in re.findall(r"@+GLIBC_([0-9.]+)", _readelf(["--dyn-syms"], path))},
-                   key=lambda v: tuple(int(x) for x in v.split(".")))
     rep.add("glibc", True, f"newest GLIBC symbol version: {glibc[-1] if glibc else 'none'}", fatal=False)
     rep.add("exports", True, f"{len(exported)} exported symbols", fatal=False)
     return rep

