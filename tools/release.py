@@ -162,8 +162,8 @@ def test_wheel(session: nox.Session, engine: container.Engine, imgs: Images, cel
     if suite == "full":
         cmd_args += ["--torch", cell.torch]
         if imgs.kind == "local":
-            # torch from this host's pip find-links folder, with the host's pip configuration: still no network
-            pip_mounts, pip_env = container.pip_config_mounts()
+            # torch from this host's torch wheel folder (APEX_TORCH_WHEELS, else pip's find-links): still no network
+            pip_mounts, pip_env = container.pip_config_mounts(cell.torch)
             mounts += pip_mounts
             env += [f"--env={k}={v}" for k, v in pip_env.items()]
         else:
@@ -430,16 +430,6 @@ def torch_versions(session: nox.Session) -> None:
         session.error("torch-versions: a torch version failed")
 
 
-def _torch_find_links(version: str) -> str:
-    """The local find-links folder of pip's configuration that holds torch==version (offline runtime image)."""
-    mounts, _ = container.pip_config_mounts()
-    for path in mounts[1::2]:
-        folder = path.split(":")[0]
-        if Path(folder).is_dir() and list(Path(folder).glob(f"torch-{version}-*.whl")):
-            return folder
-    raise SystemExit(f"no local find-links folder of pip's configuration holds torch {version}: use --base public")
-
-
 @nox.session(name="runtime-image", python=MAIN_PYTHON, default=False)
 def runtime_image(session: nox.Session) -> None:
     """docker/Dockerfile.runtime (CPU): target `test` (the full suite runs inside the image build), then `runtime`."""
@@ -456,9 +446,9 @@ def runtime_image(session: nox.Session) -> None:
     build_args = MATRIX.build_args("runtime")
     if imgs.kind == "local":
         if engine.name != "podman":
-            session.error("runtime-image --base local mounts pip's find-links folder at build time (podman -v); "
+            session.error("runtime-image --base local mounts the torch wheel folder at build time (podman -v); "
                           "with docker use --base public")
-        links = _torch_find_links(build_args["TORCH_VERSION"])
+        links = str(container.torch_wheel_folder(build_args["TORCH_VERSION"]))
         build_args.update(BASE_IMAGE=imgs.build, PYTHON=f"/opt/python/{cell.tag}-{cell.tag}/bin/python{cell.python}",
                           TORCH_FIND_LINKS=links)
     args = ["-f", str(ctx / "docker" / "Dockerfile.runtime"), *(f"--build-arg={k}={v}" for k, v in build_args.items())]
