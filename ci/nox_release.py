@@ -7,6 +7,7 @@
   nox -s reproducible [-- --python 3.11 --arch x86_64]   two cold container builds -> byte-identical wheel
   nox -s torch-versions                           one wheel, every torch version its cell lists (outside CI)
   nox -s runtime-image                            docker/Dockerfile.runtime (CPU): suite inside the image, then runtime
+  nox -s cibuildwheel [-- --build 'cp311-*']      pyproject's cibuildwheel config (ci/cibw.py), then ci/audit.py
 
 Options every container session takes (after --): --base auto|public|local (APEX_BASE; auto = the public manylinux
 image when quay.io answers, else the locally bootstrapped Debian image), --keep-going (matrix/release: finish every
@@ -42,7 +43,8 @@ RELEASE = ROOT / "dist" / "release"
 REPORTS = ROOT / ".cache" / "release" / "reports"
 DOCKERFILE = ROOT / "docker" / "Dockerfile.wheel"
 HOST_PYTHON = "3.11"  # these sessions drive engines and tools; they need tomllib
-__all__ = ["audit", "docker", "matrix_session", "release", "reproducible", "runtime_image", "torch_versions"]
+__all__ = ["audit", "cibuildwheel_session", "docker", "matrix_session", "release", "reproducible", "runtime_image",
+           "torch_versions"]
 
 
 # --------------------------------------------------------------------------------------------------------- options
@@ -517,3 +519,29 @@ def runtime_image(session: nox.Session) -> None:
     session.run(*engine.run_cmd("--network=none", "localhost/apex-runtime:cpu"), external=True)
     session.log(f"runtime-image: localhost/apex-runtime:cpu built and its suite passed in the image "
                 f"({time.monotonic() - start:.0f} s)")
+
+
+# -------------------------------------------------------------------------------------------------- cibuildwheel
+@nox.session(name="cibuildwheel", python=HOST_PYTHON, default=False)
+def cibuildwheel_session(session: nox.Session) -> None:
+    """pyproject's [tool.cibuildwheel] run by cibuildwheel (build, auditwheel repair, kernel tests in its container;
+    the local base image gets zig for glibc 2.17, see ci/cibw.py), then ci/audit.py on its wheels.
+    -- [--build 'cp311-*'] [--arch x86_64] [--base auto|public|local]"""
+    args = list(session.posargs)
+    build = _pop(args, "--build", "cp311-*")
+    arch = _pop(args, "--arch", platform.machine())
+    opts = parse(session, with_cell=False, args=args)
+    install_tools(session, "cibuildwheel>=3,<4")
+    out = ROOT / "dist" / "cibuildwheel"
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("python", "-m", "ci.cibw", "--build", build, "--arch", arch, "--base", opts.base,
+                "--output-dir", str(out))
+    wheels = sorted(out.glob("*.whl"))
+    if not wheels:
+        session.error(f"cibuildwheel: no wheel in {out}")
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    results = audit_wheels(session, wheels, REPORTS / "cibuildwheel.audit.json", opts.base)
+    for r in results:
+        session.log(f"{r['wheel']}: audit {'passed' if r['ok'] else 'FAILED'} ({r['policy']})")
+    if not all(r["ok"] for r in results):
+        session.error("cibuildwheel: a wheel failed the audit")
