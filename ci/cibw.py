@@ -51,6 +51,7 @@ ZIG_CACHE = WORK / "zig-cache"
 PROJECT = "/project"  # where cibuildwheel copies the project inside its container
 TOOLS = "/opt/apex-tools"  # the local path's tools venv inside the container
 TOOLS_PYTHON = "/opt/python/cp311-cp311/bin/python3.11"  # in the pyenv-based build image
+UTILITY_PYTHON = "3.9"  # cibuildwheel's helper interpreter: /opt/python/cp39-cp39/bin/python in its container
 # The host root is mounted at /host by cibuildwheel (its default container-engine setting).
 HOST_MOUNT = "/host"
 DEFAULT_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
@@ -116,14 +117,17 @@ def selected_pythons(build: str) -> set[str]:
 def debian_python_image(version: str, suite: str, engine: container.Engine) -> str:
     """A Debian `suite` image (amd64) whose packaged CPython `version` is set up where cibuildwheel looks for it,
     /opt/python/cpXY-cpXY: a venv of the Debian interpreter (bin/python and bin/pip there, headers from
-    pythonX.Y-dev). The Debian userland is bootstrapped and recorded like every local image (ci/container.py);
-    the venv is one layer on top of it, tagged with the userland's key."""
+    pythonX.Y-dev). cibuildwheel also runs its own helper scripts with /opt/python/cp39-cp39/bin/python (present in
+    every manylinux image), so this machine's CPython 3.9 (pyenv) is copied there, as in the bookworm build image.
+    The Debian userland is bootstrapped and recorded like every local image (ci/container.py); the venv is one
+    layer on top of it, tagged with the userland's key."""
     script = Path("/usr/share/debootstrap/scripts") / suite
     if not script.exists():
         raise CibwError(f"debootstrap here has no script for {suite!r} ({script}): install a newer debootstrap "
                         f"(bookworm-backports) or link the sid script: ln -s sid {script}")
     packages = (f"python{version}", f"python{version}-dev", f"python{version}-venv", "binutils")
-    record = container.ensure_userland(container.Userland("build", suite, "x86_64", packages), engine)
+    userland = container.Userland("build", suite, "x86_64", packages, (UTILITY_PYTHON,))
+    record = container.ensure_userland(userland, engine)
     tag_py = "cp" + version.replace(".", "")
     image = f"localhost/apex-cibw-{suite}-amd64:{record['key']}-{tag_py}"
     if engine.image_exists(image):
