@@ -51,6 +51,8 @@ ZIG_CACHE = WORK / "zig-cache"
 PROJECT = "/project"  # where cibuildwheel copies the project inside its container
 TOOLS = "/opt/apex-tools"  # the local path's tools venv inside the container
 TOOLS_PYTHON = "/opt/python/cp311-cp311/bin/python3.11"  # in the pyenv-based build image
+MULTIARCH_INCLUDE = "multiarch-include"
+DEBIAN_IMAGE_RECIPE = 2  # bump when the layer debian_python_image adds changes
 UTILITY_PYTHON = "3.9"  # cibuildwheel's helper interpreter: /opt/python/cp39-cp39/bin/python in its container
 # The host root is mounted at /host by cibuildwheel (its default container-engine setting).
 HOST_MOUNT = "/host"
@@ -117,8 +119,12 @@ def selected_pythons(build: str) -> set[str]:
 def debian_python_image(version: str, suite: str, engine: container.Engine) -> str:
     """A Debian `suite` image (amd64) whose packaged CPython `version` is set up where cibuildwheel looks for it,
     /opt/python/cpXY-cpXY: a venv of the Debian interpreter (bin/python and bin/pip there, headers from
-    pythonX.Y-dev). cibuildwheel also runs its own helper scripts with /opt/python/cp39-cp39/bin/python (present in
-    every manylinux image), so this machine's CPython 3.9 (pyenv) is copied there, as in the bookworm build image.
+    pythonX.Y-dev). Debian's <pythonX.Y/pyconfig.h> includes <x86_64-linux-gnu/pythonX.Y/pyconfig.h> from the
+    multiarch include root /usr/include, which zig (its own glibc 2.17 headers) does not search, and adding all of
+    /usr/include would mix in this glibc's headers: the image gets a root holding only that folder
+    (<prefix>/multiarch-include), passed with CPPFLAGS. cibuildwheel also runs its own helper scripts with
+    /opt/python/cp39-cp39/bin/python (present in every manylinux image), so this machine's CPython 3.9 (pyenv) is
+    copied there, as in the bookworm build image.
     The Debian userland is bootstrapped and recorded like every local image (ci/container.py); the venv is one
     layer on top of it, tagged with the userland's key."""
     script = Path("/usr/share/debootstrap/scripts") / suite
@@ -129,17 +135,22 @@ def debian_python_image(version: str, suite: str, engine: container.Engine) -> s
     userland = container.Userland("build", suite, "x86_64", packages, (UTILITY_PYTHON,))
     record = container.ensure_userland(userland, engine)
     tag_py = "cp" + version.replace(".", "")
-    image = f"localhost/apex-cibw-{suite}-amd64:{record['key']}-{tag_py}"
+    image = f"localhost/apex-cibw-{suite}-amd64:{record['key']}-{tag_py}-r{DEBIAN_IMAGE_RECIPE}"
     if engine.image_exists(image):
         return image
+    prefix = f"/opt/python/{tag_py}-{tag_py}"
+    multiarch = f"{prefix}/{MULTIARCH_INCLUDE}/x86_64-linux-gnu"
     with tempfile.TemporaryDirectory(prefix="cibw-image-", dir=WORK.parent) as ctx:
         (Path(ctx) / "Containerfile").write_text(
-            f"FROM {record['image']}\nRUN python{version} -m venv /opt/python/{tag_py}-{tag_py}\n")
+            f"FROM {record['image']}\n"
+            f"RUN python{version} -m venv {prefix} && mkdir -p {multiarch} "
+            f"&& ln -s /usr/include/x86_64-linux-gnu/python{version} {multiarch}/python{version}\n")
         subprocess.run(engine.build_cmd("--network=none", "-t", image, ctx), check=True)
     return image
 
 
-def local_overrides(image: str, arch: str, tools_python: str = TOOLS_PYTHON) -> dict[str, str]:
+def local_overrides(image: str, arch: str, tools_python: str = TOOLS_PYTHON,
+                    extra_env: dict[str, str] | None = None) -> dict[str, str]:
     """CIBW_* settings that run the pyproject configuration in the local build image (see the module docstring)."""
     if arch != "x86_64":
         raise CibwError(f"the local build image is amd64 only: cibuildwheel cannot build {arch} wheels with it "
@@ -155,6 +166,7 @@ def local_overrides(image: str, arch: str, tools_python: str = TOOLS_PYTHON) -> 
         "APEX_ZIG_PYTHON": f"{TOOLS}/bin/python",
         "APEX_TARGET_ARCH": arch,
         "PATH": f"$PATH:{TOOLS}/bin",
+        **(extra_env or {}),
     }
     ca = host_ca_bundle()
     if ca:
@@ -191,7 +203,9 @@ def environment(base: str, build: str, arch: str, engine: container.Engine) -> d
             version = from_debian.pop()
             image = debian_python_image(version, debian_pythons()[version], engine)
             tag_py = "cp" + version.replace(".", "")
-            env.update(local_overrides(image, arch, f"/opt/python/{tag_py}-{tag_py}/bin/python"))
+            prefix = f"/opt/python/{tag_py}-{tag_py}"
+            env.update(local_overrides(image, arch, f"{prefix}/bin/python",
+                                       {"CPPFLAGS": f"-I{prefix}/{MULTIARCH_INCLUDE}"}))
         else:
             record = container.build_base(engine=engine)
             log.info("local build image %s (%s)", record["image"], "cached" if record.get("cached") else "built")
