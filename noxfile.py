@@ -88,7 +88,7 @@ TIMM = "timm==1.0.31"  # bench peer, installed --no-deps
 
 
 def install_torch(session: nox.Session) -> None:
-    """The pinned torch first, so nothing later can resolve `torch>=2.1` to a different (CUDA) build."""
+    """The pinned torch first, so nothing later can resolve `torch>=2.9` to a different (CUDA) build."""
     session.install("--only-binary=torch", TORCH)
 
 
