@@ -7,6 +7,7 @@
   nox -s reproducible [-- --python 3.11 --arch x86_64]   two cold container builds -> byte-identical wheel
   nox -s torch-versions                              one wheel, every torch version its cell lists (outside CI)
   nox -s runtime-image                               docker/Dockerfile.runtime (CPU): suite in the image, then runtime
+  nox -s cibuildwheel [-- --build 'cp311-*']         pyproject's cibuildwheel config (tools/cibw.py), then the audit
 
 Options (after --; `nox -s NAME -- --help` lists a session's): --base auto|public|local (APEX_BASE; auto = the public
 manylinux image when quay.io answers, else the locally bootstrapped Debian image), --keep-going (matrix/release:
@@ -417,10 +418,12 @@ def torch_versions(session: nox.Session) -> None:
     for version in (cell.torch, *cell.torch_extra):
         report = REPORTS / f"{cell.name}-torch-{version}.json"
         REPORTS.mkdir(parents=True, exist_ok=True)
+        # Each run pins torch==version exactly, so a machine-wide pip constraints file (a cap on torch) can only
+        # refuse a listed version, never choose one: it is replaced by an empty one for these installs.
         session.run("python", str(ROOT / "tools" / "test_cell.py"), "--cell", cell.name, "--wheel-dir", str(wheel_dir),
                     "--wheelhouse", str(wheelhouse.WHEELHOUSE), "--tests", str(ROOT / "tests"), "--suite", "full",
                     "--torch", version, "--python", python, "--index", "--report", str(report),
-                    success_codes=[0, 1])
+                    success_codes=[0, 1], env={"PIP_CONSTRAINT": os.devnull})
         results[version] = json.loads(report.read_text())
     for version, r in results.items():
         c = r.get("counts", {})
@@ -462,3 +465,29 @@ def runtime_image(session: nox.Session) -> None:
     session.run(*engine.run_cmd("--network=none", "localhost/apex-runtime:cpu"), external=True)
     session.log(f"runtime-image: localhost/apex-runtime:cpu built and its suite passed in the image "
                 f"({time.monotonic() - start:.0f} s)")
+
+
+# -------------------------------------------------------------------------------------------------- cibuildwheel
+@nox.session(name="cibuildwheel", python=MAIN_PYTHON, default=False)
+def cibuildwheel_session(session: nox.Session) -> None:
+    """pyproject's [tool.cibuildwheel] run by cibuildwheel (build, auditwheel repair, kernel tests in its container;
+    the local base image gets zig for glibc 2.17, see tools/cibw.py), then tools/audit.py on its wheels."""
+    parser = base_options(session, cibuildwheel_session.__doc__)
+    parser.add_argument("--build", default="cp311-*", help="cibuildwheel's build selector (default cp311-*)")
+    parser.add_argument("--arch", choices=MATRIX.arches, default=host_arch(),
+                        help=f"the wheels' architecture (default: this machine's, {host_arch()})")
+    opts = parser.parse()
+    install_tools(session, "cibuildwheel>=3,<4")
+    out = ROOT / "dist" / "cibuildwheel"
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("python", "-m", "tools.cibw", "--build", opts.build, "--arch", opts.arch, "--base", opts.base,
+                "--output-dir", str(out))
+    wheels = sorted(out.glob("*.whl"))
+    if not wheels:
+        session.error(f"cibuildwheel: no wheel in {out}")
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    results = audit_wheels(session, wheels, REPORTS / "cibuildwheel.audit.json", opts.base)
+    for r in results:
+        session.log(f"{r['wheel']}: audit {'passed' if r['ok'] else 'FAILED'} ({r['policy']})")
+    if not all(r["ok"] for r in results):
+        session.error("cibuildwheel: a wheel failed the audit")

@@ -59,7 +59,7 @@ def test_matrix_has_the_twelve_cells_x86_64_first():
                                            "cp312-x86_64", "cp313-x86_64"]
     assert len({c.name for c in cells}) == 12
     full = [c for c in cells if c.suite == "full"]
-    assert [(c.name, c.torch, c.torch_extra) for c in full] == [("cp311-x86_64", "2.13.0", ("2.14.1",))]
+    assert [(c.name, c.torch, c.torch_extra) for c in full] == [("cp311-x86_64", "2.13.0", ("2.14.1", "2.15.0"))]
     assert {c.python: c.arm64_userland for c in cells if c.arch == "aarch64" and c.arm64_userland} == {
         "3.9": "bullseye", "3.11": "bookworm", "3.13": "trixie"}
     assert m.cell("3.8", "aarch64").ext_suffix == ".cpython-38-aarch64-linux-gnu.so"
