@@ -129,7 +129,8 @@ NOTES = {
         "NVIDIA's signature and defaults (`adam_w_mode=True`, `set_grad_none=True`); runs on every device "
         "(NVIDIA's needs CUDA). `amsgrad=True` raises as NVIDIA's does."),
     "apex.contrib.combine_tensors": (
-        "The NPU patch's `combine_npu` (also exported under that name and torch_npu's `npu_combine_tensors`). "
+        "The NPU patch's `combine_npu`, with this package's layout (also exported as torch_npu's "
+        "`npu_combine_tensors`; `combine_npu` itself keeps the patch's layout). "
         "Slots are aligned to `ALIGN_ELEMENTS` elements; the buffer is zero-filled so padding stays zero. Works on "
         "cpu and cuda through torch APIs; on npu, tensors in a private storage format go to torch_npu's op. "
         "`apex.contrib.combine_tensors` is the submodule, as in the NPU patch's layout (`import "
@@ -234,18 +235,19 @@ NOTES = {
     # ---- apex.contrib
     "apex.contrib.ALIGN_ELEMENTS": (
         "New here. Slot alignment of the combined layout: each slot starts a multiple of 32 elements (64 bytes "
-        "for half types, 128 for fp32) after the buffer start and holds exactly its tensor. The NPU patch rounded "
-        "each slot up to 16 elements and added 32 more, for torch_npu's private storage formats, which here go "
-        "to torch_npu's own op instead. NVIDIA: none."),
+        "for half types, 128 for fp32) after the buffer start and holds exactly its tensor (`combine_tensors`, "
+        "the optimizers, amp). The NPU patch rounded each slot up to 16 elements and added 32 more; `combine_npu` "
+        "keeps that layout (`plan_ascend_layout`). NVIDIA: none."),
     "apex.contrib.change_data_ptr": (
         "NPU patch: a C++ function with the same arguments `(dst, src, offset)`. Here Python over torch APIs: "
         "`dst` keeps its identity, shape and strides and becomes a view into "
         "`src`; bad arguments raise TypeError / ValueError / IndexError with `dst` unchanged, and `dst` is "
         "returned. NVIDIA: none."),
     "apex.contrib.combine_npu": (
-        "The NPU patch's name and arguments `(tensors, require_copy_value=True)`; the same function as "
-        "`combine_tensors` (see there for the layout, which differs from the patch's). An empty list returns "
-        "None, as the patch's did. NVIDIA: none."),
+        "The NPU patch's name, arguments `(tensors, require_copy_value=True)` and layout: slot i holds "
+        "`get_aligned_storage_size(t_i)` elements, one after the other, and the buffer is their sum "
+        "(`plan_ascend_layout`). Checks, errors and the npu private-format hand-off are `combine_tensors`'. An "
+        "empty list returns None, as the patch's did. NVIDIA: none."),
     "apex.contrib.npu_combine_tensors": (
         "torch_npu's later name for the NPU patch's `combine_npu`; the same function as `combine_tensors`. On "
         "npu, tensors with a private storage format are handed to torch_npu's own op. NVIDIA: none."),
@@ -255,13 +257,18 @@ NOTES = {
         "IndexError. NVIDIA: none."),
     "apex.contrib.is_combined_tensor_valid": (
         "NPU patch: same name and arguments, but stricter: the patch only checked that each data pointer lay "
-        "inside the buffer; here each tensor must start exactly at its planned slot, with the buffer's dtype, "
+        "inside the buffer; here each tensor must start exactly at its slot (of `plan_layout`, or of "
+        "`plan_ascend_layout` for `combine_npu` buffers), with the buffer's dtype, "
         "dense, so a tensor rebound elsewhere or a list in another order is invalid. npu tensors in a private "
         "format are judged by torch_npu's own check. NVIDIA: none."),
     "apex.contrib.plan_layout": (
         "New here: the slot offsets and buffer length `combine_tensors` uses, also the layout of amp's "
         "`combine_grad` buffers and of DistributedDataParallel's flat grad buffers. Accepts tensors or element "
         "counts. NVIDIA and the NPU patch: none."),
+    "apex.contrib.plan_ascend_layout": (
+        "New here: the NPU patch's layout as `combine_npu` applies it, `ceil(n / 16) * 16 + 32` elements per "
+        "slot, slots back to back, the buffer their sum. Accepts tensors or element counts. NVIDIA and the NPU "
+        "patch: none (the patch computed it inside its combine)."),
     "apex.contrib.register_compact_state_dict_hook": (
         "New here (companion of `compact_state_dict`): makes an `nn.Module`'s or an optimizer's `state_dict()` "
         "return compact clones of tensors that view a larger storage (such as a combined buffer); returns a "
@@ -304,7 +311,8 @@ NOTES = {
     "apex.contrib.get_aligned_storage_size": (
         "NPU patch: same name, arguments `(tensor, align=16, pad=32)` and rule `ceil(n / align) * align + pad`, "
         "n being torch_npu's storage size on npu and the elements the tensor spans elsewhere. It describes the "
-        "patch's layout, not ours (use `plan_layout`); bf16 is accepted too, other dtypes raise RuntimeError as "
+        "patch's layout, which `combine_npu` follows (`combine_tensors` uses `plan_layout`); bf16 is accepted "
+        "too, other dtypes raise RuntimeError as "
         "in the patch. NVIDIA: none."),
     # ---- apex.fp16_utils
     "apex.fp16_utils.FP16_Optimizer": (

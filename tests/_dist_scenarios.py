@@ -416,6 +416,24 @@ def dead_rank(rank, world, where="initialize"):
     return {"error": "no error", "seconds": time.monotonic() - t0}
 
 
+def syncbn_inplace_relu(rank, world, channel_last=False):
+    """SyncBatchNorm followed by ReLU(inplace=True), as in ResNets: forward and backward work, and equal the
+    out-of-place ReLU (the synchronized output must not be a view, which autograd forbids modifying in place)."""
+    g = torch.Generator().manual_seed(11 + rank)
+    bn = SyncBatchNorm(3, channel_last=channel_last)
+    x = torch.randn(2, 3, 4, 5, generator=g)
+    if channel_last:
+        x = x.movedim(1, -1).contiguous()
+    a = x.clone().requires_grad_(True)
+    b = x.clone().requires_grad_(True)
+    ya = torch.nn.functional.relu(bn(a), inplace=True)
+    ya.sum().backward()
+    yb = torch.relu(bn(b))
+    yb.sum().backward()
+    return {"same_y": bool(torch.equal(ya, yb)), "same_grad": bool(torch.equal(a.grad, b.grad)),
+            "positive": bool((ya >= 0).all()), "grad_nonzero": bool(a.grad.abs().sum() > 0)}
+
+
 def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, momentum=0.1, dims=4, steps=2):
     """SyncBatchNorm over ranks vs BatchNorm over the whole batch in float64: outputs, grads, running stats."""
     dt = getattr(torch, dtype)

@@ -49,6 +49,12 @@ def test_syncbn_equals_whole_batch_batchnorm(world, dtype, kwargs):
     _check(res, dtype, affine=kwargs.get("affine", True))
 
 
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_synchronized_output_takes_an_inplace_relu(channel_last):
+    for r in run(2, "syncbn_inplace_relu", channel_last=channel_last):
+        assert r == {"same_y": True, "same_grad": True, "positive": True, "grad_nonzero": True}
+
+
 def test_without_process_group_is_torch_batchnorm():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm2d(3)

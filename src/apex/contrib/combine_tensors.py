@@ -22,17 +22,23 @@ elements (not bytes) keeps the offsets of one plan valid for the fp32 master
 copy and the fp16/bf16 model copy alike. The gaps stay zero, so whole-buffer
 reductions (norms, non-finite checks) are unaffected.
 
-The original NPU patch rounded each slot up to 16 elements and added 32 more:
-that padding serves torch_npu's private storage formats (FRACTAL_NZ, ...),
-whose memory is not a plain strided array. Here, an npu tensor with such a
-format sends the whole call to torch_npu's native combine op instead (see
-``apex._device.npu_combine_op``), which knows those formats.
+The Ascend patch's layout (:func:`plan_ascend_layout`, used by its API name
+:func:`combine_npu`): slot ``i`` is ``ceil(n_i / 16) * 16 + 32`` elements
+(:func:`get_aligned_storage_size`), slots follow each other, and the buffer is
+exactly the sum, so code written for the patch that steps data pointers by
+``get_aligned_storage_size`` or compares the buffer's storage size with their
+sum runs unchanged. That padding served torch_npu's private storage formats
+(FRACTAL_NZ, ...), whose memory is not a plain strided array; here an npu
+tensor with such a format sends the whole call to torch_npu's native combine op
+instead (see ``apex._device.npu_combine_op``), which knows those formats. The
+optimizers and amp combine with :func:`combine_tensors` (``plan_layout``),
+whose slots are cache-line aligned and carry no tail padding.
 
 Validity (:func:`is_combined_tensor_valid`) is stricter than the original,
 which only tested that each tensor's data pointer fell inside the buffer: here
-every tensor must start exactly at its planned slot (and be dense, of the
-buffer's dtype), so a tensor that was rebound elsewhere, or a list given in
-another order, is reported as invalid.
+every tensor must start exactly at its slot in one of the two layouts (and be
+dense, of the buffer's dtype), so a tensor that was rebound elsewhere, or a
+list given in another order, is reported as invalid.
 
 Checkpoints: ``torch.save`` writes the whole storage behind a view, and
 ``safetensors`` refuses tensors that share one. So when parameters are
@@ -74,6 +80,7 @@ __all__ = [
     "get_part_combined_tensor",
     "is_combined_tensor_valid",
     "npu_combine_tensors",
+    "plan_ascend_layout",
     "plan_layout",
     "register_compact_state_dict_hook",
 ]
@@ -81,6 +88,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ALIGN_ELEMENTS = 32
+# The Ascend patch's slot rule (get_aligned_storage_size's defaults): round up to 16 elements, add 32.
+ASCEND_ALIGN_ELEMENTS = 16
+ASCEND_PAD_ELEMENTS = 32
 
 
 # ---------------------------------------------------------------- layout
@@ -97,15 +107,41 @@ def plan_layout(tensors: Sequence[Any]) -> Tuple[List[int], int]:
     offsets: List[int] = []
     end = 0
     for i, t in enumerate(tensors):
-        if isinstance(t, torch.Tensor):
-            n = t.numel()
-        elif isinstance(t, int) and not isinstance(t, bool) and t >= 0:
-            n = t
-        else:
-            raise TypeError(f"plan_layout: entry {i}: expected a tensor or a non-negative int, got {t!r}")
+        n = _entry_numel(i, t, "plan_layout")
         start = (end + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
         offsets.append(start)
         end = start + n
+    return offsets, end
+
+
+def _entry_numel(i: int, t: Any, where: str) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel()
+    if isinstance(t, int) and not isinstance(t, bool) and t >= 0:
+        return t
+    raise TypeError(f"{where}: entry {i}: expected a tensor or a non-negative int, got {t!r}")
+
+
+def _ascend_slot(n: int) -> int:
+    return (n + ASCEND_ALIGN_ELEMENTS - 1) // ASCEND_ALIGN_ELEMENTS * ASCEND_ALIGN_ELEMENTS + ASCEND_PAD_ELEMENTS
+
+
+def plan_ascend_layout(tensors: Sequence[Any]) -> Tuple[List[int], int]:
+    """The Ascend patch's layout: element offsets of each slot and the buffer length.
+
+    Slot ``i`` holds ``ceil(n_i / 16) * 16 + 32`` elements (``n_i`` the
+    tensor's element count, or the int given), which is
+    ``get_aligned_storage_size`` of a dense tensor; slots follow each other
+    from offset 0, so every slot starts at a multiple of 16 elements, and
+    ``total`` is the sum of the slots (the padding after the last tensor
+    included). An empty input gives ``([], 0)``.
+    """
+    offsets: List[int] = []
+    end = 0
+    for i, t in enumerate(tensors):
+        n = _entry_numel(i, t, "plan_ascend_layout")
+        offsets.append(end)
+        end += _ascend_slot(n)
     return offsets, end
 
 
@@ -243,24 +279,45 @@ def combine_tensors(tensors: Iterable[torch.Tensor], require_copy_value: bool = 
         when an npu private format needs a torch_npu op that is missing);
         nothing is rebound when raising.
     """
-    tensors = _as_list(tensors, "combine_tensors")
+    return _combine(tensors, require_copy_value, allow_empty, plan_layout, "combine_tensors")
+
+
+def combine_npu(tensors: Iterable[torch.Tensor], require_copy_value: bool = True, *,
+                allow_empty: bool = True) -> torch.Tensor | None:
+    """:func:`combine_tensors` with the Ascend patch's layout (:func:`plan_ascend_layout`).
+
+    Each tensor gets ``get_aligned_storage_size(t)`` elements (its element
+    count rounded up to 16, plus 32), one slot after the other, and the buffer
+    is their sum: ``y.data_ptr() == x.data_ptr() + get_aligned_storage_size(x)
+    * x.element_size()`` for consecutive ``x, y``, as code written for the
+    patch expects. Arguments, checks, errors, in-place rebinding and the npu
+    private-format hand-off are those of :func:`combine_tensors`; the padding
+    stays zero. Buffers for this package's optimizers come from
+    :func:`combine_tensors` (cache-line aligned slots, no tail padding).
+    """
+    return _combine(tensors, require_copy_value, allow_empty, plan_ascend_layout, "combine_npu")
+
+
+def _combine(tensors: Iterable[torch.Tensor], require_copy_value: bool, allow_empty: bool, planner: Any,
+             where: str) -> torch.Tensor | None:
+    tensors = _as_list(tensors, where)
     if not tensors:
         if allow_empty:
             return None
-        raise ValueError("combine_tensors: expected at least one tensor, got an empty list")
-    _validate(tensors, "combine_tensors")
+        raise ValueError(f"{where}: expected at least one tensor, got an empty list")
+    _validate(tensors, where)
 
     if _device.any_npu_private_format(tensors):
         native = _device.npu_combine_op()
         if native is None:
             raise RuntimeError(
-                "combine_tensors: npu tensors with a private storage format need torch_npu's "
+                f"{where}: npu tensors with a private storage format need torch_npu's "
                 "npu_combine_tensors, which this torch_npu does not provide"
             )
-        logger.debug("combine_tensors: delegating %d npu tensors with private formats to torch_npu", len(tensors))
+        logger.debug("%s: delegating %d npu tensors with private formats to torch_npu", where, len(tensors))
         return native(tensors, require_copy_value=require_copy_value)
 
-    offsets, total = plan_layout(tensors)
+    offsets, total = planner(tensors)
     first = tensors[0]
     with torch.no_grad():
         buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
@@ -275,7 +332,6 @@ def combine_tensors(tensors: Iterable[torch.Tensor], require_copy_value: bool = 
     return buffer
 
 
-combine_npu = combine_tensors
 npu_combine_tensors = combine_tensors
 
 
@@ -317,13 +373,15 @@ def get_part_combined_tensor(combined: torch.Tensor, index: int, size: int) -> t
 
 
 def is_combined_tensor_valid(combined: torch.Tensor | None, tensors: Iterable[torch.Tensor]) -> bool:
-    """True iff every tensor still lives in ``combined`` at its planned slot.
+    """True iff every tensor still lives in ``combined`` at its slot.
 
+    The slots are those of ``plan_layout(tensors)`` (:func:`combine_tensors`)
+    or, failing that, of ``plan_ascend_layout(tensors)`` (:func:`combine_npu`).
     For each tensor: same dtype as the buffer, dense, and its first element
-    at the buffer's address of its ``plan_layout(tensors)`` slot (the same
-    memory, hence the same storage and device; empty tensors, whose data
-    pointer reads 0, are matched by storage identity and offset instead); and
-    the buffer must be long enough. An empty list is trivially valid;
+    at the buffer's address of its slot (the same memory, hence the same
+    storage and device; empty tensors, whose data pointer reads 0, are matched
+    by storage identity and offset instead); and the buffer must be long
+    enough. An empty list is trivially valid;
     ``combined=None`` with a non-empty list is not; non-tensor or sparse
     entries are simply invalid. For npu tensors with a private format
     (combined by torch_npu) torch_npu's own check decides.
@@ -343,13 +401,17 @@ def is_combined_tensor_valid(combined: torch.Tensor | None, tensors: Iterable[to
     if _device.any_npu_private_format(tensors):
         native = _device.npu_combined_valid_op()
         return bool(native(combined, tensors)) if native is not None else False
+    return _valid_in(combined, tensors, ascend=False) or _valid_in(combined, tensors, ascend=True)
+
+
+def _valid_in(combined: torch.Tensor, tensors: list, ascend: bool) -> bool:
     dtype, itemsize = combined.dtype, combined.element_size()
     ptr0, base = combined.data_ptr(), combined.storage_offset()
-    end = 0
+    end = 0  # plan_layout: end of the previous tensor; plan_ascend_layout: end of the previous slot
     try:
         for t in tensors:
             n = t.numel()
-            start = (end + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS  # plan_layout's rule
+            start = end if ascend else (end + ALIGN_ELEMENTS - 1) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
             if n:
                 if t.data_ptr() != ptr0 + start * itemsize:
                     return False
@@ -357,7 +419,7 @@ def is_combined_tensor_valid(combined: torch.Tensor | None, tensors: Iterable[to
                 return False
             if t.dtype != dtype or _dense_problem(t) is not None:
                 return False
-            end = start + n
+            end = start + (_ascend_slot(n) if ascend else n)
     except (AttributeError, RuntimeError, NotImplementedError):  # a non-tensor, or a sparse tensor (no data_ptr)
         return False
     return combined.numel() >= end

@@ -57,16 +57,26 @@ def _split_channels(x: torch.Tensor, channel_last: bool) -> Tuple[torch.Tensor, 
     return x.reshape(x.shape[0], c, -1), (0, 2), (1, c, 1)
 
 
+def _channel_axes(x: torch.Tensor, channel_last: bool) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
+    """The channel dim of x, its reduction dims and the broadcast shape of per-channel values, in x's own rank."""
+    ch = x.dim() - 1 if channel_last else 1
+    dims = tuple(d for d in range(x.dim()) if d != ch)
+    shape = tuple(x.shape[ch] if d == ch else 1 for d in range(x.dim()))
+    return ch, dims, shape
+
+
 class _SyncBatchNormCPU(torch.autograd.Function):
     """Batch norm with statistics all-reduced over a process group, for any device the backend handles."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group, channel_last):
-        x3, dims, shape = _split_channels(x, channel_last)
+        # Computed in x's own shape, so the output is a fresh tensor and never a view: a view returned by a
+        # custom Function may not be modified in place, and models follow batch norm with ReLU(inplace=True).
+        ch, dims, shape = _channel_axes(x, channel_last)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xc = x3.to(compute)
-        n_local = xc.numel() // xc.shape[1] if xc.shape[1] else 0
-        c = xc.shape[1]
+        xc = x.to(compute)
+        c = x.shape[ch]
+        n_local = xc.numel() // c if c else 0
         if n_local > 0:
             var_l, mean_l = torch.var_mean(xc, dim=dims, correction=0)
         else:
@@ -101,7 +111,7 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         ctx.group = group
         ctx.channel_last = channel_last
         ctx.has_bias = bias is not None
-        return y.to(x.dtype).reshape(x.shape)
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
