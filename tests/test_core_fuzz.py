@@ -130,7 +130,9 @@ class _Child:
         if arr.dtype == np.uint16 and r.random() < 0.7:
             relabel = (4, 16)
         elif r.random() < 0.1:
-            relabel = (r.randrange(0, 8), r.choice([8, 16, 32, 64, 3]))
+            # any type code, but never a wider element than the memory holds: a producer that overstates its
+            # extent makes every consumer read and write past the allocation (no check can see that)
+            relabel = (r.randrange(0, 8), r.choice([b for b in (8, 16, 32, 64, 3) if b <= 8 * arr.itemsize]))
         device = (1, 0) if r.random() < 0.9 else (r.choice([2, 4, 13, "cpu"]), 0)
         return _DLOnly(self.ctypes, arr, versioned, relabel, device)
 
