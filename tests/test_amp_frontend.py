@@ -182,7 +182,9 @@ def test_parallel_wrapped_model_rejected(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        ddp = torch.nn.parallel.DistributedDataParallel(m)
+        # init_sync=False: no broadcast is queued on the gloo worker, whose teardown of a finished work can otherwise
+        # race with the process group's destructor (torch joins the worker while holding the GIL)
+        ddp = torch.nn.parallel.DistributedDataParallel(m, init_sync=False)
         with pytest.raises(RuntimeError, match="DistributedDataParallel"):
             amp.initialize(ddp, opt_level="O2")
     finally:

@@ -78,7 +78,7 @@ def test_nox_sessions_named_in_the_docs_exist():
     bad = []
     for doc in ALL_TEXT:
         for name in re.findall(r"nox -s ([\w.-]+)", _text(doc)):
-            base = re.sub(r"-\d+\.\d+$", "", name)  # python-parametrized sessions: kernels-3.8
+            base = re.sub(r"-\d+\.\d+$", "", name)  # python-parametrized sessions: kernels-3.9
             if base not in sessions:
                 bad.append(f"{doc.name}: nox -s {name}")
     assert not bad, f"unknown nox sessions (have {sorted(sessions)}): {bad}"

@@ -368,7 +368,7 @@ def test_requirements_keep_extras_and_markers(tmp_path):
     assert ov.our_requirements(pyproject) == ["torch>=2.1",
                                               'accelerate[deepspeed,testing]>=1.0; python_version < "3.12"']
     assert ov.our_requirements(tmp_path / "missing.toml") == []
-    assert ov.our_requirements() == ["torch>=2.1"]  # this project's own pyproject
+    assert ov.our_requirements() == ["torch>=2.7"]  # this project's own pyproject
 
 
 def test_bad_requirements_are_errors(tmp_path):

@@ -1,19 +1,18 @@
 """Build one release cell (a CPython version x an architecture) with the project's own `nox -s build`.
 
-    python tools/build_cell.py --python 3.8 --arch aarch64 --out wheels/ [--wheelhouse DIR] [--source DIR] \
+    python tools/build_cell.py --python 3.9 --arch aarch64 --out wheels/ [--wheelhouse DIR] [--source DIR] \
         [--runner-requirements "nox>=... auditwheel>=..."]
 
 This is the one step docker/Dockerfile.wheel runs, and it runs the same way on a workstation: it finds the cell's
 interpreter (/opt/python/cpXY-cpXY in a manylinux or local build image, else pythonX.Y on PATH), puts it first on
 PATH, and runs `nox -s build --force-python X.Y -- --arch ARCH` from the source tree; nox builds with zig against
 glibc 2.17, strips, audits and repairs to the lowest manylinux tag. For a cross build (ARCH differs from this
-machine) the compiler gets aarch64 Python headers derived by tools/cross_headers.py. Every build gets
-tools/compat-include after the system include dirs (a <crypt.h> for CPython 3.8's Python.h, which zig's glibc
-headers lack). With --wheelhouse, pip only installs from that directory (the build containers have no network).
-Where the interpreter lacks nox, a throwaway venv gets --runner-requirements (docker/Dockerfile.wheel passes
-tools/matrix.toml's pins). The cell's wheel is copied to --out.
+machine) the compiler gets aarch64 Python headers derived by tools/cross_headers.py. With --wheelhouse, pip only
+installs from that directory (the build containers have no network). Where the interpreter lacks nox, a throwaway
+venv gets --runner-requirements (docker/Dockerfile.wheel passes tools/matrix.toml's pins). The cell's wheel is
+copied to --out.
 
-Standard library only, Python >= 3.8 (it runs under whatever interpreter the build image offers).
+Standard library only, Python >= 3.9 (it runs under whatever interpreter the build image offers).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def cell_interpreter(version: str) -> Path:
 
 def nox_command(tmp: Path, wheelhouse: Path | None, runner: list[str]) -> list[str]:
     """nox from this interpreter if it has it, else a throwaway venv with the runner requirements (nox and the
-    auditwheel beside it: the cp38 build session repairs with it), offline from the wheelhouse when given."""
+    auditwheel beside it: the cp39 build session repairs with it), offline from the wheelhouse when given."""
     if subprocess.run([sys.executable, "-c", "import nox"], capture_output=True).returncode == 0:
         return [sys.executable, "-m", "nox"]
     if not runner:
@@ -77,9 +76,6 @@ def build_cell(python: str, arch: str, out: Path, source: Path, wheelhouse: Path
     env["PATH"] = f"{interp.parent}{os.pathsep}{env.get('PATH', '')}"
     if wheelhouse:
         env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheelhouse), PIP_NO_CACHE_DIR="1")
-    # zig ships no glibc <crypt.h>, which CPython <= 3.8's Python.h includes: a declaration-only stand-in, searched
-    # after every system directory (tools/compat-include/crypt.h says why it is safe)
-    env["CPPFLAGS"] = f"{env.get('CPPFLAGS', '')} -idirafter {HERE / 'compat-include'}".strip()
     with tempfile.TemporaryDirectory(prefix="apex-build-cell-") as tmp:
         tmp = Path(tmp)
         if arch != platform.machine():

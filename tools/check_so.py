@@ -24,7 +24,7 @@ API for other tools (the release toolchain uses it):
   check_paths(paths) -> list[SoReport]   wheels and/or .so files; SoReport.ok, .failures, .findings
   check_wheel(path)  -> list[SoReport]   every .so inside one wheel, checked against the wheel's tags
   check_so(path, expect_arch=None, expect_python=None) -> SoReport
-Needs pyelftools (ELF) and packaging (wheel file names); runs on Python >= 3.8 (the build sessions of every cell).
+Needs pyelftools (ELF) and packaging (wheel file names); runs on Python >= 3.9 (the build sessions of every cell).
 Exit status of the CLI: 0 all passed, 1 a check failed, 2 bad input (no .so in a wheel, file missing, not an ELF
 file, pyelftools or packaging missing).
 """

@@ -12,13 +12,13 @@ pyconfig.h files differ in exactly these macros:
 None of them changes a struct layout, a type size or an exported symbol (both are LP64 little-endian glibc targets),
 but the derived header sets all four to the aarch64 values anyway, so it matches what an arm64 build would see. The
 other headers are copied unchanged from the x86_64 interpreter (pyenv here, /opt/python in a manylinux image).
-This is how the aarch64 cells without an arm64 interpreter on this machine (3.8, 3.10, 3.12) get their headers;
+This is how the aarch64 cells without an arm64 interpreter on this machine (3.10, 3.12) get their headers;
 PyPI has no CPython headers and python-build-standalone is not reachable from here.
 
-    python tools/cross_headers.py --python /opt/python/cp38-cp38/bin/python --arch aarch64 --out /tmp/xh
+    python tools/cross_headers.py --python /opt/python/cp310-cp310/bin/python --arch aarch64 --out /tmp/xh
     # -> prints the include directory to put first on the compiler's -I path
 
-Runs under any Python >= 3.8 (it is called inside the build containers).
+Runs under any Python >= 3.9 (it is called inside the build containers).
 """
 
 from __future__ import annotations

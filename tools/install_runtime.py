@@ -4,10 +4,10 @@ torch (and torch_npu for NPU), numpy and the released apex wheel that matches th
     python tools/install_runtime.py --venv /opt/apex --dist dist/release --torch 2.13.0 \
         [--torch-npu 2.14.0] [--find-links DIR ...] [--index-url URL] [--extra-index-url URL]
 
-torch is installed first and pinned, so the wheel's `torch>=2.9` can never pull a different (CUDA) build. Where
+torch is installed first and pinned, so the wheel's `torch>=2.7` can never pull a different (CUDA) build. Where
 the sources are local (--find-links, no index) pip runs with --no-index: nothing comes from the network.
 Runs on a workstation the same way as in the image (as a file of the mounted tools/ folder). Standard library
-only, Python >= 3.8.
+only, Python >= 3.9.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def markdown_table(m: Matrix) -> str:
             out.append(f"manylinux, {how}")
         rows.append(f"| {py} | " + " | ".join(out) + " |")
     for py in m.raw["release"].get("dropped_pythons", []):
-        rows.append(f"| {py} | " + " | ".join("not supported (no torch 2.x)" for _ in m.arches) + " |")
+        rows.append(f"| {py} | " + " | ".join("not supported (no torch release at the floor)" for _ in m.arches) + " |")
     return "\n".join(rows)
 
 

@@ -81,7 +81,7 @@ def pick(group_name: str, *names: str) -> list[str]:
 
 
 def install_torch(session: nox.Session) -> None:
-    """The pinned torch first, so nothing later can resolve `torch>=2.1` to a different (CUDA) build."""
+    """The pinned torch first, so nothing later can resolve `torch>=2.7` to a different (CUDA) build."""
     session.install("--only-binary=torch", TORCH)
 
 

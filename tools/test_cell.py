@@ -12,7 +12,7 @@ does not load fails instead of passing on the torch fallback; check that apex_C 
 
 --installed tests the apex already installed in that interpreter's environment instead (a runtime image).
 Suites: "kernels" = tests/kernels (numpy + apex_C only, no torch); "full" = the whole suite with --device cpu.
-Standard library only, Python >= 3.8: it runs under each cell's own interpreter, arm64 ones under qemu, as a file
+Standard library only, Python >= 3.9: it runs under each cell's own interpreter, arm64 ones under qemu, as a file
 of the mounted tools/ folder (tools/util.py beside it).
 """
 

@@ -1,6 +1,6 @@
 """Helpers shared by the nox sessions and the scripts that run inside the build and test containers.
 
-Standard library only, Python >= 3.8: test_cell.py, build_cell.py, check_install.py and install_runtime.py import
+Standard library only, Python >= 3.9: test_cell.py, build_cell.py, check_install.py and install_runtime.py import
 this under every cell's own interpreter (arm64 ones under qemu). Run as plain files
 (``python tools/test_cell.py``, the whole ``tools/`` folder mounted), they put the folder above it on ``sys.path``.
 """

@@ -5,7 +5,7 @@ on this machine that includes a local find-links folder and a constraints file),
 .cache/release/wheelhouse/ and bind-mounted read-only into the containers. Contents per cell:
   build:  the pyproject `build` dependency group for the cell's Python, on the build image's arch (x86_64: aarch64
           wheels are cross-compiled there), since the containers run the same `nox -s build` as a workstation
-  runner: nox itself (and auditwheel for cp38 repairs), for the interpreter that runs nox inside the build image
+  runner: nox itself (and auditwheel for cp39 repairs), for the interpreter that runs nox inside the build image
   test:  numpy + pytest for the cell's Python and arch; for full-suite cells also torch's dependencies, but never
          torch itself: that comes from the torch wheel folder (tools/container.py torch_wheel_folder), mounted.
 

@@ -1,4 +1,4 @@
-"""Torch-free tests of the apex_C kernel core (numpy + the extension, any Python 3.8+).
+"""Torch-free tests of the apex_C kernel core (numpy + the extension, any Python 3.9+).
 
 References are computed with numpy in float64/float32 from the documented semantics of each kernel:
 arithmetic in fp32 (one rounding per operation, no fused multiply-add), stored to the destination dtype with

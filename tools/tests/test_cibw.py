@@ -18,7 +18,7 @@ PODMAN = container.Engine("podman", "/usr/bin/podman", "runc", ("nofile=4096:409
 
 def test_selected_pythons_reads_explicit_cpython_selectors():
     assert cibw.selected_pythons("cp311-*") == {"3.11"}
-    assert cibw.selected_pythons("cp38-* cp314-manylinux_x86_64") == {"3.8", "3.14"}
+    assert cibw.selected_pythons("cp39-* cp314-manylinux_x86_64") == {"3.9", "3.14"}
     for bad in ("*", "pp310-*", "cp3*"):
         with pytest.raises(cibw.CibwError, match="explicit CPython selectors"):
             cibw.selected_pythons(bad)

@@ -52,19 +52,20 @@ def test_cross_pyconfig_refuses_an_unknown_layout():
         cross_headers.derive_pyconfig(X86_PYCONFIG, "riscv64")
 
 
-def test_matrix_has_the_twelve_cells_x86_64_first():
+def test_matrix_has_the_ten_cells_x86_64_first():
     m = matrix.load()
     cells = m.cells()
-    assert [c.name for c in cells[:6]] == ["cp38-x86_64", "cp39-x86_64", "cp310-x86_64", "cp311-x86_64",
-                                           "cp312-x86_64", "cp313-x86_64"]
-    assert len({c.name for c in cells}) == 12
+    assert [c.name for c in cells[:5]] == ["cp39-x86_64", "cp310-x86_64", "cp311-x86_64", "cp312-x86_64",
+                                           "cp313-x86_64"]
+    assert len({c.name for c in cells}) == 10
     full = [c for c in cells if c.suite == "full"]
     assert [(c.name, c.torch, c.torch_extra) for c in full] == [("cp311-x86_64", "2.13.0", ("2.14.1", "2.15.0"))]
     assert {c.python: c.arm64_userland for c in cells if c.arch == "aarch64" and c.arm64_userland} == {
         "3.9": "bullseye", "3.11": "bookworm", "3.13": "trixie"}
-    assert m.cell("3.8", "aarch64").ext_suffix == ".cpython-38-aarch64-linux-gnu.so"
-    with pytest.raises(ValueError, match="no release cell"):
-        m.cell("3.7", "x86_64")
+    assert m.cell("3.9", "aarch64").ext_suffix == ".cpython-39-aarch64-linux-gnu.so"
+    for dropped in ("3.7", "3.8"):
+        with pytest.raises(ValueError, match="no release cell"):
+            m.cell(dropped, "x86_64")
 
 
 def test_matrix_pins_public_images_by_digest():

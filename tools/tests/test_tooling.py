@@ -53,7 +53,7 @@ def test_sha256_and_source_date_epoch(tmp_path, monkeypatch):
 
 
 def test_container_scripts_run_as_files_and_import_the_shared_helpers():
-    # the containers run these as files of the mounted tools/ folder, under interpreters as old as 3.8
+    # the containers run these as files of the mounted tools/ folder, under interpreters as old as 3.9
     for script in ("test_cell.py", "build_cell.py", "install_runtime.py", "check_install.py"):
         path = ROOT / "tools" / script
         tree = ast.parse(path.read_text())
@@ -163,7 +163,7 @@ def test_dockerfiles_take_every_version_as_a_build_arg(kind):
     for value in (m.torch["version"], m.variant("npu")["torch"], *(m.arch(a)["manylinux_image"] for a in m.arches),
                   m.variant("cpu")["base_image"], m.torch["cpu_index"]):
         assert value not in code, f"Dockerfile.{kind} restates {value}"
-    assert m.build_args("wheel", m.cell("3.8", "aarch64"))["PYTHON_VERSION"] == "3.8"
+    assert m.build_args("wheel", m.cell("3.9", "aarch64"))["PYTHON_VERSION"] == "3.9"
 
 
 # --------------------------------------------------------------------------------------- session options

@@ -47,6 +47,9 @@ def _check_module(obj: Any, where: str) -> nn.Module:
 class tofp16(nn.Module):
     """A module that casts its input to fp16 (the first stage of :func:`network_to_half`)."""
 
+    def __init__(self) -> None:  # no options: its own signature, not the varargs one inherited from torch's Module
+        super().__init__()
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return input.half()
 
