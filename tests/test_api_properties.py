@@ -68,6 +68,7 @@ def test_optimizers_match_torch(kind, shape_list, h, dtype, steps, seed):
     dt = getattr(torch, dtype)
     params = make_params(shape_list, dtype=dt, seed=seed)
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    start = [p.detach().float().clone() for p in params]
     ours, ref = ours_cls(params, **args(h)), torch_cls(ref_params, **args(h))
     for i in range(steps):
         g = torch.Generator().manual_seed(seed + i)
@@ -76,9 +77,15 @@ def test_optimizers_match_torch(kind, shape_list, h, dtype, steps, seed):
             q.grad = p.grad.clone()
         ours.step()
         ref.step()
-    tol = dict(rtol=1e-5, atol=1e-6) if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for p, q in zip(params, ref_params):
+    for p, q, p0 in zip(params, ref_params, start):
         assert p.dtype == q.dtype and p.shape == q.shape
+        if dt == torch.float32:
+            tol = dict(rtol=1e-5, atol=1e-6)
+        else:
+            # torch rounds every bf16 op to 8 bits, ours rounds once per stored value: the difference scales with
+            # the distance the update moved the param (one that lands near 0 has no relative bound)
+            moved = float((q.detach().float() - p0).abs().max()) if q.numel() else 0.0
+            tol = dict(rtol=2e-2, atol=2e-2 * max(1.0, 2.0 * moved))
         torch.testing.assert_close(p.float(), q.float(), **tol)
 
 
