@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import tomllib
+from packaging.requirements import Requirement
 
 from tools import container, matrix
 
@@ -65,10 +65,8 @@ class CibwError(RuntimeError):
 
 def _build_requirement(name: str) -> str:
     """The requirement string of `name` in pyproject's `build` dependency group (one version policy for both routes)."""
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        reqs = tomllib.load(f)["dependency-groups"]["build"]
-    for req in reqs:
-        if req.split(">")[0].split("=")[0].split("<")[0].strip() == name:
+    for req in matrix.dependency_group("build"):
+        if Requirement(req).name == name:
             return req
     raise CibwError(f"pyproject.toml: the build dependency group names no {name!r}")
 
@@ -96,8 +94,7 @@ def containers_conf(engine: container.Engine, dest: Path) -> Path | None:
 
 def debian_pythons() -> dict[str, str]:
     """tools/matrix.toml [cibuildwheel.debian_pythons]: CPython version -> Debian suite that packages it."""
-    with open(ROOT / "tools" / "matrix.toml", "rb") as f:
-        table = tomllib.load(f).get("cibuildwheel", {}).get("debian_pythons", {})
+    table = matrix.load().raw.get("cibuildwheel", {}).get("debian_pythons", {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
         raise CibwError("tools/matrix.toml [cibuildwheel.debian_pythons]: expected \"3.X\" = \"<suite>\" entries")
     return table
