@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -139,6 +140,22 @@ inline float load(const bf16_t* p, idx_t i) { return bf16_to_f32(p[i].x); }
 inline void store(float* p, idx_t i, float v) { p[i] = v; }
 inline void store(half_t* p, idx_t i, float v) { p[i].x = f32_to_half(v); }
 inline void store(bf16_t* p, idx_t i, float v) { p[i].x = f32_to_bf16(v); }
+// store(p, i, v) and then load(p, i), without the round trip through memory: a loop that reads back
+// what it stored (a low-precision state the update uses as stored) stays in registers.
+inline float store_load(float* p, idx_t i, float v) {
+  p[i] = v;
+  return v;
+}
+inline float store_load(half_t* p, idx_t i, float v) {
+  const std::uint16_t h = f32_to_half(v);
+  p[i].x = h;
+  return half_to_f32(h);
+}
+inline float store_load(bf16_t* p, idx_t i, float v) {
+  const std::uint16_t h = f32_to_bf16(v);
+  p[i].x = h;
+  return bf16_to_f32(h);
+}
 
 // Bit test for inf/nan that vectorises (no float compares on nan).
 inline bool nonfinite_bits(float v) { return (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u; }
@@ -183,11 +200,16 @@ int resolve_threads(int requested);
 
 // How [0, n) is cut into ranges: range t is [t * per, min((t + 1) * per, n)) for
 // t < parts. Every range but the last has a length that is a multiple of `align`;
-// the ranges are disjoint and cover [0, n) exactly, for any n >= 0.
+// the ranges are disjoint and cover [0, n) exactly, for any n >= 0. `piece`
+// (a multiple of `align`, at most `per`) is the unit in which the threads take
+// work, see run_split; pieces start at multiples of `piece`.
 struct Split {
   idx_t per;
   int parts;
+  idx_t piece = 0;  // 0: whole ranges
 };
+
+constexpr idx_t kPiecesPerThread = 16;
 
 // At most `threads` ranges (<= 0 or 1: one range), each of at least `min_per`
 // elements unless the whole is smaller.
@@ -201,7 +223,9 @@ inline Split split_range(idx_t n, int threads, idx_t min_per, idx_t align) {
   idx_t per = ceil_div(n, t), aligned;
   if (!checked_mul(ceil_div(per, align), align, &aligned) || aligned >= n) return {n, 1};
   per = aligned;
-  return {per, static_cast<int>(ceil_div(n, per))};
+  // per is a multiple of align, so ceil_div(per / align, k) * align <= per cannot overflow
+  const idx_t piece = ceil_div(per / align, kPiecesPerThread) * align;
+  return {per, static_cast<int>(ceil_div(n, per)), piece};
 }
 
 // The split parallel_for uses for n elements and a requested thread count.
@@ -209,8 +233,13 @@ inline Split plan_parallel_for(idx_t n, int threads, idx_t align = 64) {
   return split_range(n, resolve_threads(threads), kMinPerThread, align);
 }
 
-// Runs fn(begin, end) for every range of `split` over [0, n), on parts-1 new
-// threads plus the calling one.
+// Runs fn(begin, end) over [0, n) on parts-1 new threads plus the calling one.
+// The threads take consecutive pieces of `split.piece` elements from a shared
+// counter instead of one fixed range each: a thread that starts late (a new
+// thread waits for a core that torch's OpenMP workers still spin on right after
+// a torch op) then does less, instead of the call waiting for its whole range.
+// fn must only depend on its range (every caller's ranges are independent:
+// element-wise updates, or partial sums stored per fixed chunk and added in order).
 template <class F>
 void run_split(idx_t n, Split split, F&& fn) {
   if (split.parts <= 0) return;
@@ -218,14 +247,20 @@ void run_split(idx_t n, Split split, F&& fn) {
     fn(idx_t{0}, n);
     return;
   }
+  const idx_t piece = split.piece > 0 ? split.piece : split.per;
+  const idx_t pieces = ceil_div(n, piece);
+  std::atomic<idx_t> next{0};
+  auto work = [&fn, &next, piece, pieces, n] {
+    for (idx_t i = next.fetch_add(1, std::memory_order_relaxed); i < pieces;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const idx_t b = i * piece;  // < n: pieces = ceil(n / piece)
+      fn(b, step_to(b, piece, n));
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<std::size_t>(split.parts - 1));
-  for (int t = 1; t < split.parts; ++t) {
-    const idx_t b = split.per * t;  // < n: parts = ceil(n / per)
-    const idx_t e = step_to(b, split.per, n);
-    pool.emplace_back([&fn, b, e] { fn(b, e); });
-  }
-  fn(idx_t{0}, step_to(0, split.per, n));
+  for (int t = 1; t < split.parts; ++t) pool.emplace_back(work);
+  work();
   for (auto& th : pool) th.join();
 }
 

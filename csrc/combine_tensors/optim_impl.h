@@ -93,8 +93,7 @@ static void sgd(const OptArgs& a) {
       for (idx_t i = lo; i < hi; ++i) {
         float d = load(gk, i - lo) * gs + wd * load(p, i);
         float b = keep * load(buf, i) + take * d;
-        store(buf, i, b);
-        b = load(buf, i);  // what torch sees when the buffer is low precision
+        b = store_load(buf, i, b);  // the update uses the buffer as stored (as torch does in low precision)
         float step = pick_f32(nesterov, d + mom * b, b);
         float np = load(p, i) - lr * step;
         store(p, i, np);
@@ -137,17 +136,14 @@ static void adam_body(const OptArgs& a) {
         float gv = load(gk, i - lo) * gs + l2 * pv;
         float mv = fb1 * load(m, i) + omb1 * gv;
         float vv = fb2 * load(v, i) + omb2 * gv * gv;
-        store(m, i, mv);
-        store(v, i, vv);
-        float vs = load(v, i);  // the second moment as stored
+        mv = store_load(m, i, mv);  // the moments as stored
+        float vs = store_load(v, i, vv);
         if (AMSGRAD) {
           float vm = load(vmax, i);
-          vm = vs > vm ? vs : vm;
-          store(vmax, i, vm);
-          vs = load(vmax, i);
+          vs = store_load(vmax, i, vs > vm ? vs : vm);
         }
         float denom = std::sqrt(vs) / bc2_sqrt + eps;
-        float np = pv - step_size * load(m, i) / denom;
+        float np = pv - step_size * mv / denom;
         store(p, i, np);
         store(o, i, np);
       }
@@ -176,8 +172,7 @@ static void adadelta(const OptArgs& a) {
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(gk, i - lo) * gs + wd * pv;
-        store(sq, i, rho * load(sq, i) + omr * gv * gv);
-        float stdv = std::sqrt(load(sq, i) + eps);
+        float stdv = std::sqrt(store_load(sq, i, rho * load(sq, i) + omr * gv * gv) + eps);
         float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
         store(acc, i, rho * load(acc, i) + omr * delta * delta);
         float np = pv - lr * delta;
@@ -218,12 +213,10 @@ static void rmsprop_body(const OptArgs& a) {
         if (TF) pv = pv - wd_decay * pv;
         float gv = load(gk, i - lo) * gs + wd_l2 * pv;
         float s = load(sq, i);
-        store(sq, i, TF ? s + one_minus * (gv * gv - s) : alpha * s + one_minus * gv * gv);
-        float sv = load(sq, i);
+        float sv = store_load(sq, i, TF ? s + one_minus * (gv * gv - s) : alpha * s + one_minus * gv * gv);
         if (CENTERED) {
           float ga = load(gavg, i);
-          store(gavg, i, ga + one_minus * (gv - ga));
-          ga = load(gavg, i);
+          ga = store_load(gavg, i, ga + one_minus * (gv - ga));
           // The variance is >= 0 in exact math; rounding (or a low-precision
           // square_avg flushing to zero) can make it slightly negative, and
           // sqrt would turn that into NaN. max() keeps a NaN input NaN.
@@ -232,11 +225,9 @@ static void rmsprop_body(const OptArgs& a) {
         const float avg = TF ? std::sqrt(sv + eps) : std::sqrt(sv) + eps;
         float np;
         if (MOM == kMomLr) {
-          store(buf, i, mom * load(buf, i) + lr * gv / avg);
-          np = pv - load(buf, i);
+          np = pv - store_load(buf, i, mom * load(buf, i) + lr * gv / avg);
         } else if (MOM == kMom) {
-          store(buf, i, mom * load(buf, i) + gv / avg);
-          np = pv - lr * load(buf, i);
+          np = pv - lr * store_load(buf, i, mom * load(buf, i) + gv / avg);
         } else {
           np = pv - lr * gv / avg;
         }
@@ -281,9 +272,9 @@ static void bert_adam(const OptArgs& a) {
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(gk, i - lo) * gs;
-        store(m, i, b1 * load(m, i) + omb1 * gv);
-        store(v, i, b2 * load(v, i) + omb2 * gv * gv);
-        float u = load(m, i) / (std::sqrt(load(v, i)) + eps) + wd * pv;
+        float mv = store_load(m, i, b1 * load(m, i) + omb1 * gv);
+        float vv = store_load(v, i, b2 * load(v, i) + omb2 * gv * gv);
+        float u = mv / (std::sqrt(vv) + eps) + wd * pv;
         float np = pv - lr * u;
         store(p, i, np);
         store(o, i, np);
@@ -505,9 +496,8 @@ static void adamp_stage_b(const OptArgs& a) {
       APEX_IVDEP
       for (idx_t i = lo; i < hi; ++i) {
         float gv = load(gk, i - lo) * s.gs;
-        store(m, i, s.b1 * load(m, i) + s.omb1 * gv);
-        store(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
-        float mv = load(m, i), vv = load(v, i);
+        float mv = store_load(m, i, s.b1 * load(m, i) + s.omb1 * gv);
+        float vv = store_load(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
         float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
         float pert = pick_f32(s.nesterov, s.b1 * mv + s.omb1 * gv, mv) / denom;
         float pv = load(p, i);
@@ -536,8 +526,8 @@ static void adagrad(const OptArgs& a) {
       for (idx_t i = lo; i < hi; ++i) {
         float pv = load(p, i);
         float gv = load(gk, i - lo) * gs + pick_f32(wmode, 0.f, wd * pv);
-        store(sum, i, load(sum, i) + gv * gv);
-        float u = gv / (std::sqrt(load(sum, i)) + eps) + pick_f32(wmode, wd * pv, 0.f);
+        float sv = store_load(sum, i, load(sum, i) + gv * gv);
+        float u = gv / (std::sqrt(sv) + eps) + pick_f32(wmode, wd * pv, 0.f);
         float np = pv - clr * u;
         store(p, i, np);
         store(o, i, np);

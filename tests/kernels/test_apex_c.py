@@ -464,7 +464,7 @@ def bad_value(kind: str, dt: int):
 
 def probe_positions(n: int) -> list:
     """First, middle and last element, and windows of 70 (> one unrolled 512-bit fp16 vector: 64) at the start
-    (the alignment peel), around the middle (where 2 threads split the range: the first thread's SIMD tail)
+    (the alignment peel), around the middle (inside the range of the pieces threads take in turn)
     and at the end (the last SIMD tail). Large n repeats only the windows small n cannot reach."""
     if n <= 200:
         return list(range(n))
@@ -533,12 +533,12 @@ def test_extremes_are_finite(level, name):
 # thread-count independence (elementwise: bitwise; flags identical)
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(DTYPES))
-def test_results_identical_for_1_and_2_threads(level, rng, name):
+def test_results_identical_for_1_2_and_3_threads(level, rng, name):
     dt = DTYPES[name]
-    n = (1 << 17) + 13  # large enough that 2 threads really split the range
+    n = (1 << 17) + 13  # large enough that 2 threads really split the range (into pieces taken in turn)
     x, y = random_values(rng, n, dt), random_values(rng, n, dt)
     outs = []
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         src = Buf(x, dt, 1)
         scaled = Buf(np.zeros(n, STORAGE[dt]), dt, 0)
         acc = Buf(y, dt, 1)
@@ -553,9 +553,10 @@ def test_results_identical_for_1_and_2_threads(level, rng, name):
         apex_C.fill_(filled.obj, 0.3, threads)
         apex_C.scale_(src.obj, src.obj, 3.0, True, threads)
         outs.append((flags, [bits(b.view).tobytes() for b in (scaled, acc, conv, filled, src)]))
-    assert outs[0][0] == outs[1][0]
-    for k, name_ in enumerate(("scale_", "axpy_", "copy_", "fill_", "scale_ in place")):
-        assert outs[0][1][k] == outs[1][1][k], f"{name_} differs between 1 and 2 threads"
+    for t in (1, 2):
+        assert outs[0][0] == outs[t][0]
+        for k, name_ in enumerate(("scale_", "axpy_", "copy_", "fill_", "scale_ in place")):
+            assert outs[0][1][k] == outs[t][1][k], f"{name_} differs between 1 and {t + 1} threads"
 
 
 # ---------------------------------------------------------------------------------------------------------------
