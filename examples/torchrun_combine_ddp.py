@@ -24,7 +24,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # before any group exists: see _release_process_group
 
 from apex import _device, amp
 from apex.optimizers import NpuFusedAdam
@@ -106,19 +105,6 @@ def train(args: argparse.Namespace) -> None:
             raise RuntimeError("the loss did not decrease")
 
 
-def _release_process_group() -> None:
-    """destroy_process_group, and make sure that really ends the backend's worker threads.
-
-    torch.distributed.nn.functional uses the default group as a default argument; imported after
-    init_process_group (torch.optim imports it on first use, through torch._dynamo), it keeps the group alive
-    past destroy_process_group. gloo's worker threads then outlive the interpreter's shutdown, and one that
-    frees a tensor after that aborts the process. Importing it first (above, before any group exists) leaves
-    the default None, so the last reference to the group goes here and its destructor joins the threads.
-    """
-    amp.deinitialize()
-    dist.destroy_process_group()
-
-
 def run_rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     if world > 1 and _device.detect_device() == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -127,7 +113,8 @@ def run_rank(rank: int, world: int, store: str, args: argparse.Namespace) -> Non
     try:
         train(args)
     finally:
-        _release_process_group()
+        amp.deinitialize()
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
@@ -140,7 +127,8 @@ def main(argv=None) -> int:
         try:
             train(args)
         finally:
-            _release_process_group()
+            amp.deinitialize()
+            dist.destroy_process_group()
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(run_rank, args=(args.nproc, os.path.join(tmp, "store"), args),

@@ -78,3 +78,44 @@ def test_ddp_rejects_non_modules():
         DistributedDataParallel(3)
     with pytest.raises(TypeError, match=r"Reducer expects a torch\.nn\.Module or an iterable"):
         Reducer(3)
+
+
+_SHUTDOWN_SCRIPT = r"""
+import gc, sys, datetime
+import torch
+import torch.distributed as dist
+import {module}  # before any process group, as a training script does
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=30))
+pg = dist.group.WORLD
+torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])  # torch imports torch._dynamo here
+held = [f.__name__ for f in vars(sys.modules["torch.distributed.nn.functional"]).values()
+        if callable(f) and any(d is pg for d in (getattr(f, "__defaults__", None) or ()))]
+dist.destroy_process_group()
+gc.collect()
+print(len(held), sys.getrefcount(pg) - 1)
+"""
+
+
+@pytest.mark.parametrize("module", ["apex.amp", "apex.optimizers", "apex.parallel"])
+def test_importing_apex_first_lets_destroy_process_group_release_the_group(module, tmp_path):
+    """torch.distributed.nn.functional binds the default group into its defaults when first imported after
+    init_process_group; apex imports it before, so the last reference to the group goes with
+    destroy_process_group (gloo's worker threads must not outlive the interpreter's shutdown)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHUTDOWN_SCRIPT.format(module=module), str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    held, refs = map(int, out.stdout.split()[-2:])
+    assert held == 0, f"{held} torch.distributed.nn functions hold the default group in their defaults"
+    assert refs == 1, f"the group is still referenced {refs - 1} more time(s) after destroy_process_group"
+
+
+def test_distributed_nn_import_is_skipped_once_a_group_exists(monkeypatch):
+    """After init_process_group, importing torch.distributed.nn would itself hold the group: apex does not."""
+    from apex import _torch_workarounds
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    assert _torch_workarounds.import_distributed_nn_first() is False

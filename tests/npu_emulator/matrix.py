@@ -210,7 +210,6 @@ def run_matrix(args) -> list:
 
 def _ddp_rank(rank: int, world: int, store: str, steps: int, result_dir: str) -> None:
     import torch.distributed as dist
-    import torch.distributed.nn  # before init_process_group (docs/distributed.md, Shutdown)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

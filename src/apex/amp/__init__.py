@@ -7,6 +7,7 @@ decorators and ``disable_casts``; ``deinitialize`` undoes ``initialize``. The
 older ``init()`` API (process-wide casts with a handle) is kept as well.
 """
 
+from .. import _torch_workarounds  # noqa: F401  (imported for its effect)
 from ._amp_state import _amp_state, master_params  # noqa: F401  (upstream code reads amp._amp_state)
 from ._casts import (
     disable_casts,

@@ -1,5 +1,6 @@
 """Fused optimizers over combined (flat) buffers: torch.optim semantics, one pass per group on CPU."""
 
+from .. import _torch_workarounds  # noqa: F401  (imported for its effect)
 from ._base import CombinedOptimizer
 from .adadelta import NpuFusedAdadelta
 from .adam import NpuFusedAdam, NpuFusedAdamW

@@ -5,6 +5,7 @@ Distributed pieces ride torch.distributed (backend per device:
 :func:`default_backend`); docs/distributed.md describes them.
 """
 
+from .. import _torch_workarounds  # noqa: F401  (imported for its effect)
 from ._comm import CollectiveError, default_backend
 from .distributed import DistributedDataParallel, flat_dist_call
 from .LARC import LARC
