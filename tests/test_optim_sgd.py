@@ -71,3 +71,39 @@ def test_no_state_without_momentum(device):
     p.grad = torch.ones_like(p)
     opt.step()
     assert opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("executor", ["apex_C", "torch", "torch_ops"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hp", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(momentum=0.0)])
+def test_nonfinite_params_as_torch(monkeypatch, device, executor, dtype, hp):
+    """weight_decay=0 adds no decay term: an inf param stays inf, as in torch, instead of 0 * inf = NaN. Every
+    executor puts inf and NaN where torch.optim.SGD does; fp32 values are torch's bitwise (the sign of a zero
+    aside), 16-bit ones within one rounding per step (torch rounds each of its ops, we round once)."""
+    from _optim_harness import use_executor
+
+    expect = use_executor(monkeypatch, executor, device)
+    values = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.5, -2.0, 3.0])
+    grads = torch.tensor([1.0, 1.0, 1.0, -0.0, -0.0, 0.5, -0.0, float("inf")])
+    ours_p = torch.nn.Parameter(values.to(device, dtype).repeat(40))  # long enough for the vector loop
+    ref_p = torch.nn.Parameter(values.to(device, dtype).repeat(40))
+    ours = NpuFusedSGD([ours_p], lr=0.1, weight_decay=0.0, **hp)
+    ref = torch.optim.SGD([ref_p], lr=0.1, weight_decay=0.0, foreach=False, **hp)
+    for _ in range(3):
+        ours_p.grad = grads.to(device, dtype).repeat(40)
+        ref_p.grad = grads.to(device, dtype).repeat(40)
+        ours.step()
+        ref.step()
+    assert ours.last_executor == expect
+    pairs = [(ours_p.detach(), ref_p.detach())]
+    if hp["momentum"]:
+        pairs.append((ours.state[ours_p]["momentum_buffer"], ref.state[ref_p]["momentum_buffer"]))
+    for a, b in pairs:
+        a, b = a.float().cpu(), b.float().cpu()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        fin = a.isfinite()
+        assert torch.equal(a[~fin & ~a.isnan()], b[~fin & ~a.isnan()])  # infs of the same sign
+        if dtype == torch.float32:
+            assert torch.equal(a[fin], b[fin])
+        else:
+            torch.testing.assert_close(a[fin], b[fin], rtol=3 * torch.finfo(dtype).eps, atol=0)

@@ -31,12 +31,21 @@ inline std::size_t dtype_size(int d) { return d == F32 ? 4 : 2; }
 // expression: GCC (default -ftrapping-math) will not speculate the float add
 // of one arm, so a conditional kept the whole optimizer loop scalar.
 // ---------------------------------------------------------------------------
-inline float bits_to_f32(std::uint32_t u) {
+// Element helpers (bit casts, conversions, load/store) are forced inline: an optimizer loop vectorises only
+// if every call in its body is inlined, and GCC's size heuristics stop inlining the larger fp16 conversions
+// once a translation unit grows (a loop of scalar calls measured 20x slower).
+#if defined(__GNUC__) || defined(__clang__)
+#define APEX_ELEMENT inline __attribute__((always_inline))
+#else
+#define APEX_ELEMENT inline
+#endif
+
+APEX_ELEMENT float bits_to_f32(std::uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline std::uint32_t f32_to_bits(float f) {
+APEX_ELEMENT std::uint32_t f32_to_bits(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
@@ -45,16 +54,16 @@ inline std::uint32_t f32_to_bits(float f) {
 // All ones when c holds, else zero; pick(m, a, b) = m ? a : b without a branch.
 // Range tests compare as signed 32-bit (operands are below 2^31): one vector
 // compare on x86, where an unsigned one takes two.
-inline std::int32_t s32(std::uint32_t u) { return static_cast<std::int32_t>(u); }
-inline std::uint32_t mask_if(bool c) { return 0u - static_cast<std::uint32_t>(c); }
-inline std::uint32_t pick(std::uint32_t m, std::uint32_t a, std::uint32_t b) { return (a & m) | (b & ~m); }
+APEX_ELEMENT std::int32_t s32(std::uint32_t u) { return static_cast<std::int32_t>(u); }
+APEX_ELEMENT std::uint32_t mask_if(bool c) { return 0u - static_cast<std::uint32_t>(c); }
+APEX_ELEMENT std::uint32_t pick(std::uint32_t m, std::uint32_t a, std::uint32_t b) { return (a & m) | (b & ~m); }
 // c ? a : b for floats, both arms evaluated: optimizer loops use it for a per-call option (nesterov, decoupled
 // decay), where a conditional float expression became a branch that kept the whole loop scalar.
-inline float pick_f32(bool c, float a, float b) {
+APEX_ELEMENT float pick_f32(bool c, float a, float b) {
   return bits_to_f32(pick(mask_if(c), f32_to_bits(a), f32_to_bits(b)));
 }
 
-inline float half_to_f32_soft(std::uint16_t h) {
+APEX_ELEMENT float half_to_f32_soft(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   const std::uint32_t em = h & 0x7fffu;
   // Normal halves: move exponent+mantissa into float position and rebias the
@@ -70,7 +79,7 @@ inline float half_to_f32_soft(std::uint16_t h) {
   return bits_to_f32(out | sign);
 }
 
-inline std::uint16_t f32_to_half_soft(float f) {
+APEX_ELEMENT std::uint16_t f32_to_half_soft(float f) {
   const std::uint32_t u = f32_to_bits(f);
   const std::uint32_t sign = (u >> 16) & 0x8000u;
   const std::uint32_t a = u & 0x7fffffffu;
@@ -85,13 +94,13 @@ inline std::uint16_t f32_to_half_soft(float f) {
   return static_cast<std::uint16_t>(r | sign);
 }
 
-inline float bf16_to_f32(std::uint16_t h) { return bits_to_f32(static_cast<std::uint32_t>(h) << 16); }
+APEX_ELEMENT float bf16_to_f32(std::uint16_t h) { return bits_to_f32(static_cast<std::uint32_t>(h) << 16); }
 
 // Integer-only, so it is exact under any MXCSR/FPCR mode. Hardware bf16
 // narrowing (AVX512-BF16 VCVTNEPS2BF16, ARM BFCVT) reads denormal inputs as
 // zero; VCVTNEPS2BF16 with an exact fix-up for those inputs was measured and is
 // slower in the bf16 Adam kernels (docs/DESIGN-NOTES.md, f16/bf16 storage).
-inline std::uint16_t f32_to_bf16(float f) {
+APEX_ELEMENT std::uint16_t f32_to_bf16(float f) {
   const std::uint32_t u = f32_to_bits(f);
   const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // RNE
   const std::uint32_t nan = (u >> 16) | 0x0040u;                            // quiet nan
@@ -108,7 +117,7 @@ inline std::uint16_t f32_to_bf16(float f) {
 // emit one call per element, so GCC builds use the *_soft forms (same bits).
 #if defined(__F16C__) && defined(__clang__)
 #define APEX_F16_HARDWARE 1
-inline float half_to_f32(std::uint16_t h) {
+APEX_ELEMENT float half_to_f32(std::uint16_t h) {
   _Float16 x;
   std::memcpy(&x, &h, 2);
   const std::uint32_t hw = f32_to_bits(static_cast<float>(x));
@@ -116,7 +125,7 @@ inline float half_to_f32(std::uint16_t h) {
   const std::uint32_t nan = (static_cast<std::uint32_t>(h & 0x8000u) << 16) | (em << 13) | 0x7f800000u;
   return bits_to_f32(pick(mask_if(s32(em) > 0x7c00), nan, hw));
 }
-inline std::uint16_t f32_to_half(float f) {
+APEX_ELEMENT std::uint16_t f32_to_half(float f) {
   const _Float16 x = static_cast<_Float16>(f);
   std::uint16_t hw;
   std::memcpy(&hw, &x, 2);
@@ -126,39 +135,39 @@ inline std::uint16_t f32_to_half(float f) {
 }
 #else
 #define APEX_F16_HARDWARE 0
-inline float half_to_f32(std::uint16_t h) { return half_to_f32_soft(h); }
-inline std::uint16_t f32_to_half(float f) { return f32_to_half_soft(f); }
+APEX_ELEMENT float half_to_f32(std::uint16_t h) { return half_to_f32_soft(h); }
+APEX_ELEMENT std::uint16_t f32_to_half(float f) { return f32_to_half_soft(f); }
 #endif
 
 // Storage types: float for F32, distinct 16-bit wrappers for F16 / BF16.
 struct half_t { std::uint16_t x; };
 struct bf16_t { std::uint16_t x; };
 
-inline float load(const float* p, idx_t i) { return p[i]; }
-inline float load(const half_t* p, idx_t i) { return half_to_f32(p[i].x); }
-inline float load(const bf16_t* p, idx_t i) { return bf16_to_f32(p[i].x); }
-inline void store(float* p, idx_t i, float v) { p[i] = v; }
-inline void store(half_t* p, idx_t i, float v) { p[i].x = f32_to_half(v); }
-inline void store(bf16_t* p, idx_t i, float v) { p[i].x = f32_to_bf16(v); }
+APEX_ELEMENT float load(const float* p, idx_t i) { return p[i]; }
+APEX_ELEMENT float load(const half_t* p, idx_t i) { return half_to_f32(p[i].x); }
+APEX_ELEMENT float load(const bf16_t* p, idx_t i) { return bf16_to_f32(p[i].x); }
+APEX_ELEMENT void store(float* p, idx_t i, float v) { p[i] = v; }
+APEX_ELEMENT void store(half_t* p, idx_t i, float v) { p[i].x = f32_to_half(v); }
+APEX_ELEMENT void store(bf16_t* p, idx_t i, float v) { p[i].x = f32_to_bf16(v); }
 // store(p, i, v) and then load(p, i), without the round trip through memory: a loop that reads back
 // what it stored (a low-precision state the update uses as stored) stays in registers.
-inline float store_load(float* p, idx_t i, float v) {
+APEX_ELEMENT float store_load(float* p, idx_t i, float v) {
   p[i] = v;
   return v;
 }
-inline float store_load(half_t* p, idx_t i, float v) {
+APEX_ELEMENT float store_load(half_t* p, idx_t i, float v) {
   const std::uint16_t h = f32_to_half(v);
   p[i].x = h;
   return half_to_f32(h);
 }
-inline float store_load(bf16_t* p, idx_t i, float v) {
+APEX_ELEMENT float store_load(bf16_t* p, idx_t i, float v) {
   const std::uint16_t h = f32_to_bf16(v);
   p[i].x = h;
   return bf16_to_f32(h);
 }
 
 // Bit test for inf/nan that vectorises (no float compares on nan).
-inline bool nonfinite_bits(float v) { return (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u; }
+APEX_ELEMENT bool nonfinite_bits(float v) { return (f32_to_bits(v) & 0x7f800000u) == 0x7f800000u; }
 
 // ---------------------------------------------------------------------------
 // Checked arithmetic. Element counts that reach a kernel are validated by the
@@ -243,11 +252,9 @@ inline Split plan_parallel_for(idx_t n, int threads, idx_t align = 64) {
 template <class F>
 void run_split(idx_t n, Split split, F&& fn) {
   if (split.parts <= 0) return;
-  if (split.parts == 1) {
-    fn(idx_t{0}, n);
-    return;
-  }
-  const idx_t piece = split.piece > 0 ? split.piece : split.per;
+  // fn has one call site (inside `work`, also for a single part): inlined twice, large bodies could
+  // exceed the inliner's growth limits and lose their vectorised element loops
+  const idx_t piece = split.parts > 1 && split.piece > 0 ? split.piece : n;
   const idx_t pieces = ceil_div(n, piece);
   std::atomic<idx_t> next{0};
   auto work = [&fn, &next, piece, pieces, n] {
@@ -257,6 +264,10 @@ void run_split(idx_t n, Split split, F&& fn) {
       fn(b, step_to(b, piece, n));
     }
   };
+  if (split.parts == 1) {
+    work();
+    return;
+  }
   std::vector<std::thread> pool;
   pool.reserve(static_cast<std::size_t>(split.parts - 1));
   for (int t = 1; t < split.parts; ++t) pool.emplace_back(work);

@@ -66,41 +66,56 @@ inline void with_pgo(const OptArgs& a, F&& f) {
 inline float gmul(const OptArgs& a, idx_t k) { return a.grad_scale * (a.seg_gmul ? a.seg_gmul[k] : 1.f); }
 
 // ---------------------------------------------------------------------------
-static void sgd(const OptArgs& a) {
+// torch.optim.SGD. Weight decay and Nesterov are template parameters (chosen once per call): torch adds the
+// decay term only when weight_decay != 0 (so an inf param stays inf instead of meeting 0 * inf = NaN), and
+// the 16-bit loops are bound by instruction count, so terms that do not apply are not computed.
+template <bool L2, bool NESTEROV>
+static void sgd_body(const OptArgs& a) {
   with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
     APEX_TYPES(pt, gt, ot);
     P* __restrict buf = static_cast<P*>(a.s[0]);
     const float lr = static_cast<float>(a.hp[0]), mom = static_cast<float>(a.hp[1]);
+    const float take = static_cast<float>(1.0 - a.hp[2]);  // 1 - dampening
     const float wd = static_cast<float>(a.hp[3]);
-    const bool nesterov = a.flags & kNesterov;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
+      // d = g * scale (+ wd * p). p is read once per element: a second load(p, i) after a store is not
+      // merged with the first (the compiler cannot prove the arrays disjoint through the lambda).
       if (mom == 0.f || !buf) {
         APEX_IVDEP
         for (idx_t i = lo; i < hi; ++i) {
-          float d = load(gk, i - lo) * gs + wd * load(p, i);
-          float np = load(p, i) - lr * d;
+          const float pv = load(p, i);
+          float d = load(gk, i - lo) * gs;
+          if constexpr (L2) d = d + wd * pv;
+          const float np = pv - lr * d;
           store(p, i, np);
           store(o, i, np);
         }
-        return;
-      }
-      const bool first = a.first && a.first[k];
-      // torch: the first momentum buffer is the gradient itself (no dampening)
-      const float keep = first ? 0.f : mom, take = first ? 1.f : static_cast<float>(1.0 - a.hp[2]);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float d = load(gk, i - lo) * gs + wd * load(p, i);
-        float b = keep * load(buf, i) + take * d;
-        b = store_load(buf, i, b);  // the update uses the buffer as stored (as torch does in low precision)
-        float step = pick_f32(nesterov, d + mom * b, b);
-        float np = load(p, i) - lr * step;
-        store(p, i, np);
-        store(o, i, np);
+      } else {
+        // torch starts the buffer as the gradient itself: keep 0, take 1 on a slot's first update
+        const bool first = a.first && a.first[k];
+        const float keep = first ? 0.f : mom, tk = first ? 1.f : take;
+        APEX_IVDEP
+        for (idx_t i = lo; i < hi; ++i) {
+          const float pv = load(p, i);
+          float d = load(gk, i - lo) * gs;
+          if constexpr (L2) d = d + wd * pv;
+          float s = store_load(buf, i, keep * load(buf, i) + tk * d);  // used as stored (as torch does)
+          if constexpr (NESTEROV) s = d + mom * s;
+          const float np = pv - lr * s;
+          store(p, i, np);
+          store(o, i, np);
+        }
       }
     });
   });
+}
+
+static void sgd(const OptArgs& a) {
+  const bool l2 = static_cast<float>(a.hp[3]) != 0.f, nesterov = a.flags & kNesterov;
+  if (l2) nesterov ? sgd_body<true, true>(a) : sgd_body<true, false>(a);
+  else nesterov ? sgd_body<false, true>(a) : sgd_body<false, false>(a);
 }
 
 // ---------------------------------------------------------------------------
