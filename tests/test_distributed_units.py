@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,9 +105,6 @@ def test_importing_apex_first_lets_destroy_process_group_release_the_group(modul
     """torch.distributed.nn.functional binds the default group into its defaults when first imported after
     init_process_group; apex imports it before, so the last reference to the group goes with
     destroy_process_group (gloo's worker threads must not outlive the interpreter's shutdown)."""
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", _SHUTDOWN_SCRIPT.format(module=module), str(tmp_path / "store")],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

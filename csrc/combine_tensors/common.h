@@ -210,12 +210,13 @@ int resolve_threads(int requested);
 // How [0, n) is cut into ranges: range t is [t * per, min((t + 1) * per, n)) for
 // t < parts. Every range but the last has a length that is a multiple of `align`;
 // the ranges are disjoint and cover [0, n) exactly, for any n >= 0. `piece`
-// (a multiple of `align`, at most `per`) is the unit in which the threads take
-// work, see run_split; pieces start at multiples of `piece`.
+// (a multiple of `align` when there are several parts, at most `per`) is the
+// unit in which the threads take work, see run_split; pieces start at multiples
+// of `piece`.
 struct Split {
   idx_t per;
   int parts;
-  idx_t piece = 0;  // 0: whole ranges
+  idx_t piece;
 };
 
 constexpr idx_t kPiecesPerThread = 16;
@@ -223,14 +224,14 @@ constexpr idx_t kPiecesPerThread = 16;
 // At most `threads` ranges (<= 0 or 1: one range), each of at least `min_per`
 // elements unless the whole is smaller.
 inline Split split_range(idx_t n, int threads, idx_t min_per, idx_t align) {
-  if (n <= 0) return {0, 0};
+  if (n <= 0) return {0, 0, 0};
   if (align < 1) align = 1;
   if (min_per < 1) min_per = 1;
   idx_t t = threads < 1 ? 1 : threads;
   const idx_t by_size = n / min_per;
   if (by_size < t) t = by_size < 1 ? 1 : by_size;
   idx_t per = ceil_div(n, t), aligned;
-  if (!checked_mul(ceil_div(per, align), align, &aligned) || aligned >= n) return {n, 1};
+  if (!checked_mul(ceil_div(per, align), align, &aligned) || aligned >= n) return {n, 1, n};
   per = aligned;
   // per is a multiple of align, so ceil_div(per / align, k) * align <= per cannot overflow
   const idx_t piece = ceil_div(per / align, kPiecesPerThread) * align;
@@ -252,9 +253,9 @@ inline Split plan_parallel_for(idx_t n, int threads, idx_t align = 64) {
 template <class F>
 void run_split(idx_t n, Split split, F&& fn) {
   if (split.parts <= 0) return;
-  // fn has one call site (inside `work`, also for a single part): inlined twice, large bodies could
-  // exceed the inliner's growth limits and lose their vectorised element loops
-  const idx_t piece = split.parts > 1 && split.piece > 0 ? split.piece : n;
+  // fn has one call site (inside `work`, also for a single part: one piece): inlined twice, large bodies
+  // could exceed the inliner's growth limits and lose their vectorised element loops
+  const idx_t piece = split.piece;
   const idx_t pieces = ceil_div(n, piece);
   std::atomic<idx_t> next{0};
   auto work = [&fn, &next, piece, pieces, n] {
