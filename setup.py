@@ -15,6 +15,7 @@ Environment knobs:
 
 import os
 import platform
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,6 +156,8 @@ def extension():
         define_macros=macros,
         extra_compile_args=common_flags(),
         extra_link_args=link_flags(),
+        # dlsym finds the process's OpenMP runtime (dispatch.cpp); it lives in libdl up to glibc 2.33
+        libraries=["dl"] if sys.platform.startswith("linux") else [],
         depends=headers,
         language="c++",
     )

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -197,8 +198,10 @@ inline idx_t ceil_div(idx_t n, idx_t d) { return n / d + (n % d != 0 ? 1 : 0); }
 inline idx_t step_to(idx_t b, idx_t step, idx_t end) { return end - b > step ? b + step : end; }
 
 // ---------------------------------------------------------------------------
-// Threading: std::thread per call, no persistent pool. Nothing survives a
-// call, so a fork (DataLoader workers) never inherits dead pool threads.
+// Threading: a call's threads are the OpenMP team of the runtime torch loaded
+// (libgomp, or a runtime with its GOMP entry points) when the process has one,
+// else std::threads started for the call. Either way nothing of ours outlives
+// a call. See run_team (dispatch.cpp) for why and for the fork rule.
 // ---------------------------------------------------------------------------
 constexpr idx_t kMinPerThread = 1 << 16;  // below this, threads cost more than they save
 constexpr idx_t kChunk = 1 << 14;         // reduction chunk: fixed, so sums do not depend on threads
@@ -206,6 +209,15 @@ constexpr idx_t kChunk = 1 << 14;         // reduction chunk: fixed, so sums do 
 int default_threads();
 void set_default_threads(int n);
 int resolve_threads(int requested);
+
+// Runs body(ctx) on `parts` threads at once, the caller being one of them, and returns when all have returned
+// (an exception from body is rethrown here, the first one). The other threads come from the OpenMP runtime's team
+// when that pool is in use, else they are std::threads started for this call.
+void run_team(int parts, void (*body)(void*), void* ctx);
+// "openmp" or "threads": what the next run_team uses. set_thread_pool takes "auto" (OpenMP when the process has a
+// runtime, else threads), "openmp" (std::invalid_argument when there is none) or "threads".
+std::string thread_pool();
+void set_thread_pool(const std::string& name);
 
 // How [0, n) is cut into ranges: range t is [t * per, min((t + 1) * per, n)) for
 // t < parts. Every range but the last has a length that is a multiple of `align`;
@@ -243,18 +255,18 @@ inline Split plan_parallel_for(idx_t n, int threads, idx_t align = 64) {
   return split_range(n, resolve_threads(threads), kMinPerThread, align);
 }
 
-// Runs fn(begin, end) over [0, n) on parts-1 new threads plus the calling one.
-// The threads take consecutive pieces of `split.piece` elements from a shared
-// counter instead of one fixed range each: a thread that starts late (a new
-// thread waits for a core that torch's OpenMP workers still spin on right after
-// a torch op) then does less, instead of the call waiting for its whole range.
+// Runs fn(begin, end) over [0, n) on split.parts threads (run_team), the calling
+// one included. The threads take consecutive pieces of `split.piece` elements
+// from a shared counter instead of one fixed range each: a thread that starts
+// late (its core still busy with something else) then does less, instead of
+// the call waiting for its whole range.
 // fn must only depend on its range (every caller's ranges are independent:
 // element-wise updates, or partial sums stored per fixed chunk and added in order).
 template <class F>
 void run_split(idx_t n, Split split, F&& fn) {
   if (split.parts <= 0) return;
-  // fn has one call site (inside `work`, also for a single part: one piece): inlined twice, large bodies
-  // could exceed the inliner's growth limits and lose their vectorised element loops
+  // fn has one call site (inside `work`, reached through `body` also for a single part): inlined twice, large
+  // bodies could exceed the inliner's growth limits and lose their vectorised element loops
   const idx_t piece = split.piece;
   const idx_t pieces = ceil_div(n, piece);
   std::atomic<idx_t> next{0};
@@ -265,15 +277,12 @@ void run_split(idx_t n, Split split, F&& fn) {
       fn(b, step_to(b, piece, n));
     }
   };
+  void (*body)(void*) = [](void* w) { (*static_cast<decltype(work)*>(w))(); };
   if (split.parts == 1) {
-    work();
+    body(&work);
     return;
   }
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<std::size_t>(split.parts - 1));
-  for (int t = 1; t < split.parts; ++t) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
+  run_team(split.parts, body, &work);
 }
 
 // Runs fn(begin, end) over [0, n) split into up to `threads` contiguous ranges

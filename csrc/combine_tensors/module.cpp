@@ -343,6 +343,12 @@ PYBIND11_MODULE(apex_C, m) {
         "select a SIMD level ('baseline', 'avx2', 'avx512', 'neon' or 'auto'); ValueError if unsupported");
   m.def("get_num_threads", &default_threads);
   m.def("set_num_threads", &set_default_threads, py::arg("n"), "default thread count (<= 0: APEX_NUM_THREADS or all cores)");
+  m.def("thread_pool", &thread_pool,
+        "whose threads run a threaded call: 'openmp' (the team of the OpenMP runtime in the process, torch's) or "
+        "'threads' (threads started per call)");
+  m.def("set_thread_pool", &set_thread_pool, py::arg("name"),
+        "'auto' (OpenMP when the process has a runtime, else threads; the default, or APEX_THREAD_POOL), 'openmp' "
+        "or 'threads'; ValueError if unknown or if 'openmp' has no runtime");
 
   // ---- public typed API: objects carrying dtype, shape, device and lifetime ----------------------------
   const char* objs = " Buffers are objects with the buffer protocol or __dlpack__ (numpy arrays, torch tensors): "

@@ -532,8 +532,32 @@ def test_extremes_are_finite(level, name):
 # ---------------------------------------------------------------------------------------------------------------
 # thread-count independence (elementwise: bitwise; flags identical)
 # ---------------------------------------------------------------------------------------------------------------
+def _use_pool(name: str) -> None:
+    """Selects a thread pool for the calls that follow; skips when the process cannot have an OpenMP runtime."""
+    if name == "openmp":
+        try:
+            import torch  # noqa: F401  (loads the OpenMP runtime torch's CPU ops run on)
+        except ImportError:
+            pytest.skip("torch is not installed: no OpenMP runtime in this process")
+        try:
+            apex_C.set_thread_pool("openmp")
+        except ValueError as e:
+            pytest.skip(f"this torch runs without an OpenMP runtime: {e}")
+    else:
+        apex_C.set_thread_pool(name)
+    assert apex_C.thread_pool() == name
+
+
+@pytest.fixture(params=["threads", "openmp"])
+def pool(request):
+    """Runs the test's threaded calls on one thread pool, then back to the default choice."""
+    _use_pool(request.param)
+    yield request.param
+    apex_C.set_thread_pool("auto")
+
+
 @pytest.mark.parametrize("name", list(DTYPES))
-def test_results_identical_for_1_2_and_3_threads(level, rng, name):
+def test_results_identical_for_1_2_and_3_threads(level, pool, rng, name):
     dt = DTYPES[name]
     n = (1 << 17) + 13  # large enough that 2 threads really split the range (into pieces taken in turn)
     x, y = random_values(rng, n, dt), random_values(rng, n, dt)
@@ -1190,6 +1214,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.pop("APEX_SIMD", None)
     full_env.pop("APEX_NUM_THREADS", None)
+    full_env.pop("APEX_THREAD_POOL", None)
     full_env.update(env)
     # the child finds this very apex_C first, whether it is installed or built in place
     full_env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(apex_C.__file__), full_env.get("PYTHONPATH", "")])
@@ -1216,6 +1241,82 @@ def test_apex_simd_env_rejects_unsupported_level():
     r = _python("import apex_C", APEX_SIMD="no-such-level")
     assert r.returncode != 0, "an unsupported APEX_SIMD must not be ignored silently"
     assert "no-such-level" in r.stderr and "not supported" in r.stderr, r.stderr
+
+
+def test_thread_pool_setting():
+    try:
+        for bad in ("bogus", "OpenMP", ""):
+            apex_C.set_thread_pool("threads")
+            with pytest.raises(ValueError, match="unknown thread pool"):
+                apex_C.set_thread_pool(bad)
+            assert apex_C.thread_pool() == "threads", "a rejected pool changed the selection"
+        apex_C.set_thread_pool("auto")
+        assert apex_C.thread_pool() in ("openmp", "threads")
+    finally:
+        apex_C.set_thread_pool("auto")
+
+
+def test_thread_pool_without_openmp_runtime():
+    r = _python(
+        """
+        import apex_C
+        print(apex_C.thread_pool())  # no torch: no OpenMP runtime loaded (numpy's BLAS brings none here)
+        try:
+            apex_C.set_thread_pool("openmp")
+        except ValueError as e:
+            print("refused:", e)
+        print(apex_C.thread_pool())
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    if lines[0] == "openmp":
+        pytest.skip("something in this interpreter's startup loads an OpenMP runtime")
+    assert lines[0] == "threads"
+    assert lines[1].startswith("refused:") and "no OpenMP runtime" in lines[1], lines
+    assert lines[2] == "threads"
+
+
+def test_thread_pool_is_torchs_openmp_team_and_threads_after_fork():
+    torch = pytest.importorskip("torch")
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch's parallel backend is not OpenMP")
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    r = _python(
+        """
+        import os, signal, warnings
+        import numpy as np, torch, apex_C
+        x = np.ones(1 << 20, np.float32)
+        print(apex_C.thread_pool())
+        torch.ones(1 << 22).mul_(2.0)  # torch's team exists and its workers spin
+        assert apex_C.sum_sq(x, 2) == float(1 << 20)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a team that waits for the parent's pool threads would hang here
+            ok = apex_C.thread_pool() == "threads" and apex_C.sum_sq(x, 2) == float(1 << 20)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        print(apex_C.thread_pool(), apex_C.sum_sq(x, 2) == float(1 << 20))
+        """,
+        APEX_THREAD_POOL="",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["openmp", "child", "0", "openmp", "True"], r.stdout
+
+
+@pytest.mark.parametrize("value, want", [("threads", "threads"), ("openmp", "openmp"), ("auto", "openmp"),
+                                         ("bogus", "openmp")])
+def test_apex_thread_pool_env(value, want):
+    torch = pytest.importorskip("torch")
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch's parallel backend is not OpenMP")
+    r = _python("import torch, apex_C; print(apex_C.thread_pool())", APEX_THREAD_POOL=value)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == want
 
 
 def test_apex_num_threads_env():
