@@ -241,6 +241,63 @@ def test_grads_that_cannot_be_read_in_place_are_copied():
         _assert_bitwise(oa, pa, ob, pb, f"step {step}")
 
 
+def _read_in_place(opt):
+    """Per param of the first flat set: whether this step's grad would be read where it is (not copied)."""
+    s = _sets(opt)[0]
+    gs, ptrs = s.scan_grads()
+    table, todo, _ = s.plan_gather(gs, ptrs)
+    copied = {k for k, _ in todo}
+    return [k not in copied for k in range(s.nseg)], table
+
+
+@pytest.mark.parametrize("param_layout", ["contiguous", "transposed"])
+def test_grad_layout_rules_for_reading_in_place(param_layout):
+    """A grad is read in place iff its elements lie as in the param's slot: for contiguous params any contiguous
+    grad (strides of size-1 dims do not matter), else the same strides; others are copied. Results are bitwise
+    those of the grads-kept path either way."""
+    gen = torch.Generator().manual_seed(7)
+    base = [torch.randn(4, 1, 3, generator=gen), torch.randn(5, 6, generator=gen)]
+    if param_layout == "transposed":  # params that are not contiguous: the flat set keeps their strides
+        base = [t.transpose(0, -1).contiguous().transpose(0, -1) for t in base]
+    pa = [torch.nn.Parameter(t.clone()) for t in base]
+    pb = [torch.nn.Parameter(t.clone()) for t in base]
+    oa, ob = NpuFusedAdam(pa, lr=1e-2), NpuFusedAdam(pb, lr=1e-2)
+    for step in range(3):
+        grads = [torch.randn(t.shape, generator=gen) for t in base]
+        for p, g in zip(pa, grads):
+            _kept(p, g)
+        # grad 0: size-1 dim with an odd stride (still contiguous); grad 1: the param's strides, or transposed
+        g0 = torch.empty_strided((4, 1, 3), (3, 99, 1))
+        g0.copy_(grads[0])
+        g1 = torch.empty_strided(pb[1].shape, pb[1].stride()) if step != 1 else grads[1].t().contiguous().t()
+        g1.copy_(grads[1])
+        pb[0].grad, pb[1].grad = g0, g1
+        if step >= 1:
+            readable, table = _read_in_place(ob)
+            same_layout_1 = g1.stride() == pb[1].stride() or (g1.is_contiguous() and pb[1].is_contiguous())
+            assert readable == [pb[0].is_contiguous(), same_layout_1], (param_layout, step)
+            if readable[0]:
+                assert int(table[0]) == g0.data_ptr()
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{param_layout} step {step}")
+
+
+def test_zero_grad_drops_every_grad_under_torchs_profiler_label():
+    ps = _params(torch.float32, 9)
+    opt = NpuFusedAdam(_groups(ps, NpuFusedAdam), lr=1e-2)
+    for step in range(2):
+        for k, p in enumerate(ps):
+            p.grad = None if k == 2 else torch.ones_like(p)  # one param without a grad: stays None
+        opt.step()
+        with torch.autograd.profiler.profile() as prof:
+            opt.zero_grad()
+        assert all(p.grad is None for p in ps)
+        assert f"Optimizer.zero_grad#{type(opt).__name__}.zero_grad" in {e.name for e in prof.function_events}
+    ref = torch.optim.Adam([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2)
+    assert opt._zero_grad_profile_name.replace(type(opt).__name__, "Adam") == ref._zero_grad_profile_name
+
+
 def test_grad_overlapping_the_param_buffer_is_copied_first():
     p = torch.nn.Parameter(torch.randn(6, 4))
     q = torch.nn.Parameter(p.detach().clone())

@@ -34,12 +34,10 @@ from ..contrib.combine_tensors import combine_tensors, plan_layout
 
 _get_grad = operator.attrgetter("grad")
 _get_layout = operator.attrgetter("layout")
-_get_dtype = operator.attrgetter("dtype")
-_get_device = operator.attrgetter("device")
 _get_shape = operator.attrgetter("shape")
-_get_is_cpu = operator.attrgetter("is_cpu")
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+_is_contiguous = torch.Tensor.is_contiguous
 _is = operator.is_
 
 
@@ -175,6 +173,14 @@ class FlatSet:
         self.param_ptrs = list(map(_data_ptr, self.params))
         self.shapes = list(map(_get_shape, self.params))
         self.strides = list(map(_stride, self.params))
+        # What a grad read in place must show, one tuple per slot: plan_gather compares all of them in one pass
+        # (one attrgetter call per grad instead of one map() per property).
+        on_cpu = self.device.type == "cpu"  # is_cpu: cheaper than building and comparing a device
+        self._grad_meta = operator.attrgetter("dtype", "is_cpu" if on_cpu else "device", "shape")
+        self._grad_meta_want = [(self.dtype, True if on_cpu else self.device, sh) for sh in self.shapes]
+        # Slots of contiguous params: a grad has their element layout iff it is contiguous (also when strides of
+        # size-1 dims differ), which is cheaper to ask than comparing stride tuples.
+        self._dense = all(map(_is_contiguous, self.params))
         # gather mode: the kernel reads each grad where it is (see plan_gather); the table stays alive here
         self.gathered = False
         self._gtab: Optional[torch.Tensor] = None
@@ -279,9 +285,7 @@ class FlatSet:
         gs = [g for _, g in live]
         if (
             set(map(_get_layout, gs)) - {torch.strided}
-            or set(map(_get_dtype, gs)) - {self.dtype}
-            or set(map(_get_device, gs)) - {self.device}
-            or list(map(_get_shape, gs)) != [self.params[k].shape for k, _ in live]
+            or list(map(self._grad_meta, gs)) != [self._grad_meta_want[k] for k, _ in live]
         ):
             for k, g in live:
                 check_grad(k, self.params[k], g)
@@ -310,7 +314,7 @@ class FlatSet:
 
         Returns (table, todo, has_none): ``table`` holds one grad address per slot (0 where there is
         no grad: skipped), ``todo`` the (k, grad) pairs that cannot be read in place and are copied
-        into their slots instead (strides other than the param's, an address not aligned to the
+        into their slots instead (an element layout other than the slot's, an address not aligned to the
         element size, or memory overlapping what the kernel writes), ``has_none``: some grad is None.
         Raises (sparse, dtype, device or shape mismatch) as `pending_grads` does.
         """
@@ -321,21 +325,19 @@ class FlatSet:
                     check_grad(k, self.params[k], gs[k])
             lgs = [gs[k] for k in live]
             lptrs = list(map(_data_ptr, lgs))
-            shapes = [self.shapes[k] for k in live]
-            strides = [self.strides[k] for k in live]
+            want = [self._grad_meta_want[k] for k in live]
         else:
-            live, lgs, lptrs, shapes, strides = None, gs, ptrs, self.shapes, self.strides
-        on_device = (
-            all(map(_get_is_cpu, lgs)) if self.device.type == "cpu"  # cheaper than comparing devices
-            else not set(map(_get_device, lgs)) - {self.device}
-        )
-        if not on_device or set(map(_get_dtype, lgs)) - {self.dtype} or list(map(_get_shape, lgs)) != shapes:
+            live, lgs, lptrs, want = None, gs, ptrs, self._grad_meta_want
+        if list(map(self._grad_meta, lgs)) != want:  # dtype, device or shape: name the first culprit
             for k, g in enumerate(gs):
                 if g is not None:
                     check_grad(k, self.params[k], g)
-        bad_strides = list(map(_stride, lgs)) != strides
+        if self._dense:
+            bad_layout = not all(map(_is_contiguous, lgs))
+        else:
+            bad_layout = list(map(_stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
         table = torch.tensor(lptrs, dtype=torch.int64)
-        todo_idx = self._not_readable(table, live, lgs, strides if bad_strides else None)
+        todo_idx = self._not_readable(table, live, lgs, bad_layout)
         if live is not None:
             full = torch.zeros(self.nseg, dtype=torch.int64)
             full[torch.tensor(live, dtype=torch.int64)] = table
@@ -345,13 +347,18 @@ class FlatSet:
             table[k] = self.grad_ptrs[k]
         return table, todo, live is not None
 
+    def _layout_ok(self, k: int, g: torch.Tensor) -> bool:
+        """Whether grad `g` has the element layout of slot `k` (see ``_dense``)."""
+        return g.is_contiguous() if self._dense else g.stride() == self.strides[k]
+
     def _not_readable(self, table: torch.Tensor, live: Optional[List[int]], lgs: List[torch.Tensor],
-                      strides: Optional[List[tuple]]) -> List[int]:
-        """Slots whose grad must be copied: strides unlike the param's slot, a misaligned address, or
-        memory the update writes (params, states, the O2 copy): the kernel assumes those disjoint."""
+                      bad_layout: bool) -> List[int]:
+        """Slots whose grad must be copied: an element layout unlike the param's slot, a misaligned address,
+        or memory the update writes (params, states, the O2 copy): the kernel assumes those disjoint."""
         idx = set()
-        if strides is not None:
-            idx.update(j for j, (g, st) in enumerate(zip(lgs, strides)) if g.stride() != st)
+        if bad_layout:
+            slots = range(len(lgs)) if live is None else live
+            idx.update(j for j, (k, g) in enumerate(zip(slots, lgs)) if not self._layout_ok(k, g))
         writes = [self.flat_p, *self.flat_s.values()]
         if self.flat_out is not None:
             writes.append(self.flat_out)
