@@ -289,7 +289,7 @@ def test_grad_layout_rules_for_reading_in_place(param_layout):
 def test_zero_grad_drops_every_grad_under_torchs_profiler_label():
     ps = _params(torch.float32, 9)
     opt = NpuFusedAdam(_groups(ps, NpuFusedAdam), lr=1e-2)
-    for step in range(2):
+    for _ in range(2):
         for k, p in enumerate(ps):
             p.grad = None if k == 2 else torch.ones_like(p)  # one param without a grad: stays None
         opt.step()
