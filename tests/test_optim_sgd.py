@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from _optim_harness import Spec, Suite, invalid_values
+from _optim_harness import Spec, Suite, invalid_values, use_executor
 
 from apex.optimizers import NpuFusedSGD
 
@@ -80,8 +80,6 @@ def test_nonfinite_params_as_torch(monkeypatch, device, executor, dtype, hp):
     """weight_decay=0 adds no decay term: an inf param stays inf, as in torch, instead of 0 * inf = NaN. Every
     executor puts inf and NaN where torch.optim.SGD does; fp32 values are torch's bitwise (the sign of a zero
     aside), 16-bit ones within one rounding per step (torch rounds each of its ops, we round once)."""
-    from _optim_harness import use_executor
-
     expect = use_executor(monkeypatch, executor, device)
     values = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.5, -2.0, 3.0])
     grads = torch.tensor([1.0, 1.0, 1.0, -0.0, -0.0, 0.5, -0.0, float("inf")])

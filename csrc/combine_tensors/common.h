@@ -10,7 +10,6 @@
 #include <cstring>
 #include <atomic>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace apexc {

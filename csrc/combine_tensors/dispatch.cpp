@@ -85,7 +85,8 @@ int resolve_threads(int requested) {
 namespace {
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 
-enum Pool : int { kAuto = 0, kOpenMP = 1, kThreads = 2 };
+// "openmp" is auto once a runtime is known to be there: a team whenever one can be used
+enum Pool : int { kAuto = 0, kThreads = 1 };
 std::atomic<int> g_pool{-1};  // -1: not chosen yet (APEX_THREAD_POOL, else auto)
 std::atomic<GompParallel> g_gomp{nullptr};
 std::atomic<bool> g_forked{false};
@@ -111,11 +112,8 @@ int chosen_pool() {
   int p = g_pool.load(std::memory_order_relaxed);
   if (p >= 0) return p;
   p = kAuto;
-  if (const char* e = std::getenv("APEX_THREAD_POOL")) {
-    const std::string v(e);
-    if (v == "threads") p = kThreads;
-    else if (v == "openmp") p = kOpenMP;  // still falls back to threads when the process has no runtime
-  }
+  // "openmp" (like anything else) is auto: it still falls back to threads when the process has no runtime
+  if (const char* e = std::getenv("APEX_THREAD_POOL"); e && std::string(e) == "threads") p = kThreads;
   g_pool.store(p, std::memory_order_relaxed);
   return p;
 }
@@ -209,7 +207,7 @@ void set_thread_pool(const std::string& name) {
   } else if (name == "openmp") {
     if (!find_gomp())
       throw std::invalid_argument("thread pool 'openmp': no OpenMP runtime (GOMP_parallel) is loaded in this process");
-    g_pool.store(kOpenMP);
+    g_pool.store(kAuto);
   } else {
     throw std::invalid_argument("unknown thread pool '" + name + "'; expected 'auto', 'openmp' or 'threads'");
   }

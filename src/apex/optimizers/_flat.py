@@ -171,13 +171,13 @@ class FlatSet:
         self._n_unexposed = self.nseg - sum(self.exposed)
 
         self.param_ptrs = list(map(_data_ptr, self.params))
-        self.shapes = list(map(_get_shape, self.params))
         self.strides = list(map(_stride, self.params))
-        # What a grad read in place must show, one tuple per slot: plan_gather compares all of them in one pass
-        # (one attrgetter call per grad instead of one map() per property).
+        # What a grad must show, one tuple per slot: `_check_grad_meta` compares all of them in one pass (one
+        # attrgetter call per grad instead of one map() per property).
         on_cpu = self.device.type == "cpu"  # is_cpu: cheaper than building and comparing a device
         self._grad_meta = operator.attrgetter("dtype", "is_cpu" if on_cpu else "device", "shape")
-        self._grad_meta_want = [(self.dtype, True if on_cpu else self.device, sh) for sh in self.shapes]
+        self._grad_meta_want = [(self.dtype, True if on_cpu else self.device, sh)
+                                for sh in map(_get_shape, self.params)]
         # Slots of contiguous params: a grad has their element layout iff it is contiguous (also when strides of
         # size-1 dims differ), which is cheaper to ask than comparing stride tuples.
         self._dense = all(map(_is_contiguous, self.params))
@@ -283,12 +283,11 @@ class FlatSet:
         """
         live = [(k, g) for k, g in enumerate(map(_get_grad, self.params)) if g is not None]
         gs = [g for _, g in live]
-        if (
-            set(map(_get_layout, gs)) - {torch.strided}
-            or list(map(self._grad_meta, gs)) != [self._grad_meta_want[k] for k, _ in live]
-        ):
+        ks = [k for k, _ in live]
+        if set(map(_get_layout, gs)) - {torch.strided}:
             for k, g in live:
                 check_grad(k, self.params[k], g)
+        self._check_grad_meta(ks, gs)
         views, ptrs = self.grad_views, self.grad_ptrs
         return [(k, g) for k, g in live if g is not views[k] or g.data_ptr() != ptrs[k]]
 
@@ -325,13 +324,9 @@ class FlatSet:
                     check_grad(k, self.params[k], gs[k])
             lgs = [gs[k] for k in live]
             lptrs = list(map(_data_ptr, lgs))
-            want = [self._grad_meta_want[k] for k in live]
         else:
-            live, lgs, lptrs, want = None, gs, ptrs, self._grad_meta_want
-        if list(map(self._grad_meta, lgs)) != want:  # dtype, device or shape: name the first culprit
-            for k, g in enumerate(gs):
-                if g is not None:
-                    check_grad(k, self.params[k], g)
+            live, lgs, lptrs = None, gs, ptrs
+        self._check_grad_meta(live, lgs)
         if self._dense:
             bad_layout = not all(map(_is_contiguous, lgs))
         else:
@@ -346,6 +341,14 @@ class FlatSet:
         for k, _ in todo:
             table[k] = self.grad_ptrs[k]
         return table, todo, live is not None
+
+    def _check_grad_meta(self, ks: Optional[Sequence[int]], gs: Sequence[torch.Tensor]) -> None:
+        """Raises as `check_grad` (naming the first culprit) unless grad gs[j] has the dtype, device and shape of
+        slot ks[j] (ks None: slot j), for every j; the per-grad check only runs when the one-pass test fails."""
+        want = self._grad_meta_want if ks is None else [self._grad_meta_want[k] for k in ks]
+        if list(map(self._grad_meta, gs)) != want:
+            for k, g in zip(range(len(gs)) if ks is None else ks, gs):
+                check_grad(k, self.params[k], g)
 
     def _layout_ok(self, k: int, g: torch.Tensor) -> bool:
         """Whether grad `g` has the element layout of slot `k` (see ``_dense``)."""
