@@ -23,6 +23,7 @@ from apex.optimizers import (
     NpuFusedAdadelta,
     NpuFusedAdam,
     NpuFusedAdamW,
+    NpuFusedLamb,
     NpuFusedRMSprop,
     NpuFusedRMSpropTF,
     NpuFusedSGD,
@@ -47,6 +48,8 @@ GATHER = [
     ("fused_adagrad", FusedAdagrad, dict(lr=1e-2, weight_decay=0.01)),
     ("fused_adam", FusedAdam, dict(lr=1e-2, weight_decay=0.01)),
     ("fused_sgd", FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, wd_after_momentum=True)),
+    ("lamb", NpuFusedLamb, dict(lr=1e-2, weight_decay=0.01)),
+    ("lamb_adam", NpuFusedLamb, dict(lr=1e-2, adam=True)),
 ]
 IDS = [g[0] for g in GATHER]
 
@@ -296,6 +299,26 @@ def test_zero_grad_drops_every_grad_under_torchs_profiler_label():
         assert f"Optimizer.zero_grad#{type(opt).__name__}.zero_grad" in {e.name for e in prof.function_events}
     ref = torch.optim.Adam([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2)
     assert opt._zero_grad_profile_name.replace(type(opt).__name__, "Adam") == ref._zero_grad_profile_name
+
+
+def test_lamb_global_norm_reads_the_flat_grads():
+    """With use_global_grad_norm the norm is taken over the flat grad buffers first: fresh grads are copied in
+    (not read in place) and the update matches the grads-kept path bitwise."""
+    pa, pb = _params(torch.float32, 11), _params(torch.float32, 11)
+    groups_a = [{"params": pa[:3], "use_global_grad_norm": True}, {"params": pa[3:]}]
+    groups_b = [{"params": pb[:3], "use_global_grad_norm": True}, {"params": pb[3:]}]
+    oa, ob = NpuFusedLamb(groups_a, lr=1e-2), NpuFusedLamb(groups_b, lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        grads = [10 * g if g is not None else None for g in _draw(gen, pa, step, torch.float32)]
+        for p, g in zip(pa, grads):
+            _kept(p, g)
+        for p, g in zip(pb, grads):
+            _fresh(p, g)
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"step {step}")
+        assert not any(s.gathered for s in _sets(ob))
 
 
 def test_grad_overlapping_the_param_buffer_is_copied_first():

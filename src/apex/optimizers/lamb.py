@@ -17,8 +17,9 @@ they are); the global norm is taken over the grads of all param groups
 ``use_global_grad_norm`` is set.
 
 Executors: on CPU two apex_C passes per group x dtype (stage 1 updates m, v and
-returns per-param ||p||^2 and ||u||^2; stage 2 applies the trust ratios), plus
-one ``sum_sq`` pass for the global norm when asked; elsewhere the same math as
+returns per-param ||p||^2 and ||u||^2, reading fresh grads where autograd left them
+unless a global norm is asked for; stage 2 applies the trust ratios), plus
+one ``sum_sq`` pass over the flat grads for the global norm when asked; elsewhere the same math as
 torch ops on flat slices. Low-precision m, v are stored before u is formed in
 both executors, so u is computed from the stored moments.
 """
@@ -119,6 +120,8 @@ class _KernelPlan:
         self.skip = torch.tensor([0, 1] * s.nseg, dtype=torch.uint8)
         self.norms = torch.zeros(4 * s.nseg, dtype=torch.float64)  # (||p||^2, ||u||^2) per segment
         self.ratio = torch.ones(2 * s.nseg, dtype=torch.float32)
+        # grads read where they are: the set's per-slot addresses at the param segments (gaps are skipped)
+        self.gtab = torch.zeros(2 * s.nseg, dtype=torch.int64)
         a = _core.ext.OptArgs()
         src = s.args
         a.p, a.g, a.s0, a.s1 = src.p, src.g, src.s0, src.s1
@@ -140,6 +143,8 @@ class NpuFusedLamb(CombinedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0, adam=False,
                  use_global_grad_norm=False):
         super().__init__(params, _lamb_defaults(lr, betas, eps, weight_decay, adam, use_global_grad_norm))
+
+    _gather_grads = True  # stage 1 reads grads only through OptArgs (stage 2 reads none)
 
     def _init_combined(self) -> None:
         # also run when a copy (deepcopy / unpickle) restores only torch's fields
@@ -192,7 +197,13 @@ class NpuFusedLamb(CombinedOptimizer):
         a.grad_scale = float(self._group_mul(group))
         a.hp = [b1, b2, eps, wd]
         a.seg_out = plan.norms.data_ptr()
+        if s.gathered:
+            plan.gtab[0::2].copy_(s._gtab)
+            a.gtab = plan.gtab.data_ptr()
+        else:
+            a.gtab = 0
         _core.ext.lamb_stage1(a)
+        a.gtab = 0
         if group["adam"]:
             a.seg_mul = 0  # the kernel's default multiplier is 1
         else:
