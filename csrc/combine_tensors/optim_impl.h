@@ -362,33 +362,42 @@ static void lamb_stage1(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       const LambBC bc = lamb_bc(a, k, a.hp[0], a.hp[1]);
-      // Blocks of kBlk: the update (sqrt, divide) runs as one simple float loop the
-      // compiler vectorises, and only the squares are widened to double lanes.
-      // Accumulating inside the element loop kept it scalar (2.3x slower).
-      constexpr int kBlk = 16;
-      double pp[kBlk] = {}, uu[kBlk] = {};
-      float pb[kBlk], ub[kBlk];
-      auto block = [&](idx_t base, int n) {
+      // Chunks of kChunk: the update (sqrt, divide) runs as one plain float loop the compiler vectorises, then
+      // one loop per array adds its squares into kLanes double lanes (element i of the segment into lane
+      // (i - lo) % kLanes), folded in lane order at the end: the same order at every SIMD level.
+      // Accumulating inside the element loop kept it scalar (2.3x slower); a 16-element block with both loops
+      // fully unrolled became lane shuffles in the 16-bit instantiations (bf16 2x slower than fp32); one
+      // squares loop over both arrays was split into 8+4+2+1+1-wide pieces.
+      constexpr int kLanes = 16, kChunk = 512;
+      // Local copies: through the captures the compiler reloads every scalar after each store to pb / ub.
+      const float cb1 = b1, cb2 = b2, cb3 = b3, comb2 = omb2, ceps = eps, cwd = wd, cm = bc.m, cv = bc.v;
+      double pp[kLanes] = {}, uu[kLanes] = {};
+      float pb[kChunk], ub[kChunk];
+      for (idx_t base = lo; base < hi; base += kChunk) {
+        const int n = static_cast<int>(std::min<idx_t>(kChunk, hi - base));
         APEX_IVDEP
         for (int l = 0; l < n; ++l) {
           const idx_t j = base + l;
-          float pv = load(p, j);
-          float gv = load(gk, j - lo) * gs;
-          store(m, j, b1 * load(m, j) + b3 * gv);
-          store(v, j, b2 * load(v, j) + omb2 * gv * gv);
+          const float pv = load(p, j);
+          const float gv = load(gk, j - lo) * gs;
+          // u from the moments as stored (store_load: no reload from memory)
+          const float mv = store_load(m, j, cb1 * load(m, j) + cb3 * gv);
+          const float vv = store_load(v, j, cb2 * load(v, j) + comb2 * gv * gv);
           pb[l] = pv;
-          ub[l] = load(m, j) * bc.m / (std::sqrt(load(v, j) * bc.v) + eps) + wd * pv;
+          ub[l] = mv * cm / (std::sqrt(vv * cv) + ceps) + cwd * pv;
         }
-        for (int l = 0; l < n; ++l) {
-          pp[l] += static_cast<double>(pb[l]) * pb[l];
-          uu[l] += static_cast<double>(ub[l]) * ub[l];
+        const int full = n - n % kLanes;
+        for (int l0 = 0; l0 < full; l0 += kLanes)
+          for (int l = 0; l < kLanes; ++l) pp[l] += static_cast<double>(pb[l0 + l]) * pb[l0 + l];
+        for (int l0 = 0; l0 < full; l0 += kLanes)
+          for (int l = 0; l < kLanes; ++l) uu[l] += static_cast<double>(ub[l0 + l]) * ub[l0 + l];
+        for (int l = 0; full + l < n; ++l) {
+          pp[l] += static_cast<double>(pb[full + l]) * pb[full + l];
+          uu[l] += static_cast<double>(ub[full + l]) * ub[full + l];
         }
-      };
-      idx_t i = lo;
-      for (; i + kBlk <= hi; i += kBlk) block(i, kBlk);
-      if (i < hi) block(i, static_cast<int>(hi - i));
+      }
       double sp = 0.0, su = 0.0;
-      for (int l = 0; l < kBlk; ++l) {
+      for (int l = 0; l < kLanes; ++l) {
         sp += pp[l];
         su += uu[l];
       }

@@ -216,8 +216,9 @@ def test_scale_copy_axpy_match_baseline(level, sdt, ddt):
             assert a == b
 
 
-def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states: bool = False) -> list:
-    """Runs three steps of one optimizer kernel over two segments; returns every buffer's bytes.
+def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states: bool = False, nout: int = 0) -> list:
+    """Runs three steps of one optimizer kernel over two segments; returns every buffer's bytes (and the
+    kernel's per-segment outputs, nout per segment, for the reducing kernels).
 
     subnormal_states (bf16): the states start as positive bf16 subnormals (raw bits 0x0001..0x007f) and every
     third grad is zero."""
@@ -238,7 +239,7 @@ def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states:
             g[::3] = 0  # zero grads leave exp_avg_sq at (flushed) zero, so the max keeps the subnormal state
 
     def run():
-        pp, ss = p.copy(), [s.copy() for s in states]
+        pp, ss, outs = p.copy(), [s.copy() for s in states], []
         for t, g in enumerate(grads, start=1):
             a = apex_C.OptArgs()
             a.pdt = a.gdt = a.sdt = dt
@@ -247,8 +248,12 @@ def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states:
             steps = np.full(2, float(t), np.float32)
             first = np.array([t == 1, 0], np.uint8)
             a.steps, a.first, a.flags, a.hp, a.threads = steps.ctypes.data, first.ctypes.data, flags, list(hp), 2
+            out = np.zeros(2 * nout, np.float64)
+            if nout:
+                a.seg_out = out.ctypes.data
             getattr(apex_C, kernel)(a)
-        return [pp.tobytes()] + [s.tobytes() for s in ss]
+            outs.append(out.tobytes())
+        return [pp.tobytes()] + [s.tobytes() for s in ss] + outs
 
     return [run(), run_at("baseline", run)]
 
@@ -270,6 +275,27 @@ def test_low_precision_optimizer_steps_match_baseline(level, dt, case):
     got, want = _optimizer_case(kernel, dt, flags, hp, np.random.default_rng(5))
     for name, a, b in zip(("param", "s0", "s1", "s2"), got, want):
         assert a == b, f"{level} {case} {name} differs from baseline"
+
+
+LAMB_CASES = {
+    # stage 1: m, v and the per-segment (||p||^2, ||u||^2), over segments of 1000 and 3099 elements (reduction
+    # chunks and lane remainders of both); stage 2: the update with unit trust ratios
+    "lamb-stage1": ("lamb_stage1", apex_C.FLAG_BIAS_CORRECTION | apex_C.FLAG_BETA3, [0.9, 0.999, 1e-6, 0.01, 0.1], 2),
+    "lamb-stage1-nobc": ("lamb_stage1", 0, [0.9, 0.999, 1e-6, 0.0], 2),
+    "lamb-stage2": ("lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-2, 1e-6, 0.01, 0.9, 0.999], 0),
+}
+
+
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("case", list(LAMB_CASES))
+def test_lamb_stages_match_baseline(level, dt, case):
+    kernel, flags, hp, nout = LAMB_CASES[case]
+    got, want = _optimizer_case(kernel, dt, flags, hp, np.random.default_rng(6), nout=nout)
+    names = ["param", "s0", "s1", "s2"] + [f"seg_out step {t}" for t in (1, 2, 3)]
+    for name, a, b in zip(names, got, want):
+        assert a == b, f"{level} {case} {name} differs from baseline"
+    if nout:
+        assert np.frombuffer(got[-1], np.float64).any(), "the kernel wrote no per-segment norms"
 
 
 # ---------------------------------------------------------------------------------------------------------------
