@@ -66,6 +66,38 @@ def test_head_state_dict_holds_only_the_head():
         assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
 
 
+def test_an_optimizer_walks_the_objects_once_for_all_its_groups(monkeypatch):
+    """Several groups and dtypes: every module holding a param gets the compacting hook (a tied weight's second
+    owner included) from one walk over the interpreter's objects, and a re-combine walks no more."""
+    import gc
+
+    from apex.contrib.combine_tensors import _has_compact_hook
+
+    calls = []
+    real = gc.get_objects
+    monkeypatch.setattr(gc, "get_objects", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = Net()
+    model.body.half()
+    tied = torch.nn.Linear(256, 4)
+    tied.weight = model.head.weight
+    groups = [{"params": list(model.body.parameters())}, {"params": list(model.norm.parameters())},
+              {"params": list(model.head.parameters()), "lr": 1e-3}]
+    opt = O.NpuFusedSGD(groups, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert len(calls) == 1
+    assert all(_has_compact_hook(m) for m in (model.body, model.norm, model.head, tied))
+    assert not _has_compact_hook(model)  # holds no param of its own
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.step()
+    assert len(calls) == 2  # only for the new param
+    opt.param_groups[0]["params"][0].data = torch.zeros_like(model.body.weight)  # rebinding forces a re-combine
+    opt.step()
+    assert len(calls) == 2
+    assert _bytes(tied.state_dict()) < _own_bytes(tied) + 2048
+
+
 def test_state_dict_entries_alias_the_params_like_torch():
     """No copy: the entries share the params' memory (torch's ``param.detach()`` semantics)."""
     model, _ = _trained()

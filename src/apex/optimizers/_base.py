@@ -36,7 +36,7 @@ import torch
 
 from .. import _core, _device
 from .._tensor_utils import zero_grad_
-from ..contrib.combine_tensors import compact_state_dict
+from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
 from ._state_check import COUNT, PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
 
@@ -305,6 +305,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
         names = self._state_names(group)
+        # combining a set hooks the modules holding its params (compact state dicts): one walk over the objects
+        # for every group's params here, instead of one per group and dtype
+        _hook_owning_modules(p for g in self.param_groups for p in g["params"])
         sets = [FlatSet(ps, self.state, names, self._state_fill, self._has_step) for ps in by_kind.values()]
         if self._model_pairs is not None:
             for s in sets:
