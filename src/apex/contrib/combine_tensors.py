@@ -580,12 +580,12 @@ def _has_compact_hook(module: torch.nn.Module) -> bool:
 def _module_types() -> set:
     """nn.Module and every subclass alive now (a few hundred classes: well under a millisecond)."""
     seen = {torch.nn.Module}
-    todo = [torch.nn.Module]
-    while todo:
-        for sub in type.__subclasses__(todo.pop()):
+    stack = [torch.nn.Module]
+    while stack:
+        for sub in type.__subclasses__(stack.pop()):
             if sub not in seen:
                 seen.add(sub)
-                todo.append(sub)
+                stack.append(sub)
     return seen
 
 
