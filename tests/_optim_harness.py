@@ -163,7 +163,7 @@ def assert_shared(opt) -> int:
                 where = f"group {gi} param {k}"
                 if p.grad is not None and s.gathered:
                     # read where it is (fresh grad after set_to_none): the kernel's table holds its address
-                    assert int(s._gtab[k]) == p.grad.data_ptr(), f"{where}: grad not in the gather table"
+                    assert int(s.gtab[k]) == p.grad.data_ptr(), f"{where}: grad not in the gather table"
                 elif p.grad is not None:
                     assert p.grad is s.grad_views[k], f"{where}: grad is not the bound view"
                     assert storage_key(p.grad) == storage_key(s.flat_g), f"{where}: grad outside the flat grad buffer"

@@ -181,9 +181,9 @@ class FlatSet:
         # Slots of contiguous params: a grad has their element layout iff it is contiguous (also when strides of
         # size-1 dims differ), which is cheaper to ask than comparing stride tuples.
         self._dense = all(map(_is_contiguous, self.params))
-        # gather mode: the kernel reads each grad where it is (see plan_gather); the table stays alive here
-        self.gathered = False
-        self._gtab: Optional[torch.Tensor] = None
+        # gather mode (`gathered`): the kernel reads each grad where it is, through this per-slot address table
+        # (see plan_gather), which stays alive here until the next step
+        self.gtab: Optional[torch.Tensor] = None
         self.n_skipped = 0
         self._refresh_skip()
         self.uses_kernel = self.total > 0 and _core.uses_kernel(self.flat_p)  # an all-empty set has no buffer address
@@ -391,8 +391,7 @@ class FlatSet:
         """
         table, todo, has_none = plan
         self._adopt(todo)
-        self._gtab = table
-        self.gathered = True
+        self.gtab = table
         if self.args is not None:
             self.args.gtab = table.data_ptr()
         if not has_none:
@@ -403,6 +402,11 @@ class FlatSet:
         self.expected_grads = [None if g is None else v for g, v in zip(gs, self.grad_views)]
         self._refresh_skip()
 
+    @property
+    def gathered(self) -> bool:
+        """Whether the next update reads grads where they are (`use_gather`), not from the flat grad buffer."""
+        return self.gtab is not None
+
     def updated_slots(self) -> List[int]:
         """Slots with a grad this step (not skipped)."""
         if not self.n_skipped:
@@ -412,8 +416,7 @@ class FlatSet:
     def use_flat(self) -> None:
         """The next kernel call reads the flat grad buffer (grads are our slot views)."""
         if self.gathered:
-            self.gathered = False
-            self._gtab = None
+            self.gtab = None
             if self.args is not None:
                 self.args.gtab = 0
 

@@ -198,7 +198,7 @@ class NpuFusedLamb(CombinedOptimizer):
         a.hp = [b1, b2, eps, wd]
         a.seg_out = plan.norms.data_ptr()
         if s.gathered:
-            plan.gtab[0::2].copy_(s._gtab)
+            plan.gtab[0::2].copy_(s.gtab)
             a.gtab = plan.gtab.data_ptr()
         else:
             a.gtab = 0
