@@ -168,6 +168,11 @@ def _corruptions(sd):
         ("group size", lambda s: s["param_groups"][0]["params"].pop(), ValueError, "params"),
         ("inf lr", lambda s: s["param_groups"][0].__setitem__("lr", INF), ValueError, "learning rate"),
     ]
+    # per-param scalar states (NovoGrad's grad norm, LAMB's norms): finite and within float32's range
+    for name in [n for n, v in entry.items() if n != "step" and (not isinstance(v, torch.Tensor) or v.dim() == 0)]:
+        for bad in (INF, 1.7e290, torch.tensor(-1e300, dtype=torch.float64)):
+            out.append((f"{name} {bad!r}", lambda s, n=name, b=bad: s["state"][key].__setitem__(n, b), ValueError,
+                        repr(name)))
     where = _where_step(sd)
     for bad, exc in [("three", TypeError), (-1, ValueError), (NAN, ValueError), (INF, ValueError),
                      (torch.tensor(-2.0), ValueError), (torch.tensor([1.0, 2.0]), TypeError)]:

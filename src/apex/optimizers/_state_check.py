@@ -21,7 +21,7 @@ STEP = "step"  # a finite count >= 0: a number or a 1-element real tensor
 COUNT = "count"  # a STEP that an entry with param-shaped states must have (torch's per-param layout)
 
 _FLOAT32_MAX = 3.4028234663852886e38  # steps are kept as float32 (as torch keeps them)
-SCALAR = "scalar"  # a finite number or 1-element floating tensor
+SCALAR = "scalar"  # a finite number or 1-element floating tensor, within float32's range (kept as float32)
 
 
 @contextlib.contextmanager
@@ -88,8 +88,9 @@ def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
         check_step_value(value, what)
     elif kind == SCALAR:
         v = _real_number(value, what)
-        if not math.isfinite(v):
-            raise ValueError(f"{what}: expected a finite value, got {v}")
+        if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+            raise ValueError(f"{what}: expected a finite value within float32's range (|v| <= {_FLOAT32_MAX:.4g}, "
+                             f"kept as float32), got {v}")
 
 
 def validate_loaded_state(owner: str, param_groups: List[dict], state_dict: Any,
