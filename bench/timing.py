@@ -124,29 +124,45 @@ def roofline_steps(rounds: int, warmup: int) -> int:
     return 2 * (rounds + warmup)
 
 
-def measure_roofline(numel: int, device: str, rounds: int, warmup: int, progress: Progress) -> Dict[str, float]:
+class Roofline:
     """Best achievable streaming bandwidth here, with torch: copy (8 B/elem) and in-place axpy (12 B/elem).
 
-    Both run on `numel` fp32 elements (far larger than any cache) with the threads the entries use.
+    Both run on `numel` fp32 elements (far larger than any cache) with the threads the entries use; `calls()`
+    are the two timed callables (to run alone, or interleaved with an entry's rounds), `summary()` turns their
+    timings into GB/s.
     """
-    sync = make_sync(device)
-    x = torch.empty(numel, dtype=torch.float32, device=device).uniform_(-1.0, 1.0)
-    y = torch.empty_like(x).uniform_(-1.0, 1.0)
-    alpha = [1e-3]
 
-    def axpy():
-        y.add_(x, alpha=alpha[0])
-        alpha[0] = -alpha[0]  # keeps y bounded over any number of rounds
+    NAMES = ("roofline copy", "roofline axpy")
 
-    res = interleave({"copy": lambda: y.copy_(x), "axpy": axpy}, rounds, warmup, sync, progress)
-    copy_gbs = 8 * numel / res["copy"]["median_s"] / 1e9
-    axpy_gbs = 12 * numel / res["axpy"]["median_s"] / 1e9
-    return {"numel": numel, "copy_gbs": copy_gbs, "axpy_gbs": axpy_gbs, "best_gbs": max(copy_gbs, axpy_gbs),
-            "copy_ms": res["copy"]["median_s"] * 1e3, "axpy_ms": res["axpy"]["median_s"] * 1e3}
+    def __init__(self, numel: int, device: str):
+        self.numel = numel
+        self.x = torch.empty(numel, dtype=torch.float32, device=device).uniform_(-1.0, 1.0)
+        self.y = torch.empty_like(self.x).uniform_(-1.0, 1.0)
+        self.nbytes = 2 * 4 * numel
+        self._alpha = 1e-3
+
+    def _axpy(self) -> None:
+        self.y.add_(self.x, alpha=self._alpha)
+        self._alpha = -self._alpha  # keeps y bounded over any number of rounds
+
+    def calls(self) -> Dict[str, Call]:
+        return {self.NAMES[0]: Call(lambda: self.y.copy_(self.x)), self.NAMES[1]: Call(self._axpy)}
+
+    def summary(self, timings: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+        copy, axpy = (timings[n]["median_s"] for n in self.NAMES)
+        copy_gbs, axpy_gbs = 8 * self.numel / copy / 1e9, 12 * self.numel / axpy / 1e9
+        return {"numel": self.numel, "copy_gbs": copy_gbs, "axpy_gbs": axpy_gbs,
+                "best_gbs": max(copy_gbs, axpy_gbs), "copy_ms": copy * 1e3, "axpy_ms": axpy * 1e3}
 
 
-def entry_steps(rounds: int, warmup: int) -> int:
-    return 2 + 2 * (rounds + warmup)
+def measure_roofline(numel: int, device: str, rounds: int, warmup: int, progress: Progress) -> Dict[str, float]:
+    """The roofline on its own (before and after the entries of a run)."""
+    roof = Roofline(numel, device)
+    return roof.summary(interleave(roof.calls(), rounds, warmup, make_sync(device), progress))
+
+
+def entry_steps(rounds: int, warmup: int, roofline: bool = False) -> int:
+    return 2 + (4 if roofline else 2) * (rounds + warmup)
 
 
 def entry_rounds(entry: Entry, rounds: int, warmup: int) -> tuple:
@@ -167,16 +183,22 @@ def _calls(entry: Entry, state: Dict[str, object]) -> Dict[str, Call]:
 
 
 def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Progress,
-              profile: str = "missed", roofline_gbs: Optional[float] = None) -> Dict[str, object]:
+              profile: str = "missed", roofline_numel: Optional[int] = None) -> Dict[str, object]:
     """Times one entry; returns its result record (times in seconds, GB/s, memory in MiB).
 
+    An entry with a share-of-roofline target (and `roofline_numel`) runs the roofline's copy and axpy in the
+    same interleaved rounds as ours and torch: this host's bandwidth drifts by a quarter and more over a run,
+    so the share is read against the bandwidth of the same seconds (`roofline_near`). Its buffers exist before
+    the RSS baseline is taken, and their bytes are taken off the recorded RSS.
     profile: "missed" profiles a few calls of ours when the entry misses a target (ratio, or its share of
-    `roofline_gbs`, the roofline measured before the entries), "all" always, "none" never (bench/phases.py).
+    that roofline), "all" always, "none" never (bench/phases.py).
     """
     sync = make_sync(ctx.device)
     rounds, warmup = entry_rounds(entry, rounds, warmup)
     progress.stage(f"{entry.name} [{entry.regime}]")
     gc.collect()
+    roof = Roofline(roofline_numel, ctx.device) if entry.target_roofline is not None and roofline_numel else None
+    roof_mib = roof.nbytes / 2**20 if roof is not None and roof.x.device.type == "cpu" else 0.0  # host RSS only
     rss_before = env.rss_mib()
     peak_reset = env.reset_peak_rss()
     t0 = time.perf_counter()
@@ -197,13 +219,13 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         progress.step()
         first_ref = _timed(calls["ref"], sync)
         progress.step()
-        timings = interleave(calls, rounds, warmup, sync, progress)
+        timings = interleave({**calls, **(roof.calls() if roof is not None else {})}, rounds, warmup, sync, progress)
         peak = env.peak_rss_mib()
+        near = roof.summary(timings) if roof is not None else None
         ratio = timings["ours"]["median_s"] / timings["ref"]["median_s"]
         gbytes = entry.bytes_per_param * numel / 1e9
         missed = (entry.target_ratio is not None and ratio > entry.target_ratio) or (
-            entry.target_roofline is not None and roofline_gbs is not None
-            and gbytes / timings["ours"]["median_s"] < entry.target_roofline * roofline_gbs)
+            near is not None and gbytes / timings["ours"]["median_s"] < entry.target_roofline * near["best_gbs"])
         profiled = None
         if profile == "all" or (profile == "missed" and missed):
             progress.stage(f"profile: {entry.name} [{entry.regime}]")
@@ -216,6 +238,7 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         if entry.teardown is not None:
             entry.teardown(state)
         state.clear()  # drops the entry's buffers before the next entry allocates its own
+        roof = None
         gc.collect()
     ours, ref = timings["ours"], timings["ref"]
     return {
@@ -240,6 +263,7 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         "target_ratio": entry.target_ratio,
         "target_met": None if entry.target_ratio is None else ratio <= entry.target_ratio,
         "target_roofline": entry.target_roofline,
+        "roofline_near": near,
         "zero_grad": entry.zero_grad,
         "rounds": rounds,
         "warmup": warmup,
@@ -247,8 +271,8 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         "profile": profiled,
         "extra": extra,
         "verified": verified,
-        "rss_before_mib": rss_before,
-        "peak_rss_mib": peak,
+        "rss_before_mib": None if rss_before is None else rss_before - roof_mib,
+        "peak_rss_mib": None if peak is None else peak - roof_mib,
         "peak_rss_exact": peak_reset,
         "notes": entry.notes,
     }
