@@ -162,7 +162,7 @@ def measure_roofline(numel: int, device: str, rounds: int, warmup: int, progress
 
 
 def entry_steps(rounds: int, warmup: int, roofline: bool = False) -> int:
-    return 2 + (4 if roofline else 2) * (rounds + warmup)
+    return 2 + 2 * (rounds + warmup) + (roofline_steps(rounds, warmup) if roofline else 0)
 
 
 def entry_rounds(entry: Entry, rounds: int, warmup: int) -> tuple:
@@ -238,7 +238,6 @@ def run_entry(entry: Entry, ctx: Context, rounds: int, warmup: int, progress: Pr
         if entry.teardown is not None:
             entry.teardown(state)
         state.clear()  # drops the entry's buffers before the next entry allocates its own
-        roof = None
         gc.collect()
     ours, ref = timings["ours"], timings["ref"]
     return {
