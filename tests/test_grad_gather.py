@@ -22,7 +22,9 @@ from apex.optimizers import (
     FusedSGD,
     NpuFusedAdadelta,
     NpuFusedAdam,
+    NpuFusedAdamP,
     NpuFusedAdamW,
+    NpuFusedBertAdam,
     NpuFusedLamb,
     NpuFusedRMSprop,
     NpuFusedRMSpropTF,
@@ -50,6 +52,11 @@ GATHER = [
     ("fused_sgd", FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, wd_after_momentum=True)),
     ("lamb", NpuFusedLamb, dict(lr=1e-2, weight_decay=0.01)),
     ("lamb_adam", NpuFusedLamb, dict(lr=1e-2, adam=True)),
+    ("bert_adam", NpuFusedBertAdam, dict(lr=1e-2, max_grad_norm=1.0)),
+    ("bert_adam_schedule", NpuFusedBertAdam, dict(lr=1e-2, warmup=0.2, t_total=8, max_grad_norm=0.5)),
+    ("bert_adam_noclip", NpuFusedBertAdam, dict(lr=1e-2, max_grad_norm=-1.0)),
+    ("adamp", NpuFusedAdamP, dict(lr=1e-2, weight_decay=0.01, delta=1.0)),
+    ("adamp_nesterov", NpuFusedAdamP, dict(lr=1e-2, weight_decay=0.01, nesterov=True)),
 ]
 IDS = [g[0] for g in GATHER]
 

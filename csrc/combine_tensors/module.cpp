@@ -567,6 +567,7 @@ PYBIND11_MODULE(apex_C, m) {
   bind("lamb_stage1", &OptimKernels::lamb_stage1, false, true, [](const OptArgs&) { return 3; });
   bind("lamb_stage2", &OptimKernels::lamb_stage2, false, false, [](const OptArgs&) { return 3; });
   bind("row_dots", &OptimKernels::row_dots, false, true, [](const OptArgs&) { return 0; });
+  bind("grad_sum_sq", &OptimKernels::grad_sum_sq, false, true, [](const OptArgs&) { return 0; });
   bind("adamp_stage_a", &OptimKernels::adamp_stage_a, true, true, [](const OptArgs&) { return 3; });
   bind("adamp_stage_b", &OptimKernels::adamp_stage_b, true, false, [](const OptArgs&) { return 3; });
   bind("adagrad_step", &OptimKernels::adagrad, true, false, [](const OptArgs&) { return 1; });

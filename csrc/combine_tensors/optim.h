@@ -91,6 +91,9 @@ struct OptimKernels {
   // scale == 1 only reads. The buffers must be disjoint. (amp's unscale over grads left where they are.)
   bool (*scale_gather)(const std::uintptr_t* addr, const idx_t* numel, idx_t n, int dt, float scale, bool check,
                        int threads);
+  // Per-segment sum of squared grads (double): seg_out[k] = sum over slot k of g^2, 0 for skipped slots. Reads
+  // grads as the update kernels do (flat buffer or gather table); grad_scale and seg_gmul are not applied.
+  void (*grad_sum_sq)(const OptArgs&);
 };
 
 const OptimKernels& optim_kernels_baseline();

@@ -452,6 +452,28 @@ static void row_dots(const OptArgs& a) {
   });
 }
 
+// Per-segment sums of squared grads, read through grad_at (flat buffer or gather table), in double; skipped
+// segments get 0. One code path for both grad sources, so a per-tensor norm (BertAdam's clipping) is the same
+// bits whether the grads were copied into the flat buffer or are read where autograd left them.
+static void grad_sum_sq(const OptArgs& a) {
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+    APEX_TYPES(pt, gt, ot);
+    segment_reduce<1>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
+      const G* __restrict gk = grad_at(a, g, k, lo);
+      LaneAcc<1> acc;
+      idx_t i = lo;
+      auto body = [&](idx_t j, int l) {
+        const double gv = load(gk, j - lo);
+        acc.v[0][l] += gv * gv;
+      };
+      for (; i + kL <= hi; i += kL)
+        for (int l = 0; l < kL; ++l) body(i + l, l);
+      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      acc.fold(out);
+    });
+  });
+}
+
 // AdamP's per-element perturbation from the updated moments.
 struct AdamPScalars {
   float b1, b2, omb1, omb2, eps, step_size, bc2_sqrt, gs;
@@ -594,7 +616,7 @@ static bool scale_gather(const std::uintptr_t* addr, const idx_t* numel, idx_t n
 
 static const OptimKernels optim_table = {
     sgd, adam, adadelta, rmsprop, rmsprop_tf, bert_adam, lamb_stage1, lamb_stage2, row_dots, adamp_stage_a,
-    adamp_stage_b, adagrad, scale_gather,
+    adamp_stage_b, adagrad, scale_gather, grad_sum_sq,
 };
 
 #undef APEX_TYPES

@@ -305,6 +305,44 @@ def test_lamb_stages_match_baseline(level, dt, case):
         assert np.isfinite(np.frombuffer(got[4], np.float64)).any(), "the kernel wrote no finite norms"
 
 
+def _grad_sum_sq(g: np.ndarray, dt: int, seg: np.ndarray, skip=None) -> np.ndarray:
+    """grad_sum_sq over the slots of `seg` (a params buffer that must stay untouched rides along)."""
+    n = int(seg[-1])
+    p = np.full(n, 7, STORAGE[dt])
+    out = np.full(len(seg) - 1, np.nan, np.float64)
+    a = apex_C.OptArgs()
+    a.pdt = a.gdt = a.sdt = dt
+    a.p, a.g, a.seg, a.nseg = p.ctypes.data, g.ctypes.data, seg.ctypes.data, len(seg) - 1
+    a.seg_out, a.threads = out.ctypes.data, 2
+    if skip is not None:
+        a.skip = skip.ctypes.data
+    apex_C.grad_sum_sq(a)
+    assert (p == 7).all(), "grad_sum_sq wrote to the params"
+    return out
+
+
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_grad_sum_sq_matches_baseline_and_float64(level, dt):
+    """Per-slot sums of squared grads (BertAdam's per-tensor clipping norm): the same bits as the baseline level
+    (a NaN sum may differ in sign only, see above), and float64 sums of the stored values (rel 1e-12), over slots
+    of 1000, 0, 3099 and 1 elements; a skipped slot reads 0."""
+    rng = np.random.default_rng(8)
+    seg = np.array([0, 1000, 1000, N_ODD, N_ODD + 1], np.int64)
+    g = as_storage(special_f32(rng, N_ODD + 1), dt)
+    got, want = _grad_sum_sq(g, dt, seg), run_at("baseline", lambda: _grad_sum_sq(g, dt, seg))
+    assert (np.isnan(got) == np.isnan(want)).all()
+    keep = ~np.isnan(got)
+    assert got[keep].tobytes() == want[keep].tobytes(), f"{level}: sums differ from baseline"
+    clean = as_storage((rng.standard_normal(N_ODD + 1) * 10.0 ** rng.uniform(-3, 2, N_ODD + 1)).astype(np.float32), dt)
+    wide = clean.astype(np.float64) if dt != BF16 else (clean.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    exact = np.array([np.sum(wide[a:b] ** 2) for a, b in zip(seg[:-1], seg[1:])])
+    np.testing.assert_allclose(_grad_sum_sq(clean, dt, seg), exact, rtol=1e-12, atol=0)
+    skip = np.array([0, 0, 1, 0], np.uint8)
+    sums = _grad_sum_sq(clean, dt, seg, skip)
+    assert sums[2] == 0.0 and sums[1] == 0.0
+    np.testing.assert_allclose(sums[[0, 3]], exact[[0, 3]], rtol=1e-12, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # flush-denormal mode (MXCSR DAZ/FTZ, set by torch.set_flush_denormal): conversions must not change
 # ---------------------------------------------------------------------------------------------------------------

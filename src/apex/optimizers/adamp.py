@@ -83,19 +83,23 @@ class _RowPlan:
     """
 
     def __init__(self, s: FlatSet):
-        starts, row_param, gaps, lens, numels, eligible = [], [], [], [], [], []
+        starts, row_param, gaps, lens, numels, eligible, within = [], [], [], [], [], [], []
         for k, p in enumerate(s.params):
             off, n = s.offsets[k], p.numel()
             proj = p.dim() > 1 and n > 0
             rows = p.shape[0] if proj else 1
             width = n // rows if proj else n
             starts += [off + width * torch.arange(rows, dtype=torch.int64), torch.tensor([off + n])]
+            within += [width * torch.arange(rows + 1, dtype=torch.int64)]  # the gap row's is never read
             row_param.append(torch.full((rows + 1,), k, dtype=torch.int64))
             gaps += [False] * rows + [True]
             lens.append(float(max(width, 1)))
             numels.append(float(max(n, 1)))
             eligible.append(proj)
         self.seg = torch.cat([*starts, torch.tensor([s.total], dtype=torch.int64)])
+        # gather mode: row r's grad starts this many bytes into its param's grad (see `bind_grads`)
+        self.row_byte_offset = torch.cat(within) * s.flat_g.element_size()
+        self.gtab = torch.zeros(len(self.row_byte_offset), dtype=torch.int64)
         self.row_param = torch.cat(row_param)
         self.nrows = len(self.row_param)
         self.gap_rows = torch.tensor(gaps, dtype=torch.bool)
@@ -122,6 +126,16 @@ class _RowPlan:
         a.steps = self.steps.data_ptr()
         self.args = a
 
+    def bind_grads(self, s: FlatSet) -> None:
+        """Where the row kernels read grads: the flat grad buffer, or, when the set reads grads where autograd
+        left them (`FlatSet.gathered`), a per-row address table built from the set's per-slot one. Rows of
+        params without a grad get an address too, but are skipped (`refresh_skip`), so it is never read."""
+        if s.gathered:
+            torch.add(s.gtab[self.row_param], self.row_byte_offset, out=self.gtab)
+            self.args.gtab = self.gtab.data_ptr()
+        else:
+            self.args.gtab = 0
+
     def refresh_skip(self, s: FlatSet) -> None:
         if s.n_skipped:
             torch.bitwise_or(self.gap_rows.to(torch.uint8), s.skip[self.row_param], out=self.skip)
@@ -147,6 +161,8 @@ class NpuFusedAdamP(CombinedOptimizer):
         # also run when a copy (deepcopy / unpickle) restores only torch's fields
         super()._init_combined()
         self._plans: weakref.WeakKeyDictionary[FlatSet, _RowPlan] = weakref.WeakKeyDictionary()
+
+    _gather_grads = True  # the row kernels read grads only through their OptArgs (see _RowPlan.bind_grads)
 
     def _validate_group(self, group: dict) -> None:
         _validate_adamp_group(group)
@@ -198,6 +214,7 @@ class NpuFusedAdamP(CombinedOptimizer):
         a.out, a.odt = s.args.out, s.args.odt
         torch.index_select(s.steps, 0, plan.row_param, out=plan.steps)
         plan.refresh_skip(s)
+        plan.bind_grads(s)
         a.seg_mul = a.seg_aux = a.seg_out = 0
         projects = False
         if plan.any_eligible:

@@ -138,6 +138,8 @@ class NpuFusedBertAdam(CombinedOptimizer):
         self._validate_group(defaults)
         super().__init__(params, defaults)
 
+    _gather_grads = True  # the kernels (norm pass and update) read grads only through OptArgs
+
     def _init_combined(self) -> None:
         # also run when a copy (deepcopy / unpickle) restores only torch's fields
         super()._init_combined()
@@ -189,13 +191,15 @@ class NpuFusedBertAdam(CombinedOptimizer):
             group["t_total"], group["schedule"], factor,
         )
 
-    def _clip_coefs_kernel(self, s: FlatSet, group: dict) -> torch.Tensor:
-        """Per-segment clip coefficient x grad scale, from one float64 norm pass over the flat grads."""
+    def _clip_coefs_kernel(self, s: FlatSet, group: dict, a) -> torch.Tensor:
+        """Per-segment clip coefficient x grad scale, from one float64 norm pass over the grads the update reads
+        (`a`: the flat buffer, or the grads where autograd left them); skipped segments are not read."""
         sq = torch.empty(s.nseg, dtype=torch.float64)
-        _core.ext._raw_segment_sum_sq(
-            s.flat_g.data_ptr(), _core.DTYPE_CODES[s.dtype], s.seg.data_ptr(), s.nseg, sq.data_ptr(),
-            _core.num_threads(),
-        )
+        a.seg_out = sq.data_ptr()
+        try:
+            _core.ext.grad_sum_sq(a)
+        finally:
+            a.seg_out = 0
         scale = self._grad_scale()
         norms = sq.sqrt_().mul_(abs(scale))
         coefs = torch.clamp(group["max_grad_norm"] / (norms + 1e-6), max=1.0)
@@ -227,7 +231,7 @@ class NpuFusedBertAdam(CombinedOptimizer):
         a = self._prepare_args(s, [scheduled_lr(group, counts[0] if counts else 0.0), *hp_tail])
         coefs = None
         if group["max_grad_norm"] > 0:
-            coefs = self._clip_coefs_kernel(s, group)
+            coefs = self._clip_coefs_kernel(s, group, a)
             a.seg_gmul = coefs.data_ptr()
             a.grad_scale = 1.0  # folded into coefs
         else:
