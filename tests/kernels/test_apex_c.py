@@ -1071,7 +1071,8 @@ def test_thread_count_setting():
 # optimizer kernels: argument validation (their math is tested through apex.optimizers)
 # ---------------------------------------------------------------------------------------------------------------
 # every optimizer kernel the module binds (they share one argument check), found by name
-OPT_KERNELS = sorted(n for n in dir(apex_C) if n.endswith("_step") or "_stage" in n or n in ("row_dots", "grad_sum_sq"))
+OPT_KERNELS = sorted(n for n in dir(apex_C)
+                     if n.endswith("_step") or "_stage" in n or n in ("row_dots", "grad_sum_sq"))
 VALID_COMBOS = [  # (param, grad, out copy or None)
     (F32, F32, None), (F32, F16, None), (F32, BF16, None), (F32, F32, F16), (F32, F32, BF16),
     (F32, F16, F16), (F32, BF16, BF16), (F16, F16, None), (BF16, BF16, None),
@@ -1131,8 +1132,8 @@ def test_optimizer_argument_errors(kernel):
 REQUIRED_INPUTS = [
     (kernel, missing)
     for kernel, missing in [("adam_step", "steps"), ("adamp_stage_a", "steps"), ("adamp_stage_b", "steps"),
-                            ("adagrad_step", "steps"), ("lamb_stage1", "seg_out"), ("row_dots", "seg_out"), ("grad_sum_sq", "seg_out"),
-                            ("adamp_stage_a", "seg_out")]
+                            ("adagrad_step", "steps"), ("lamb_stage1", "seg_out"), ("row_dots", "seg_out"),
+                            ("grad_sum_sq", "seg_out"), ("adamp_stage_a", "seg_out")]
     if hasattr(apex_C, kernel)
 ]
 

@@ -334,7 +334,8 @@ def test_grad_sum_sq_matches_baseline_and_float64(level, dt):
     keep = ~np.isnan(got)
     assert got[keep].tobytes() == want[keep].tobytes(), f"{level}: sums differ from baseline"
     clean = as_storage((rng.standard_normal(N_ODD + 1) * 10.0 ** rng.uniform(-3, 2, N_ODD + 1)).astype(np.float32), dt)
-    wide = clean.astype(np.float64) if dt != BF16 else (clean.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    wide = (clean.astype(np.uint32) << 16).view(np.float32) if dt == BF16 else clean
+    wide = wide.astype(np.float64)
     exact = np.array([np.sum(wide[a:b] ** 2) for a, b in zip(seg[:-1], seg[1:])])
     np.testing.assert_allclose(_grad_sum_sq(clean, dt, seg), exact, rtol=1e-12, atol=0)
     skip = np.array([0, 0, 1, 0], np.uint8)
