@@ -1,7 +1,7 @@
 """Optimizer entries: one optimizer step, ours vs the best implementation of the same math we can run here.
 
-Ours: ``apex.optimizers.NpuFused*`` ``step()``, sharing checks included. Every optimizer row exists in the two
-``zero_grad`` modes:
+Ours: ``apex.optimizers.NpuFused*`` (and NVIDIA's ``Fused*``) ``step()``, sharing checks included. Every optimizer
+row exists in the two ``zero_grad`` modes:
 
   headline (``zero_grad="set_to_none"``)  what users run: torch's default ``zero_grad()`` sets grads to None and
       the next backward creates new grad tensors. Before every call, untimed and on both sides, fresh tensors are
@@ -17,12 +17,15 @@ References, per optimizer (every optimizer class present in ``apex.optimizers`` 
                                timm computes them); LAMB also against ``timm.optim.Lamb`` (other semantics:
                                bias correction, no weight-norm clamp) when timm can be imported
   RMSpropTF, AdamP             ``timm.optim`` (foreach where timm has it); skipped without timm
-Regimes: the GPT-like 145-tensor model (fp32, and bf16 params), 5000 x 200 and 2000 x 2000 (LAMB vs timm: the
-model and 5000 x 200).
+  NVIDIA's FusedAdam, FusedSGD, FusedAdagrad (their defaults): torch.optim AdamW / SGD / Adagrad with ``fused=True``;
+  FusedLAMB, FusedNovoGrad: the same math in torch ``_foreach_*`` ops
+Regimes: the GPT-like 145-tensor model (fp32, and bf16 params), 5000 x 200 and 2000 x 2000 (LAMB vs timm and the
+NVIDIA classes: the model and 5000 x 200, fp32).
 
-Targets: Adam, AdamW, SGD on the model: ours <= 1.02x torch fused with fresh grads (fp32) and in both modes for
-bf16 params, <= 1.05x with grads kept (fp32); the others <= 0.5x their torch peer. 5000 x 200, both modes: <= 0.05x
-the peer (20x faster). Headline rows on the model: ours >= 90% of the run's bandwidth roofline.
+Targets: Adam, AdamW, SGD (and the NVIDIA classes with a torch fused peer) on the model: ours <= 1.02x torch
+fused with fresh grads (fp32) and in both modes for bf16 params, <= 1.05x with grads kept (fp32); the others
+<= 0.5x their torch peer. 5000 x 200, both modes: <= 0.05x the peer (20x faster). Headline rows on the model:
+ours >= 90% of the run's bandwidth roofline.
 
 timm is imported without ``timm/__init__`` (which needs torchvision): only its optimizer modules, which need
 torch alone. Install it with ``pip install --no-deps timm``; without it the timm entries are skipped.
@@ -30,7 +33,8 @@ torch alone. Install it with ``pip install --no-deps timm``; without it the timm
 bytes/param is the traffic the math needs at minimum, in elements of the param dtype: Adam(W), Adadelta,
 BertAdam read p, g and two states and write three tensors (7); SGD with momentum, RMSprop read three and write
 two (5); RMSpropTF with momentum 7; LAMB needs a norm pass before the update (read p, g, m, v, write m, v; then
-read p, m, v, write p: 10); AdamP a grad/param dot-product pass before an Adam update (2 + 7 = 9).
+read p, m, v, write p: 10); AdamP a grad/param dot-product pass before an Adam update (2 + 7 = 9); Adagrad reads
+p, g, the sum of squares and writes two (5); NovoGrad a grad-norm pass before an SGD-momentum update (1 + 5 = 6).
 """
 
 from __future__ import annotations
@@ -134,12 +138,81 @@ class ForeachLamb:
         torch._foreach_add_(self.params, upd)
 
 
+class ForeachNvidiaLamb:
+    """NVIDIA FusedLAMB's math (global grad-norm clipping, bias correction, decoupled decay, unclamped trust
+    ratio) in torch foreach ops."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, max_grad_norm=1.0):
+        self.params = list(params)
+        self.lr, (self.b1, self.b2), self.eps, self.wd, self.max_norm = lr, betas, eps, weight_decay, max_grad_norm
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        grads = [p.grad for p in self.params]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        clip = torch.where(norm > self.max_norm, norm / self.max_norm, torch.ones_like(norm))
+        grads = torch._foreach_div(grads, clip)
+        torch._foreach_lerp_(self.m, grads, 1 - self.b1)
+        torch._foreach_mul_(self.v, self.b2)
+        torch._foreach_addcmul_(self.v, grads, grads, value=1 - self.b2)
+        bc1, bc2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
+        denom = torch._foreach_div(self.v, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, self.eps)
+        upd = torch._foreach_div(self.m, denom)
+        torch._foreach_div_(upd, bc1)
+        if self.wd:
+            torch._foreach_add_(upd, self.params, alpha=self.wd)
+        w = torch.stack(torch._foreach_norm(self.params))
+        u = torch.stack(torch._foreach_norm(upd))
+        ratio = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
+        torch._foreach_mul_(upd, list((ratio * -self.lr).unbind()))
+        torch._foreach_add_(self.params, upd)
+
+
+class ForeachNovoGrad:
+    """NVIDIA FusedNovoGrad's default math (per-tensor L2 grad-norm moment started at the first norm, bias
+    correction, averaged grads, decay outside the moment) in torch foreach ops."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        self.params = list(params)
+        self.lr, (self.b1, self.b2), self.eps, self.wd = lr, betas, eps, weight_decay
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.gn: Optional[torch.Tensor] = None
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        grads = [p.grad for p in self.params]
+        n = torch.stack(torch._foreach_norm(grads))
+        start = n if self.gn is None else self.gn
+        self.gn = (self.b2 * start.square() + (1 - self.b2) * n.square()).sqrt()
+        bc1, bc2 = 1 - self.b1 ** self.t, (1 - self.b2 ** self.t) ** 0.5
+        torch._foreach_mul_(self.m, self.b1)
+        torch._foreach_add_(self.m, grads, alpha=1 - self.b1)
+        scale = -self.lr / bc1 / (self.gn / bc2 + self.eps)
+        upd = torch._foreach_mul(self.m, list(scale.unbind()))
+        if self.wd:
+            torch._foreach_add_(upd, self.params, alpha=-self.lr * self.wd)
+        torch._foreach_add_(self.params, upd)
+
+
 # ---------------------------------------------------------------- optimizer table
 class Optim:
+    """One optimizer's rows. `fused_peer`: the reference is torch's own fused kernel (targets 1.02x / 1.05x on
+    the model); `regimes`: None for every regime and the bf16 model, else the fp32 regimes to run."""
+
     def __init__(self, name: str, ours: str, ours_kw: dict, ref: Callable[[List[torch.Tensor]], Any],
-                 ref_label: str, elems: int, same_math: bool, timm: Optional[str] = None):
+                 ref_label: str, elems: int, same_math: bool, timm: Optional[str] = None, fused_peer: bool = False,
+                 regimes: Optional[tuple] = None):
         self.name, self.ours, self.ours_kw, self.ref, self.ref_label = name, ours, ours_kw, ref, ref_label
         self.elems, self.same_math, self.timm = elems, same_math, timm
+        self.fused_peer, self.regimes = fused_peer, regimes
 
 
 def _timm_ref(module: str, cls: str, **kw):
@@ -150,14 +223,17 @@ def _timm_ref(module: str, cls: str, **kw):
     return make
 
 
+NVIDIA_REGIMES = ("model-145", "small-5000x200")
+
 OPTIMS = [
     Optim("Adam", "NpuFusedAdam", dict(lr=1e-3), lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
-          "torch.optim.Adam(fused=True)", 7, True),
+          "torch.optim.Adam(fused=True)", 7, True, fused_peer=True),
     Optim("AdamW", "NpuFusedAdamW", dict(lr=1e-3, weight_decay=1e-2),
           lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, fused=True),
-          "torch.optim.AdamW(fused=True)", 7, True),
+          "torch.optim.AdamW(fused=True)", 7, True, fused_peer=True),
     Optim("SGD momentum", "NpuFusedSGD", dict(lr=1e-3, momentum=0.9),
-          lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), "torch.optim.SGD(fused=True)", 5, True),
+          lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), "torch.optim.SGD(fused=True)", 5, True,
+          fused_peer=True),
     Optim("Adadelta", "NpuFusedAdadelta", dict(lr=1.0),
           lambda ps: torch.optim.Adadelta(ps, lr=1.0, foreach=True), "torch.optim.Adadelta(foreach=True)", 7, True),
     Optim("RMSprop", "NpuFusedRMSprop", dict(lr=1e-3),
@@ -171,9 +247,24 @@ OPTIMS = [
           "same math in torch _foreach ops", 10, True),
     Optim("LAMB vs timm", "NpuFusedLamb", dict(lr=1e-3),
           _timm_ref("lamb", "Lamb", lr=1e-3, weight_decay=0.0, max_grad_norm=None),
-          "timm.optim.Lamb(max_grad_norm=None) (bias-corrected LAMB)", 10, False, timm="lamb"),
+          "timm.optim.Lamb(max_grad_norm=None) (bias-corrected LAMB)", 10, False, timm="lamb",
+          regimes=("model-145", "small-5000x200")),
     Optim("AdamP", "NpuFusedAdamP", dict(lr=1e-3, weight_decay=1e-2),
           _timm_ref("adamp", "AdamP", lr=1e-3, weight_decay=1e-2), "timm.optim.AdamP", 9, True, timm="adamp"),
+    # NVIDIA Apex's classes (their own defaults and options) on the model and the many-small-tensors regime
+    Optim("FusedAdam", "FusedAdam", dict(lr=1e-3, weight_decay=1e-2),
+          lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, fused=True),
+          "torch.optim.AdamW(fused=True)", 7, True, fused_peer=True, regimes=NVIDIA_REGIMES),
+    Optim("FusedSGD", "FusedSGD", dict(lr=1e-3, momentum=0.9),
+          lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), "torch.optim.SGD(fused=True)", 5, True,
+          fused_peer=True, regimes=NVIDIA_REGIMES),
+    Optim("FusedAdagrad", "FusedAdagrad", dict(lr=1e-2),
+          lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True), "torch.optim.Adagrad(fused=True)", 5, True,
+          fused_peer=True, regimes=NVIDIA_REGIMES),
+    Optim("FusedLAMB", "FusedLAMB", dict(lr=1e-3), lambda ps: ForeachNvidiaLamb(ps, lr=1e-3),
+          "same math in torch _foreach ops", 10, True, regimes=NVIDIA_REGIMES),
+    Optim("FusedNovoGrad", "FusedNovoGrad", dict(lr=1e-3), lambda ps: ForeachNovoGrad(ps, lr=1e-3),
+          "same math in torch _foreach ops", 6, True, regimes=NVIDIA_REGIMES),
 ]
 
 
@@ -329,16 +420,13 @@ def _make_entry(opt: Optim, regime: str, dtype: torch.dtype, fresh: bool) -> Ent
     return entry
 
 
-FUSED_PEERS = ("Adam", "AdamW", "SGD momentum")  # torch has a fused CPU kernel for these
-
-
 def _target(opt: Optim, regime: str, dtype: torch.dtype, fresh: bool) -> Optional[float]:
     """Large tensors: <= 1.02x torch fused (1.05x with grads kept in fp32), >= 2x faster than the foreach/timm
     peer where torch has no fused kernel; 5000 x 200: >= 20x faster."""
     if regime == "small-5000x200":
         return 0.05
     if regime == "model-145":
-        if opt.name not in FUSED_PEERS:
+        if not opt.fused_peer:
             return 0.5
         return 1.02 if (fresh or dtype != torch.float32) else 1.05
     return None
@@ -358,9 +446,10 @@ def register(reg: Registry) -> None:
         if opt.timm is not None and _timm_optim(opt.timm) is None:
             log.info("timm is not importable: no %s entries", opt.name)
             continue
-        cases = [(r, torch.float32) for r in MODEL_REGIMES] + [("model-145", torch.bfloat16)]
-        if opt.name == "LAMB vs timm":
-            cases = [("model-145", torch.float32), ("small-5000x200", torch.float32)]
+        if opt.regimes is None:
+            cases = [(r, torch.float32) for r in MODEL_REGIMES] + [("model-145", torch.bfloat16)]
+        else:
+            cases = [(r, torch.float32) for r in opt.regimes]
         for fresh in (True, False):
             for regime, dtype in cases:
                 reg.add(_make_entry(opt, regime, dtype, fresh))

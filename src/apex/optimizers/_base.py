@@ -409,8 +409,19 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """One update of every param with a grad (torch.optim semantics); returns closure()'s loss."""
         loss = _call_closure(closure)
+        self._update(self._prepare_step())
+        return loss
+
+    def _prepare_step(self) -> List[Tuple[dict, List[FlatSet]]]:
+        """Every group checked, then healed for this step's update; fresh grads are read where they are when the
+        executor can. Optimizers that need all grads before the first update (global norms) read them from these
+        sets, then pass them to `_update`."""
+        return self._prepare_groups(gather=self._executor == "auto" and self._gather_grads)
+
+    def _update(self, prepared: List[Tuple[dict, List[FlatSet]]]) -> None:
+        """The update of every prepared set with a grad (`_prepare_step`)."""
         use_kernel = self._executor == "auto"
-        for group, sets in self._prepare_groups(gather=use_kernel and self._gather_grads):
+        for group, sets in prepared:
             for s in sets:
                 if s.n_skipped == s.nseg:
                     continue
@@ -428,7 +439,6 @@ class CombinedOptimizer(torch.optim.Optimizer):
                     s.zero_padding()
                     s.copy_out(fused=False)
                 s.expose_new_states(self.state)
-        return loss
 
     def _grad_scale(self) -> float:
         return 1.0 if self.apex_grad_scale is None else float(self.apex_grad_scale)

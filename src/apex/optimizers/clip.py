@@ -102,6 +102,47 @@ def total_grad_norm(sets: List[FlatSet], norm_type: float, use_kernel: bool = Tr
     return torch.linalg.vector_norm(torch.stack(parts), norm_type)
 
 
+def _segment_sums_sq(s: FlatSet) -> List[float]:
+    """Per-slot sums of squared grads (float64; 0 for slots without a grad) read through the set's kernel
+    arguments: from the flat buffer, or where autograd left the grads when the set is gathered."""
+    a = s.args
+    out = torch.zeros(s.nseg, dtype=torch.float64)
+    a.skip = s.skip.data_ptr() if s.n_skipped else 0
+    a.threads = _core.num_threads()
+    a.seg_out = out.data_ptr()
+    try:
+        _core.ext.grad_sum_sq(a)
+    finally:
+        a.seg_out = 0  # the args outlive this call
+    return out.tolist()
+
+
+def prepared_grad_norm(sets: List[FlatSet], use_kernel: bool = True) -> Union[float, torch.Tensor]:
+    """2-norm of all grads of sets prepared for a step (`CombinedOptimizer._prepare_step`), before any unscale;
+    params with ``.grad is None`` are excluded.
+
+    Kernel sets are read per slot by apex_C ``grad_sum_sq`` (float64, summed exactly on the host), whether their
+    grads are in the flat buffer or read where they are: the norm has the same bits either way. A Python float
+    when every set is a kernel set; otherwise a 0-d float32 tensor as `total_grad_norm` returns it.
+    """
+    host: List[float] = []
+    rest: List[FlatSet] = []
+    for s in sets:
+        if use_kernel and s.args is not None:
+            host += _segment_sums_sq(s)
+        else:
+            rest.append(s)  # not gathered (only kernel steps read grads in place): the flat buffers hold them
+    if not rest:
+        return math.sqrt(math.fsum(host))
+    total = total_grad_norm(rest, 2.0, use_kernel)
+    if isinstance(total, float):  # nothing to read outside the kernel sets (empty sets)
+        return math.sqrt(math.fsum([*host, total * total]))
+    if not host:
+        return total
+    part = torch.tensor(math.sqrt(math.fsum(host)), dtype=torch.float32, device=total.device)
+    return torch.linalg.vector_norm(torch.stack([total.float(), part]))
+
+
 def clip_optimizer_grad_norm_fused(self, max_norm: float, norm_type: float = 2.0,
                                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clips the grads of all param groups in place to a total norm of at most `max_norm`.

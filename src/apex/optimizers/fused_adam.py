@@ -92,9 +92,10 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
         if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError(_LEGACY_STEP_ARGS_MSG)
         loss = _call_closure(closure)
-        self._advance_group_steps()
         self._sync_shadows()
-        super().step()
+        prepared = self._prepare_step()  # raises on bad grads before the step counts move
+        self._advance_group_steps()
+        self._update(prepared)
         return loss
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:

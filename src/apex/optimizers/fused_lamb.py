@@ -16,12 +16,13 @@ then per param group, with the group's step count ``t``::
     r  = ||p|| / ||u||  per tensor               only when weight_decay != 0 or use_nvlamb; r = 1 if either norm is 0
     p  = p - lr * r * u
 
-Executors: on CPU the apex_C ``sum_sq`` pass for the global norm, then two kernel passes
+Executors: on CPU the apex_C ``grad_sum_sq`` pass for the global norm, then two kernel passes
 per group x dtype (``lamb_stage1``: m, v and the per-tensor norms of p and u;
-``lamb_stage2``: the update with the trust ratios). With ``adam_w_mode=False`` and a
-non-zero weight decay the L2 term is formed first in a scratch buffer (two more cheap
-passes). Elsewhere the same math runs as torch ops on flat slices (NpuFusedLamb's torch
-executor, with NVIDIA's options).
+``lamb_stage2``: the update with the trust ratios). Both grad reads take the grads where
+autograd left them after ``zero_grad(set_to_none=True)`` (no copy), except with
+``adam_w_mode=False`` and a non-zero weight decay, where the L2 term is formed first in a
+scratch buffer from the flat grad buffer (two more cheap passes). Elsewhere the same math
+runs as torch ops on flat slices (NpuFusedLamb's torch executor, with NVIDIA's options).
 
 Unlike NVIDIA, the grads are left as they are (NVIDIA overwrites ``p.grad`` with ``u``),
 bf16 params work, and ``max_grad_norm=None`` disables the clipping.
@@ -39,7 +40,7 @@ from ._base import CombinedOptimizer, _call_closure, _check_adam_group, _check_r
 from ._flat import FlatSet
 from ._functional import lamb_trust_ratio
 from ._nvidia import NvidiaCompatMixin
-from .clip import healed_sets, total_grad_norm
+from .clip import prepared_grad_norm
 from .lamb import lamb_flat_step
 
 __all__ = ["FusedLAMB", "lamb_clip_divisor"]
@@ -109,12 +110,13 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         value = self.defaults.get("max_grad_norm")
         return None if value is None else float(value)
 
-    def _global_clip(self) -> Union[float, torch.Tensor]:
-        """Divisor of every grad this step, from the (unscaled) norm of all grads of all groups."""
+    def _global_clip(self, prepared) -> Union[float, torch.Tensor]:
+        """Divisor of every grad this step, from the (unscaled) norm of all grads of all groups (`prepared`: the
+        sets of `_prepare_step`, whose grads the update reads)."""
         max_norm = self._max_grad_norm()
         if max_norm is None:
             return 1.0
-        total = total_grad_norm(healed_sets(self), 2.0)
+        total = prepared_grad_norm([s for _, sets in prepared for s in sets])
         return lamb_clip_divisor(total * self._grad_scale(), max_norm)
 
     @torch.no_grad()
@@ -125,9 +127,18 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         return loss
 
     def _lamb_step(self) -> None:
+        prepared = self._prepare_step()  # raises on bad grads before the step counts move
         self._advance_group_steps()
-        self._clip = self._global_clip()
-        CombinedOptimizer.step(self)
+        self._clip = self._global_clip(prepared)
+        self._update(prepared)
+
+    _gather_grads = True  # lamb_stage1 reads grads only through OptArgs (lamb_stage2 reads none)
+
+    def _gathers(self, s: FlatSet, group: dict) -> bool:
+        # the L2 mode forms g/c + wd*p in a scratch buffer from the flat grad buffer (see _kernel_step)
+        if group["weight_decay"] != 0 and not self.adam_w_mode:
+            return False
+        return super()._gathers(s, group)
 
     def _grad_mul(self) -> Union[float, torch.Tensor]:
         """What each stored grad is multiplied by: amp's folded unscale over the clipping divisor."""

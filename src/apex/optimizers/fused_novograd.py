@@ -22,14 +22,16 @@ tensor holding gn (the norm itself, not its square, as NVIDIA stores it; NVIDIA 
 these in ``group["exp_avg_sq"]`` as one tensor per dtype, which cannot survive params
 being skipped or added, so they are per param here).
 
-Executors on CPU: the per-tensor norms in one apex_C pass (``segment_sum_sq``; the
+Executors on CPU: the per-tensor norms in one apex_C pass (``grad_sum_sq``; the
 inf norm via torch's foreach norm), then the elementwise update on the apex_C SGD
 kernel, which takes a per-tensor grad multiplier: with ``reg_inside_moment=True`` it
 is exactly one SGD-with-momentum pass (multiplier 1/d, momentum beta1, dampening
 1 - beta3, lr/bc1); in the default mode two passes (the momentum update with lr 0,
 then a plain SGD pass that reads m as its "grad" with multiplier 1/(bc1*d) and the
-weight decay). Elsewhere, or with beta1 = 0 (a momentum-free SGD pass would not write
-m), the same math runs as torch ops on flat slices.
+weight decay). The norm pass and the first SGD pass read the grads where autograd left
+them after ``zero_grad(set_to_none=True)`` (no copy into the flat grad buffer). Elsewhere,
+or with beta1 = 0 (a momentum-free SGD pass would not write m), the same math runs as
+torch ops on flat slices (fresh grads copied in first).
 """
 
 from __future__ import annotations
@@ -50,13 +52,21 @@ from .clip import grad_runs
 __all__ = ["FusedNovoGrad"]
 
 
+def _current_grads(s: FlatSet) -> List[torch.Tensor]:
+    """Each slot's grad where the update reads it: the param's grad (a slot view, or a fresh tensor read in
+    place), or the slot view for params without a grad (skipped; their norm is not used)."""
+    if not s.gathered:
+        return s.grad_views
+    return [v if p.grad is None else p.grad for p, v in zip(s.params, s.grad_views)]
+
+
 class _Norms:
     """Per-FlatSet running per-tensor grad norms; state[p]["exp_avg_sq"] entries are 0-d views of `gn`."""
 
     def __init__(self, s: FlatSet, state):
         self.gn = torch.zeros(s.nseg, dtype=torch.float32)
         self.seen = torch.zeros(s.nseg, dtype=torch.bool)
-        self.sums = torch.zeros(s.nseg, dtype=torch.float64)  # kernel output of segment_sum_sq
+        self.sums = torch.zeros(s.nseg, dtype=torch.float64)  # kernel output of grad_sum_sq
         self.gmul = torch.ones(s.nseg, dtype=torch.float32)
         for k, p in enumerate(s.params):
             st = state.get(p)
@@ -80,6 +90,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
     """
 
     _has_step = False
+    _gather_grads = True  # the norm pass and the SGD kernel read grads only through OptArgs
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, reg_inside_moment=False, grad_averaging=True, norm_type=2, init_zero=False,
@@ -113,12 +124,17 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
     def step(self, closure=None):
         """One NovoGrad update of every param with a grad. Returns the closure's loss (None without one)."""
         loss = _call_closure(closure)
+        prepared = self._prepare_step()  # raises on bad grads before the step counts move
         self._advance_group_steps()
         self._fell_back = False
-        super().step()
+        self._update(prepared)
         if self._fell_back:
             self.last_executor = "torch"
         return loss
+
+    def _gathers(self, s: FlatSet, group: dict) -> bool:
+        # with beta1 = 0 the kernel step runs the torch math, which reads the flat grad buffer
+        return group["betas"][0] != 0 and super()._gathers(s, group)
 
     # ------------------------------------------------------------ per-tensor norms
     def _aux(self, s: FlatSet) -> _Norms:
@@ -127,21 +143,30 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
             aux = self._norms[s] = _Norms(s, self.state)
         return aux
 
-    def _grad_norms(self, s: FlatSet, group: dict, aux: _Norms) -> torch.Tensor:
-        """Per-segment norms of the (unscaled) grads, float32 on the CPU; skipped segments hold junk."""
+    def _grad_norms(self, s: FlatSet, group: dict, aux: _Norms, a) -> torch.Tensor:
+        """Per-segment norms of the (unscaled) grads, float32 on the CPU; skipped segments hold junk.
+
+        `a`: the kernel step's arguments (None in the torch executor), whose grad source (flat buffer or the
+        grads where autograd left them) the L2 norm pass reads."""
         gs = abs(self._grad_scale())
-        if group["norm_type"] == 2 and s.args is not None:
-            _core.ext._raw_segment_sum_sq(s.flat_g.data_ptr(), _core.DTYPE_CODES[s.dtype], s.seg.data_ptr(), s.nseg,
-                                     aux.sums.data_ptr(), _core.num_threads())
+        if group["norm_type"] == 2 and a is not None:
+            a.seg_out = aux.sums.data_ptr()
+            try:
+                _core.ext.grad_sum_sq(a)
+            finally:
+                a.seg_out = 0
             return (aux.sums.sqrt() * gs).to(torch.float32)
         order = 2.0 if group["norm_type"] == 2 else math.inf
-        norms = torch._foreach_norm(s.grad_views, order, dtype=torch.float32)
+        grads = _current_grads(s)
+        if order == math.inf:  # torch's inf norm of an empty tensor raises; its max |grad| is taken as 0
+            grads = [g if g.numel() else g.new_zeros(1) for g in grads]
+        norms = torch._foreach_norm(grads, order, dtype=torch.float32)
         return (torch.stack(norms).cpu() * gs).to(torch.float32)
 
-    def _blend(self, s: FlatSet, group: dict, aux: _Norms) -> torch.Tensor:
+    def _blend(self, s: FlatSet, group: dict, aux: _Norms, a=None) -> torch.Tensor:
         """Updates gn for the segments with a grad; returns d = gn / bc2 + eps per segment."""
         b2 = group["betas"][1]
-        n = self._grad_norms(s, group, aux)
+        n = self._grad_norms(s, group, aux, a)
         start = aux.gn if group["init_zero"] else torch.where(aux.seen, aux.gn, n)
         if group["norm_type"] == 2:
             new = (b2 * start.double().square() + (1 - b2) * n.double().square()).sqrt().float()
@@ -178,11 +203,11 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
             self._fell_back = True
             return
         aux = self._aux(s)
-        d = self._blend(s, group, aux)
+        a = self._prepare_args(s, [], 0)
+        d = self._blend(s, group, aux, a)
         step = float(s.steps[0]) if s.nseg else 0.0
         b1, bc1, b3 = self._scalars(group, step)
         lr, wd = group["lr"], group["weight_decay"]
-        a = self._prepare_args(s, [], 0)
         a.first = 0  # m starts at zero: never the SGD kernel's "buffer = grad" first update
         a.seg_mul = 0
         try:
@@ -197,6 +222,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
                 _core.ext.sgd_step(a)
                 aux.gmul.copy_(1.0 / (bc1 * d))
                 a.g = s.flat_s["exp_avg"].data_ptr()
+                a.gtab = 0  # this pass's "grad" is m, in its flat buffer
                 a.s0 = 0
                 a.grad_scale = 1.0
                 a.seg_gmul = aux.gmul.data_ptr()
@@ -204,6 +230,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
                 _core.ext.sgd_step(a)
         finally:
             a.g = s.flat_g.data_ptr()
+            a.gtab = s.gtab.data_ptr() if s.gathered else 0
             a.s0 = s.flat_s["exp_avg"].data_ptr()
             a.first = s.first.data_ptr()
             a.seg_gmul = 0

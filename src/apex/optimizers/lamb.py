@@ -36,7 +36,7 @@ from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_pa
 from ._flat import FlatSet
 from ._functional import LAMB_WEIGHT_NORM_CLAMP, l2_grad, lamb_direction, lamb_moments, lamb_trust_ratio
 from ._state_check import COUNT, PARAM_SHAPED, SCALAR, check_unique_params, naming, validate_loaded_state
-from .clip import grad_runs, healed_sets, total_grad_norm
+from .clip import grad_runs, prepared_grad_norm
 
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_flat_step", "lamb_moments", "lamb_trust_ratio"]
 
@@ -161,17 +161,18 @@ class NpuFusedLamb(CombinedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _call_closure(closure)
+        prepared = self._prepare_step()
         self._global_mul = 1.0
         if any(g["use_global_grad_norm"] for g in self.param_groups):
-            # the norm needs every group's grads before any group is updated
-            total = total_grad_norm(healed_sets(self), 2.0, self.executor == "auto")
+            # the norm needs every group's grads before any group is updated (read where the update reads them)
+            total = prepared_grad_norm([s for _, sets in prepared for s in sets], self.executor == "auto")
             gs = self._grad_scale()
             if isinstance(total, float):
                 self._global_mul = _global_multiplier(total * gs)
             else:
                 total = total * gs
                 self._global_mul = torch.where(total > 1.0, 1.0 / total, torch.ones_like(total))
-        super().step()
+        self._update(prepared)
         return loss
 
     def _group_mul(self, group: dict) -> Union[float, torch.Tensor]:
