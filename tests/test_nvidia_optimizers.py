@@ -579,6 +579,31 @@ def test_fused_novograd_matches_reference(device, executor, case):
                                    atol=1e-6 * max(1.0, float(state[i]["m"].abs().max())))
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("norm_type", [0, 2])
+def test_fused_novograd_empty_param(device, executor, norm_type):
+    """A param with no elements has norm 0 (max |grad| of nothing included: torch's inf norm of an empty tensor
+    raises); it and its neighbours step as the reference says."""
+    hp = dict(lr=1e-2, b1=0.9, b2=0.98, eps=1e-8, wd=0.01, norm_type=norm_type, init_zero=False,
+              reg_inside_moment=False, grad_averaging=True, bias_correction=True)
+    params = make_params([(3, 4), (0,), (5,)], device, seed=61)
+    opt = FusedNovoGrad(params, lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=hp["wd"],
+                        norm_type=norm_type)
+    opt.executor = executor
+    ref = [p.detach().double().cpu() for p in params]
+    state: Dict[int, dict] = {}
+    gen = torch.Generator().manual_seed(62)
+    for step in range(1, 6):
+        grads = step_on(opt, params, gen)
+        dgrads = [g.double().cpu() for g in grads]
+        ref = ref_novograd([r for k, r in enumerate(ref) if k != 1], [g for k, g in enumerate(dgrads) if k != 1],
+                           state, step=step, **hp)
+        ref.insert(1, params[1].detach().double().cpu())
+    assert opt.last_executor == expected_executor(executor, device)
+    assert_params_close(params, ref, max_abs(ref), "novograd param")
+    assert float(opt.state[params[1]]["exp_avg_sq"]) == 0.0
+
+
 def test_fused_novograd_errors_and_state_dict(device):
     params = make_params([(5,), (2, 3)], device)
     with pytest.raises(RuntimeError, match="FusedNovoGrad does not support the AMSGrad variant"):
