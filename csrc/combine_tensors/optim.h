@@ -54,7 +54,8 @@ enum OptFlags : int {
 };
 
 struct OptimKernels {
-  // SGD. hp: lr, momentum, dampening, weight_decay. s[0]: momentum buffer.
+  // SGD. hp: lr, momentum, dampening, weight_decay. s[0]: momentum buffer. kDecoupled: the decay after the
+  // momentum, p -= lr * (s * seg_mul[k] + wd * p) (seg_mul absent: 1), instead of wd * p added to the grad.
   void (*sgd)(const OptArgs&);
   // Adam / AdamW. hp: lr, beta1, beta2, eps, weight_decay. s: exp_avg, exp_avg_sq, max_exp_avg_sq.
   void (*adam)(const OptArgs&);

@@ -69,7 +69,10 @@ inline float gmul(const OptArgs& a, idx_t k) { return a.grad_scale * (a.seg_gmul
 // torch.optim.SGD. Weight decay and Nesterov are template parameters (chosen once per call): torch adds the
 // decay term only when weight_decay != 0 (so an inf param stays inf instead of meeting 0 * inf = NaN), and
 // the 16-bit loops are bound by instruction count, so terms that do not apply are not computed.
-template <bool L2, bool NESTEROV>
+// POST (kDecoupled): a per-segment multiplier on the momentum result and the decay after it,
+// u = s * seg_mul[k] (+ wd * p when POST == 2, i.e. weight_decay != 0; seg_mul absent = 1): NovoGrad's
+// update m / (bc1 * d_k) + wd * p in the pass that updates its moment m.
+template <bool L2, bool NESTEROV, int POST>
 static void sgd_body(const OptArgs& a) {
   with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
     APEX_TYPES(pt, gt, ot);
@@ -80,6 +83,8 @@ static void sgd_body(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
+      const float umul = a.seg_mul ? a.seg_mul[k] : 1.f;
+      (void)umul;
       // d = g * scale (+ wd * p). p is read once per element: a second load(p, i) after a store is not
       // merged with the first (the compiler cannot prove the arrays disjoint through the lambda).
       if (mom == 0.f || !buf) {
@@ -88,6 +93,8 @@ static void sgd_body(const OptArgs& a) {
           const float pv = load(p, i);
           float d = load(gk, i - lo) * gs;
           if constexpr (L2) d = d + wd * pv;
+          if constexpr (POST == 1) d = d * umul;
+          if constexpr (POST == 2) d = d * umul + wd * pv;
           const float np = pv - lr * d;
           store(p, i, np);
           store(o, i, np);
@@ -103,6 +110,8 @@ static void sgd_body(const OptArgs& a) {
           if constexpr (L2) d = d + wd * pv;
           float s = store_load(buf, i, keep * load(buf, i) + tk * d);  // used as stored (as torch does)
           if constexpr (NESTEROV) s = d + mom * s;
+          if constexpr (POST == 1) s = s * umul;
+          if constexpr (POST == 2) s = s * umul + wd * pv;
           const float np = pv - lr * s;
           store(p, i, np);
           store(o, i, np);
@@ -114,8 +123,13 @@ static void sgd_body(const OptArgs& a) {
 
 static void sgd(const OptArgs& a) {
   const bool l2 = static_cast<float>(a.hp[3]) != 0.f, nesterov = a.flags & kNesterov;
-  if (l2) nesterov ? sgd_body<true, true>(a) : sgd_body<true, false>(a);
-  else nesterov ? sgd_body<false, true>(a) : sgd_body<false, false>(a);
+  if (a.flags & kDecoupled) {
+    if (l2) nesterov ? sgd_body<false, true, 2>(a) : sgd_body<false, false, 2>(a);
+    else nesterov ? sgd_body<false, true, 1>(a) : sgd_body<false, false, 1>(a);
+    return;
+  }
+  if (l2) nesterov ? sgd_body<true, true, 0>(a) : sgd_body<true, false, 0>(a);
+  else nesterov ? sgd_body<false, true, 0>(a) : sgd_body<false, false, 0>(a);
 }
 
 // ---------------------------------------------------------------------------

@@ -265,6 +265,8 @@ OPT_CASES = {
     "sgd": ("sgd_step", 0, [0.1, 0.0, 0.0, 0.0]),
     "sgd-momentum": ("sgd_step", 0, [0.1, 0.9, 0.1, 1e-4]),
     "sgd-nesterov": ("sgd_step", apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 1e-4]),
+    "sgd-decay-after": ("sgd_step", apex_C.FLAG_DECOUPLED, [0.1, 0.9, 0.1, 1e-4]),
+    "sgd-decay-after-nesterov": ("sgd_step", apex_C.FLAG_DECOUPLED | apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 0.0]),
 }
 
 
@@ -275,6 +277,47 @@ def test_low_precision_optimizer_steps_match_baseline(level, dt, case):
     got, want = _optimizer_case(kernel, dt, flags, hp, np.random.default_rng(5))
     for name, a, b in zip(("param", "s0", "s1", "s2"), got, want):
         assert a == b, f"{level} {case} {name} differs from baseline"
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_sgd_decay_after_momentum_is_the_two_pass_form(level, dt, wd):
+    """FLAG_DECOUPLED with seg_mul (NovoGrad's default update, one pass): m = b1*m + b3*g, p -= lr*(m*u_k + wd*p),
+    bitwise the two SGD passes it replaces (the momentum with lr 0, then an SGD pass reading the stored m as its
+    grad with seg_gmul = u_k and L2 decay), and bitwise the baseline level."""
+    rng = np.random.default_rng(7)
+    n = N_ODD
+    seg = np.array([0, 1000, n], np.int64)
+    p0 = as_storage(rng.standard_normal(n).astype(np.float32), dt)
+    m0 = as_storage(rng.standard_normal(n).astype(np.float32) * 1e-2, dt)
+    grads = [as_storage((rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1, n)).astype(np.float32), dt)
+             for _ in range(3)]
+    umul = np.array([0.7, 1.9], np.float32)
+    lr, b1, damp = 0.05, 0.9, 0.1
+
+    def args(pp, g, s0, hp, flags=0, seg_mul=0, seg_gmul=0):
+        a = apex_C.OptArgs()
+        a.pdt = a.gdt = a.sdt = dt
+        a.p, a.g, a.s0, a.seg, a.nseg = pp.ctypes.data, g.ctypes.data, s0, seg.ctypes.data, 2
+        a.flags, a.hp, a.threads, a.seg_mul, a.seg_gmul = flags, hp, 2, seg_mul, seg_gmul
+        return a
+
+    def one_pass():
+        pp, m = p0.copy(), m0.copy()
+        for g in grads:
+            apex_C.sgd_step(args(pp, g, m.ctypes.data, [lr, b1, damp, wd], apex_C.FLAG_DECOUPLED, umul.ctypes.data))
+        return pp.tobytes(), m.tobytes()
+
+    def two_pass():
+        pp, m = p0.copy(), m0.copy()
+        for g in grads:
+            apex_C.sgd_step(args(pp, g, m.ctypes.data, [0.0, b1, damp, 0.0]))
+            apex_C.sgd_step(args(pp, m, 0, [lr, 0.0, 0.0, wd], seg_gmul=umul.ctypes.data))
+        return pp.tobytes(), m.tobytes()
+
+    got = one_pass()
+    assert got == two_pass(), f"{level}: the one-pass update differs from the two-pass form"
+    assert got == run_at("baseline", one_pass), f"{level}: differs from baseline"
 
 
 LAMB_CASES = {

@@ -108,6 +108,7 @@ KERNELS = [
     ("sgd_step", [0.1, 0.9, 0.1, 0.01], 0, 0),
     ("sgd_step", [0.1, 0.9, 0.0, 0.01], F.FLAG_NESTEROV, 0),
     ("sgd_step", [0.1, 0.0, 0.0, 0.01], 0, 0),
+    ("sgd_step", [0.1, 0.9, 0.1, 0.01], F.FLAG_DECOUPLED, 0),
     ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
     ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED | F.FLAG_AMSGRAD, 0),
     ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], F.FLAG_NO_BIAS_CORRECTION, 0),

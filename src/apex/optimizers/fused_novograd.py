@@ -25,11 +25,11 @@ being skipped or added, so they are per param here).
 Executors on CPU: the per-tensor norms in one apex_C pass (``grad_sum_sq``; the
 inf norm via torch's foreach norm), then the elementwise update on the apex_C SGD
 kernel, which takes a per-tensor grad multiplier: with ``reg_inside_moment=True`` it
-is exactly one SGD-with-momentum pass (multiplier 1/d, momentum beta1, dampening
-1 - beta3, lr/bc1); in the default mode two passes (the momentum update with lr 0,
-then a plain SGD pass that reads m as its "grad" with multiplier 1/(bc1*d) and the
-weight decay). The norm pass and the first SGD pass read the grads where autograd left
-them after ``zero_grad(set_to_none=True)`` (no copy into the flat grad buffer). Elsewhere,
+is exactly one SGD-with-momentum pass (grad multiplier 1/d, momentum beta1, dampening
+1 - beta3, lr/bc1); in the default mode too (``FLAG_DECOUPLED``: momentum beta1,
+dampening 1 - beta3, then the per-tensor multiplier 1/(bc1*d) on the updated m and the
+weight decay after it). The norm pass and the SGD pass read the grads where autograd
+left them after ``zero_grad(set_to_none=True)`` (no copy into the flat grad buffer). Elsewhere,
 or with beta1 = 0 (a momentum-free SGD pass would not write m), the same math runs as
 torch ops on flat slices (fresh grads copied in first).
 """
@@ -209,31 +209,27 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
         b1, bc1, b3 = self._scalars(group, step)
         lr, wd = group["lr"], group["weight_decay"]
         a.first = 0  # m starts at zero: never the SGD kernel's "buffer = grad" first update
-        a.seg_mul = 0
         try:
             if self.moment_mode == 0:
                 aux.gmul.copy_(1.0 / d)
                 a.seg_gmul = aux.gmul.data_ptr()
+                a.seg_mul = 0
                 a.hp = [lr / bc1, b1, 1.0 - b3, wd]
                 _core.ext.sgd_step(a)
             else:
-                a.seg_gmul = 0
-                a.hp = [0.0, b1, 1.0 - b3, 0.0]  # m = b1*m + b3*g; p - 0*m leaves p as it is
-                _core.ext.sgd_step(a)
+                # m = b1*m + b3*g, then p = p - lr * (m / (bc1*d) + wd * p) with m as stored: the decay after the
+                # momentum and a per-tensor multiplier on it (FLAG_DECOUPLED), one pass
                 aux.gmul.copy_(1.0 / (bc1 * d))
-                a.g = s.flat_s["exp_avg"].data_ptr()
-                a.gtab = 0  # this pass's "grad" is m, in its flat buffer
-                a.s0 = 0
-                a.grad_scale = 1.0
-                a.seg_gmul = aux.gmul.data_ptr()
-                a.hp = [lr, 0.0, 0.0, wd]  # p = p - lr * (m / (bc1*d) + wd * p)
+                a.seg_gmul = 0
+                a.seg_mul = aux.gmul.data_ptr()
+                a.flags = _core.ext.FLAG_DECOUPLED
+                a.hp = [lr, b1, 1.0 - b3, wd]
                 _core.ext.sgd_step(a)
         finally:
-            a.g = s.flat_g.data_ptr()
-            a.gtab = s.gtab.data_ptr() if s.gathered else 0
-            a.s0 = s.flat_s["exp_avg"].data_ptr()
             a.first = s.first.data_ptr()
             a.seg_gmul = 0
+            a.seg_mul = 0
+            a.flags = 0
         self._expose_norms(s, aux)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
