@@ -71,7 +71,8 @@ inline float gmul(const OptArgs& a, idx_t k) { return a.grad_scale * (a.seg_gmul
 // the 16-bit loops are bound by instruction count, so terms that do not apply are not computed.
 // POST (kDecoupled): a per-segment multiplier on the momentum result and the decay after it,
 // u = s * seg_mul[k] (+ wd * p when POST == 2, i.e. weight_decay != 0; seg_mul absent = 1): NovoGrad's
-// update m / (bc1 * d_k) + wd * p in the pass that updates its moment m.
+// update m / (bc1 * d_k) + wd * p in the pass that updates its moment m, and NVIDIA FusedSGD's
+// wd_after_momentum (no seg_mul).
 template <bool L2, bool NESTEROV, int POST>
 static void sgd_body(const OptArgs& a) {
   with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {

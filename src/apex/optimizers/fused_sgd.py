@@ -8,8 +8,10 @@ the decay is added after the momentum, as NVIDIA's kernel does::
     d = g + momentum * b  (nesterov)  or  b
     p = p - lr * (d + weight_decay * p)
 
-which is computed here as ``p *= 1 - lr * weight_decay`` over the params that have a
-grad, followed by the ordinary SGD kernel without decay (the same value up to rounding).
+The apex_C kernel computes exactly that in the update's one pass (SGD with
+``FLAG_DECOUPLED``); the torch executors compute ``p *= 1 - lr * weight_decay`` over the
+params that have a grad, then the ordinary SGD update without decay (the same value up
+to rounding).
 
 ``materialize_master_grads`` only concerns how NVIDIA's amp O2 hands fp16 grads to
 the optimizer; our amp drives every fused optimizer through the combined-buffer
@@ -49,7 +51,7 @@ class FusedSGD(NpuFusedSGD):
                          nesterov=nesterov)
 
     def _decay_first(self, s: FlatSet, group: dict) -> dict:
-        """wd_after_momentum: shrink the params that have a grad, then run SGD without decay."""
+        """wd_after_momentum in the torch executors: shrink the params that have a grad, then SGD without decay."""
         if not self.wd_after_momentum or group["weight_decay"] == 0:
             return group
         factor = 1.0 - group["lr"] * group["weight_decay"]
@@ -62,7 +64,14 @@ class FusedSGD(NpuFusedSGD):
         return {**group, "weight_decay": 0.0}
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
-        super()._kernel_step(s, self._decay_first(s, group))
+        if not self.wd_after_momentum or group["weight_decay"] == 0:
+            super()._kernel_step(s, group)
+            return
+        # p -= lr * (d + wd * p), d the momentum result, in one pass (no per-slot multiplier: seg_mul 0 means 1)
+        flags = _core.ext.FLAG_DECOUPLED | (_core.ext.FLAG_NESTEROV if group["nesterov"] else 0)
+        a = self._prepare_args(s, self._hp(group), flags)
+        a.seg_mul = 0
+        _core.ext.sgd_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         super()._torch_step(s, self._decay_first(s, group))
