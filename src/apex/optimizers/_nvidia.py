@@ -53,6 +53,13 @@ class NvidiaCompatMixin:
             else:
                 group["step"] = step + 1
 
+    def _prepare_counted_step(self):
+        """`_prepare_step`, then the per-group step counts advanced: only once every grad has been accepted, so
+        a rejected step leaves the counts as they were."""
+        prepared = self._prepare_step()
+        self._advance_group_steps()
+        return prepared
+
     @staticmethod
     def _use_group_step(s: FlatSet, group: dict) -> float:
         """Writes the group's step into the per-segment step array the kernels read; returns it."""

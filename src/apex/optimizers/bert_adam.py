@@ -14,6 +14,7 @@ from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
 from ._functional import settler
+from .clip import grad_sum_sq_into
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -195,11 +196,7 @@ class NpuFusedBertAdam(CombinedOptimizer):
         """Per-segment clip coefficient x grad scale, from one float64 norm pass over the grads the update reads
         (`a`: the flat buffer, or the grads where autograd left them); skipped segments are not read."""
         sq = torch.empty(s.nseg, dtype=torch.float64)
-        a.seg_out = sq.data_ptr()
-        try:
-            _core.ext.grad_sum_sq(a)
-        finally:
-            a.seg_out = 0
+        grad_sum_sq_into(a, sq)
         scale = self._grad_scale()
         norms = sq.sqrt_().mul_(abs(scale))
         coefs = torch.clamp(group["max_grad_norm"] / (norms + 1e-6), max=1.0)

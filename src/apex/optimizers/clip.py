@@ -102,6 +102,17 @@ def total_grad_norm(sets: List[FlatSet], norm_type: float, use_kernel: bool = Tr
     return torch.linalg.vector_norm(torch.stack(parts), norm_type)
 
 
+def grad_sum_sq_into(a, out: torch.Tensor) -> None:
+    """apex_C ``grad_sum_sq`` over the slots of kernel arguments `a` into `out` (float64, one per slot; 0 for
+    skipped slots), reading grads where the update reads them (flat buffer or gather table). `a` outlives the
+    call, so no pointer to `out` is left in it."""
+    a.seg_out = out.data_ptr()
+    try:
+        _core.ext.grad_sum_sq(a)
+    finally:
+        a.seg_out = 0
+
+
 def _segment_sums_sq(s: FlatSet) -> List[float]:
     """Per-slot sums of squared grads (float64; 0 for slots without a grad) read through the set's kernel
     arguments: from the flat buffer, or where autograd left the grads when the set is gathered."""
@@ -109,11 +120,7 @@ def _segment_sums_sq(s: FlatSet) -> List[float]:
     out = torch.zeros(s.nseg, dtype=torch.float64)
     a.skip = s.skip.data_ptr() if s.n_skipped else 0
     a.threads = _core.num_threads()
-    a.seg_out = out.data_ptr()
-    try:
-        _core.ext.grad_sum_sq(a)
-    finally:
-        a.seg_out = 0  # the args outlive this call
+    grad_sum_sq_into(a, out)
     return out.tolist()
 
 

@@ -93,9 +93,7 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
             raise RuntimeError(_LEGACY_STEP_ARGS_MSG)
         loss = _call_closure(closure)
         self._sync_shadows()
-        prepared = self._prepare_step()  # raises on bad grads before the step counts move
-        self._advance_group_steps()
-        self._update(prepared)
+        self._update(self._prepare_counted_step())
         return loss
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:

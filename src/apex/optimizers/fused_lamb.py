@@ -127,8 +127,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         return loss
 
     def _lamb_step(self) -> None:
-        prepared = self._prepare_step()  # raises on bad grads before the step counts move
-        self._advance_group_steps()
+        prepared = self._prepare_counted_step()
         self._clip = self._global_clip(prepared)
         self._update(prepared)
 

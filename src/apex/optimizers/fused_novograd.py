@@ -47,7 +47,7 @@ from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._nvidia import NvidiaCompatMixin
 from ._state_check import SCALAR
-from .clip import grad_runs
+from .clip import grad_runs, grad_sum_sq_into
 
 __all__ = ["FusedNovoGrad"]
 
@@ -124,8 +124,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
     def step(self, closure=None):
         """One NovoGrad update of every param with a grad. Returns the closure's loss (None without one)."""
         loss = _call_closure(closure)
-        prepared = self._prepare_step()  # raises on bad grads before the step counts move
-        self._advance_group_steps()
+        prepared = self._prepare_counted_step()
         self._fell_back = False
         self._update(prepared)
         if self._fell_back:
@@ -150,11 +149,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
         grads where autograd left them) the L2 norm pass reads."""
         gs = abs(self._grad_scale())
         if group["norm_type"] == 2 and a is not None:
-            a.seg_out = aux.sums.data_ptr()
-            try:
-                _core.ext.grad_sum_sq(a)
-            finally:
-                a.seg_out = 0
+            grad_sum_sq_into(a, aux.sums)
             return (aux.sums.sqrt() * gs).to(torch.float32)
         order = 2.0 if group["norm_type"] == 2 else math.inf
         grads = _current_grads(s)
