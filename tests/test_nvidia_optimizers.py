@@ -214,8 +214,6 @@ def test_fused_adam_errors_and_closure(device):
         FusedAdam(params, amsgrad=True)
     with pytest.raises(RuntimeError, match="Master weights is currently only supported with the capturable"):
         FusedAdam(params, master_weights=True)
-    with pytest.raises(ValueError, match="capturable"):
-        FusedAdam(params, capturable=True)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         FusedAdam(params, lr=-1.0)
     opt = FusedAdam(params, lr=0.1)
@@ -240,6 +238,7 @@ def test_fused_adam_errors_and_closure(device):
     assert opt.param_groups[0]["step"] == 1
     assert not any(torch.equal(a, b) for a, b in zip(params, before))
     opt.step(grad_scaler=None)  # accepted, as NVIDIA's signature has it
+    assert not opt._step_supports_amp_scaling and opt.param_groups_master == [{"params": [None, None]}]
 
 
 @pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad])
@@ -880,3 +879,159 @@ def test_mixed_precision_lamb_grad_scaler_keyword():
     scaler.update()
     assert opt.param_groups[0]["step"].tolist() == [1]
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ------------------------------------------------------------------ FusedAdam capturable / master_weights
+def _scaled_twin_runs(make_ours, steps, *, inf_at=(), unscale_at=(), autocast=False):
+    """A small model trained by torch.optim.AdamW and by ``make_ours(params)`` beside it, each under its own
+    torch GradScaler: the same inputs, an inf grad injected at ``inf_at``, ``scaler.unscale_`` + clipping at
+    ``unscale_at``, forward passes under fp16 autocast with ``autocast``. Yields (step, reference model, our
+    model, our optimizer, both scalers, our grads as they were just before ``scaler.step`` divided by the scale
+    they still carried) after each step."""
+    torch.manual_seed(0)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    model = copy.deepcopy(ref_model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = make_ours(list(model.parameters()))
+    scalers = (torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    gen = torch.Generator().manual_seed(1)
+    for it in range(steps):
+        x = torch.randn(5, 6, generator=gen)
+        for m, o, scaler in ((ref_model, ref_opt, scalers[0]), (model, opt, scalers[1])):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                loss = m(x).float().square().mean()
+            scaler.scale(loss).backward()
+            if it in inf_at:
+                m[0].weight.grad[1, 2] = float("inf")
+            if it in unscale_at:
+                scaler.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            carried = 1.0 if it in unscale_at else scaler.get_scale()
+            expected = [q.grad / carried for q in m.parameters()]  # a power of two: exact
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # NVIDIA's step(grad_scaler=) contract
+                scaler.step(o)
+            scaler.update()
+        yield it, ref_model, model, opt, scalers, expected
+        ref_opt.zero_grad()
+        opt.zero_grad()
+
+
+@pytest.mark.devices("cpu")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fused_adam_capturable_grad_scaler(executor):
+    """capturable=True: GradScaler hands over its scale and flags. Against torch.optim.AdamW under its own
+    scaler: the same skips (the step count stays on an overflow), the same scale schedule, params within
+    fp32 rounding; after each step the grads are the unscaled ones, bit for bit what torch's unscale_
+    leaves, also when the user unscaled them first to clip."""
+
+    def make(params):
+        opt = FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=True)
+        opt.executor = executor
+        return opt
+
+    steps = []
+    runs = _scaled_twin_runs(make, 8, inf_at=(2, 5), unscale_at=(3, 6))
+    for it, ref_model, model, opt, (s_ref, s_ours), expected in runs:
+        assert s_ref.get_scale() == s_ours.get_scale()
+        for a, b, want in zip(ref_model.parameters(), model.parameters(), expected):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+            if it not in (2, 5):  # an overflow step leaves the grads as they were, scaled (NVIDIA's kernel)
+                assert torch.equal(b.grad, want)
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7)
+        steps.append(opt.param_groups[0]["step"].tolist())
+    assert steps == [[1], [2], [2], [3], [4], [4], [5], [6]]
+    assert opt._step_supports_amp_scaling and opt.last_executor == expected_executor(executor, "cpu")
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and float(lr) == pytest.approx(1e-2)
+    assert opt.param_groups[0]["step"].dtype == torch.int32
+
+
+@pytest.mark.devices("cpu")
+def test_fused_adam_capturable_without_scaler_and_lr_scheduler():
+    """Without a GradScaler the capturable form is plain FusedAdam (bit for bit, same executor); an LR
+    scheduler writes into the tensor lr."""
+    params = make_params(shapes_for(110), "cpu", seed=110)
+    twin = clone_params(params)
+    opt = FusedAdam(params, lr=1e-2, capturable=True)
+    plain = FusedAdam(twin, lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sched_plain = torch.optim.lr_scheduler.StepLR(plain, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(111)
+    for _ in range(5):
+        grads = draw_grads(params, gen)
+        for p, q, g in zip(params, twin, grads):
+            set_grad(p, g)
+            set_grad(q, g)
+        opt.step()
+        plain.step()
+        sched.step()
+        sched_plain.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin))
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(plain.param_groups[0]["lr"])
+    assert opt.param_groups[0]["step"].tolist() == [5] and plain.param_groups[0]["step"] == 5
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_adam_master_weights(device, executor, dtype):
+    """master_weights=True: fp32 masters of the fp16/bf16 params follow the float64 Adam reference (fp32
+    rounding, not the dtype's), the params are the masters rounded; writes into the params are not read
+    back (the masters are the optimizer's truth); fp32 params are their own masters. Checkpoints keep fp32
+    moments; after a load the masters are made again from the params."""
+    shapes = shapes_for(120)
+    params = make_params(shapes, device, dtype=dtype, seed=120) + make_params([(3, 2)], device, seed=121)
+    ref = [p.detach().double().cpu() for p in params]
+    ms = [torch.zeros_like(r) for r in ref]
+    vs = [torch.zeros_like(r) for r in ref]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=True, master_weights=True)
+    opt.executor = executor
+    before = opt.param_groups_master[0]["params"]
+    assert before[:-1] == [None] * (len(params) - 1) and before[-1] is params[-1]  # low ones: made at step 1
+    gen = torch.Generator().manual_seed(122)
+    for step in range(1, STEPS + 1):
+        grads = step_on(opt, params, gen)
+        for i, g in enumerate(grads):
+            ref[i], ms[i], vs[i] = ref_adam64(ref[i], g.double().cpu(), ms[i], vs[i], lr=1e-2, b1=0.9, b2=0.999,
+                                              eps=1e-8, wd=0.01, step=step, adam_w_mode=True, bias_correction=True)
+        if step == 3:
+            with torch.no_grad():
+                params[0].add_(1.0)  # a write into a model param: the master does not read it back
+    assert opt.last_executor == expected_executor(executor, device)
+    masters = opt.param_groups_master[0]["params"]
+    assert all(m.dtype == torch.float32 for m in masters) and masters[-1] is params[-1]
+    assert_params_close(masters, ref, max_abs(ref), "master")
+    for p, m in zip(params, masters):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype))
+        assert {k: v.dtype for k, v in opt.state[p].items()} == {"exp_avg": torch.float32,
+                                                                  "exp_avg_sq": torch.float32}
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_params = clone_params(params)
+    with torch.no_grad():
+        resumed_params[0].fill_(0.5)
+    again = FusedAdam(resumed_params, lr=1e-2, capturable=True, master_weights=True)
+    again.load_state_dict(saved)
+    assert all(v.dtype == torch.float32 for st in again.state.values() for v in st.values())
+    set_grad(resumed_params[0], torch.zeros_like(resumed_params[0]))
+    again.step()  # zero grad, decayed: the new master starts from the param's 0.5, not the old master
+    got = again.param_groups_master[0]["params"][0]
+    assert bool(((got - 0.5).abs() < 0.01).all()) and again.param_groups[0]["step"].tolist() == [STEPS + 1]
+
+
+@pytest.mark.devices("cpu")
+def test_fused_adam_master_weights_grad_scaler():
+    """NVIDIA's capturable + master weights with fp16 layers under GradScaler, against fp32 torch.optim.AdamW:
+    masters follow the fp32 run closely, the fp16 params are the masters rounded."""
+
+    def make(params):
+        for p in params[:2]:
+            p.data = p.data.half()
+        return FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=True, master_weights=True)
+
+    for _, ref_model, model, opt, _, _ in _scaled_twin_runs(make, 6, inf_at=(2,), autocast=True):
+        masters = opt.param_groups_master[0]["params"]
+        for a, m, p in zip(ref_model.parameters(), masters, model.parameters()):
+            torch.testing.assert_close(m, a, rtol=2e-3, atol=2e-3)
+            assert torch.equal(p.detach(), m.detach().to(p.dtype))
+    assert opt.param_groups[0]["step"].tolist() == [5]

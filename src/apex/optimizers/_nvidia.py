@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from itertools import chain
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,8 @@ from ._flat import FlatSet, check_grad
 
 logger = logging.getLogger("apex.optimizers")
 
-__all__ = ["NvidiaCompatMixin", "ShadowParamsMixin", "ShadowSet", "check_betas", "group_step"]
+__all__ = ["GradScalerMixin", "NvidiaCompatMixin", "ShadowParamsMixin", "ShadowSet", "check_betas", "group_device",
+           "group_step", "tensor_lr_and_step"]
 
 
 def group_step(group: dict) -> float:
@@ -95,6 +96,80 @@ class NvidiaCompatMixin:
                 group["step"] = int(max(steps))
                 logger.info("apex: group without 'step' in the loaded state dict: using the params' step %d",
                             group["step"])
+
+
+def group_device(group: dict) -> torch.device:
+    """Where a group's tensor hyperparameters live: its first param's device (the CPU for an empty group)."""
+    return group["params"][0].device if group["params"] else torch.device("cpu")
+
+
+def tensor_lr_and_step(group: dict, step=None) -> None:
+    """NVIDIA's tensor hyperparameters: ``lr`` a float32 0-d tensor and (when ``step`` is given, or the group
+    has one) ``step`` an int32 tensor ``[step]``, on the group's device (the first param's; CPU when empty)."""
+    device = group_device(group)
+    lr = group["lr"]
+    group["lr"] = (lr.detach().to(device=device, dtype=torch.float32, copy=True) if isinstance(lr, torch.Tensor)
+                   else torch.tensor(float(lr), dtype=torch.float32, device=device))
+    step = group.get("step", step)
+    if step is not None:
+        group["step"] = (step.detach().to(device=device, copy=True) if isinstance(step, torch.Tensor)
+                         else torch.tensor([int(step)], dtype=torch.int32, device=device))
+
+
+class GradScalerMixin:
+    """torch GradScaler's optimizer-side contract (``_step_supports_amp_scaling``; list it before the class
+    that defines ``_grad_scale``).
+
+    With the attribute set, ``GradScaler.step`` hands the optimizer the scale and the inf/NaN flags instead
+    of unscaling the grads itself: a step whose grads hold inf/NaN is skipped (no update, step counts
+    unchanged) and the unscale ``1 / scale`` is folded into the update, so the grads are read once and
+    never rewritten. Both contracts are served: NVIDIA's ``step(grad_scaler=scaler)`` keyword (what torch
+    passes when ``step`` has that parameter) and torch's attributes ``grad_scale`` / ``found_inf``.
+    Grads already unscaled by ``scaler.unscale_(optimizer)`` (to clip them) are not unscaled again.
+
+    ``_unscale_grads_after = True``: after an update that folded the unscale in, the grads are unscaled in
+    place as well, so user code reading them after ``scaler.step()`` sees what ``unscale_`` would have left
+    (NVIDIA's capturable FusedAdam writes the unscaled grads back); the update itself used the scaled grads
+    times ``1 / scale`` in fp32, as NVIDIA's kernel does.
+    """
+
+    _scaler_inv = 1.0
+    _unscale_grads_after = False
+
+    def _grad_scale(self) -> float:
+        return super()._grad_scale() * self._scaler_inv
+
+    def _scaled_update(self, grad_scaler, update: Callable[[], None]) -> None:
+        """``update()`` with the scaler's unscale folded in, or nothing when the grads hold inf/NaN."""
+        scale, found_inf = self._scaler_inputs(grad_scaler)
+        if found_inf:
+            return  # NVIDIA: no update and no step count advance on overflow
+        self._scaler_inv = 1.0 if scale is None else 1.0 / scale
+        try:
+            update()
+        finally:
+            self._scaler_inv = 1.0
+        if self._unscale_grads_after and scale is not None and scale != 1.0:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / scale)
+
+    def _scaler_inputs(self, grad_scaler) -> Tuple[Optional[float], bool]:
+        """(scale the grads still carry or None, whether they hold inf/NaN) from a GradScaler, by either
+        contract; (None, False) without one."""
+        if grad_scaler is not None:  # NVIDIA's contract: the scaler passed as a keyword
+            per_opt = getattr(grad_scaler, "_per_optimizer_states", {}).get(id(self), {})
+            stage = getattr(per_opt.get("stage"), "name", None)
+            if stage == "UNSCALED":  # scaler.unscale_(self) ran: grads unscaled, flags recorded
+                found = per_opt.get("found_inf_per_device", {})
+                return None, any(float(v) != 0 for v in found.values())
+            found = grad_scaler._check_inf_per_device(self)  # also records the flags for scaler.update()
+            scale = grad_scaler._get_scale_async()
+            return float(scale), any(float(v) != 0 for v in found.values())
+        # torch's current contract: GradScaler.step sets these two attributes for the call
+        found_inf = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        return (None if scale is None else float(scale)), bool(found_inf is not None and float(found_inf) != 0)
 
 
 # ------------------------------------------------------------------ fp32 shadows of low-precision params
@@ -216,6 +291,15 @@ class ShadowParamsMixin:
             if not s.params_intact() or (s.out_params is not None and not s.out_intact()):
                 return None
         return c.sets
+
+    def _master_lists(self, plain: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> List[dict]:
+        """Per group ``{"params": [...]}``: the fp32 shadow of each shadowed param (made at the first step),
+        ``plain(p)`` for the others and for params not combined yet."""
+        def master(p: torch.Tensor) -> Optional[torch.Tensor]:
+            rec = self._shadows.get(id(p))
+            return rec[1] if rec is not None and rec[0] is p else plain(p)
+
+        return [{"params": [master(p) for p in group["params"]]} for group in self.param_groups]
 
     def _sync_shadows(self) -> None:
         """Before a step: shadows refreshed (unless they are masters) and their grads mirrored."""

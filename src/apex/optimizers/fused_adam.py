@@ -20,7 +20,16 @@ and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`
 re-read from the params before every step, with the grads converted into them; the
 kernel writes the rounded params in the same pass. States stay keyed by the params.
 
-``capturable`` / ``master_weights`` (NVIDIA's CUDA-graph variants) are not available.
+``capturable=True`` is NVIDIA's GradScaler-aware form: ``group["lr"]`` is a float32 tensor
+and ``group["step"]`` an int32 tensor ``[t]`` on the params' device, and torch's
+``GradScaler`` drives the step without unscaling the grads first
+(``_step_supports_amp_scaling``): a step with inf/NaN grads is skipped, the step count
+included, and ``1 / scale`` is folded into the update (the grads are unscaled in place
+afterwards, as NVIDIA's kernel leaves them). ``master_weights=True`` (only with
+``capturable``, as NVIDIA) keeps the fp32 shadows of fp16/bf16 params as master weights:
+made from the params at the first step, updated in fp32 and rounded into the params,
+never re-read from them. The executors are the same as without these options; what they
+do not give is CUDA-graph capture of ``step()``, which reads the scaler's flags on the host.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._functional import adam_math, settler
-from ._nvidia import NvidiaCompatMixin, ShadowParamsMixin
+from ._nvidia import GradScalerMixin, NvidiaCompatMixin, ShadowParamsMixin, group_device, tensor_lr_and_step
 
 __all__ = ["FusedAdam"]
 
@@ -43,7 +52,7 @@ _LEGACY_STEP_ARGS_MSG = (
 )
 
 
-class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
+class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedOptimizer):
     """Adam / AdamW as ``apex.optimizers.FusedAdam``; drop-in for NVIDIA's class (see the module docstring).
 
     Args: params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
@@ -51,34 +60,58 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
 
     ``amsgrad=True`` raises RuntimeError, as NVIDIA does. ``step()`` takes a closure;
     NVIDIA's removed step arguments (``grads``, ``output_params``, ``scale``, ``grad_norms``)
-    raise NVIDIA's RuntimeError; ``grad_scaler`` is accepted and ignored (NVIDIA reads it
-    only in its capturable mode). ``zero_grad()`` without arguments follows ``set_grad_none``.
+    raise NVIDIA's RuntimeError; ``grad_scaler`` is read with ``capturable=True`` and ignored
+    otherwise, as NVIDIA does. ``zero_grad()`` without arguments follows ``set_grad_none``.
+    ``param_groups_master``: per group, the fp32 master of each param with ``master_weights``
+    (fp32 params are their own; fp16/bf16 ones get theirs at the first step, None before), all
+    None without.
     """
 
     _gather_grads = True  # the kernel reads grads only through OptArgs
 
     _has_step = False  # NVIDIA: group["step"], no per-param step
 
+    _unscale_grads_after = True  # capturable + GradScaler: NVIDIA's kernel leaves the grads unscaled
+
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        if capturable:
-            raise ValueError(
-                "FusedAdam(capturable=True): CUDA-graph capture is not supported by apex's combined-buffer "
-                "executors; expected capturable=False"
-            )
-        if master_weights:
-            # NVIDIA allows master weights only with capturable=True, which is unavailable here
+        if master_weights and not capturable:
             raise RuntimeError("Master weights is currently only supported with the capturable version.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         self._validate_group(defaults)
         self.adam_w_mode = bool(adam_w_mode)
         self.set_grad_none = bool(set_grad_none)
-        self.capturable = False
-        self.master_weights = False
+        self.capturable = bool(capturable)
+        self.master_weights = bool(master_weights)
+        # GradScaler hands over its scale and flags only in the capturable form, as NVIDIA's class: otherwise
+        # it unscales the grads in place before step(), which user code may rely on when it reads them
+        self._step_supports_amp_scaling = self.capturable
+        self._refresh_shadows = not self.master_weights
         self._init_shadows()
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Capturable: lr becomes a float32 tensor on the group's device (the step count one at the first
+        step), as NVIDIA keeps them."""
+        super().add_param_group(param_group)
+        if self.capturable:
+            tensor_lr_and_step(self.param_groups[-1])
+
+    def _advance_group_steps(self) -> None:
+        if self.capturable:
+            for group in self.param_groups:
+                if group.get("step") is None:
+                    group["step"] = torch.zeros(1, dtype=torch.int32, device=group_device(group))
+        super()._advance_group_steps()
+
+    @property
+    def param_groups_master(self) -> List[dict]:
+        """NVIDIA's attribute (see the class docstring)."""
+        if not self.master_weights:
+            return [{"params": [None] * len(g["params"])} for g in self.param_groups]
+        return self._master_lists(lambda p: p if p.dtype == torch.float32 else None)
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
@@ -92,9 +125,15 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
         if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError(_LEGACY_STEP_ARGS_MSG)
         loss = _call_closure(closure)
+        if self.capturable:
+            self._scaled_update(grad_scaler, self._adam_step)
+        else:
+            self._adam_step()
+        return loss
+
+    def _adam_step(self) -> None:
         self._sync_shadows()
         self._update(self._prepare_counted_step())
-        return loss
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         self._use_group_step(s, group)
@@ -102,7 +141,7 @@ class FusedAdam(NvidiaCompatMixin, ShadowParamsMixin, CombinedOptimizer):
         flags = _core.ext.FLAG_DECOUPLED if self.adam_w_mode else 0
         if not group["bias_correction"]:
             flags |= _core.ext.FLAG_NO_BIAS_CORRECTION
-        a = self._prepare_args(s, [group["lr"], b1, b2, group["eps"], group["weight_decay"]], flags)
+        a = self._prepare_args(s, [float(group["lr"]), b1, b2, group["eps"], group["weight_decay"]], flags)
         _core.ext.adam_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:

@@ -28,12 +28,12 @@ masters. The grads are read, never overwritten. Master values are not part of
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
 from ._base import _call_closure
-from ._nvidia import ShadowParamsMixin
+from ._nvidia import GradScalerMixin, ShadowParamsMixin, tensor_lr_and_step
 from .fused_lamb import FusedLAMB
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -41,7 +41,7 @@ __all__ = ["FusedMixedPrecisionLamb"]
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
-class FusedMixedPrecisionLamb(ShadowParamsMixin, FusedLAMB):
+class FusedMixedPrecisionLamb(GradScalerMixin, ShadowParamsMixin, FusedLAMB):
     """LAMB with fp32 master weights for low-precision params, as ``apex.optimizers.FusedMixedPrecisionLamb``.
 
     Args: params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
@@ -70,7 +70,6 @@ class FusedMixedPrecisionLamb(ShadowParamsMixin, FusedLAMB):
         self.reduced_precision_dtype = reduced_precision_dtype
         self._initial_step = step
         self._init_shadows()
-        self._scaler_inv = 1.0
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=False, adam_w_mode=adam_w_mode,
                          grad_averaging=grad_averaging, set_grad_none=True, max_grad_norm=max_grad_norm,
@@ -80,31 +79,17 @@ class FusedMixedPrecisionLamb(ShadowParamsMixin, FusedLAMB):
     def add_param_group(self, param_group: dict) -> None:
         """NVIDIA keeps lr and step as tensors on the params' device; every group gets its own."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        device = group["params"][0].device if group["params"] else torch.device("cpu")
-        lr = group["lr"]
-        group["lr"] = (lr.detach().clone() if isinstance(lr, torch.Tensor)
-                       else torch.tensor(float(lr), dtype=torch.float32, device=device))
-        step = group.get("step", self._initial_step)
-        group["step"] = (step.detach().clone() if isinstance(step, torch.Tensor)
-                         else torch.tensor([int(step)], dtype=torch.int32, device=device))
+        tensor_lr_and_step(self.param_groups[-1], self._initial_step)
 
     @property
     def param_groups_full_precision(self) -> List[dict]:
         """NVIDIA's attribute: per group, the fp32 master of each param (None where the param has none)."""
-        out = []
-        for group in self.param_groups:
-            out.append({"params": [self._shadows[id(p)][1] if id(p) in self._shadows else None
-                                   for p in group["params"]]})
-        return out
+        return self._master_lists(lambda p: None)
 
     def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
         return () if self.reduced_precision_dtype is None else (self.reduced_precision_dtype,)
 
     # ------------------------------------------------------------------ step
-    def _grad_scale(self) -> float:
-        return super()._grad_scale() * self._scaler_inv
-
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
         """One update. Honours torch GradScaler: skipped on inf/NaN grads, unscale folded into the update."""
@@ -112,24 +97,9 @@ class FusedMixedPrecisionLamb(ShadowParamsMixin, FusedLAMB):
         if unknown:
             raise TypeError(f"FusedMixedPrecisionLamb.step() got unexpected keyword arguments {sorted(unknown)}")
         loss = _call_closure(closure)
-        scale, found_inf = self._scaler_inputs(kwargs.get("grad_scaler"))
-        if found_inf:
-            return loss  # NVIDIA: no update and no step count advance on overflow
-        self._scaler_inv = 1.0 if scale is None else 1.0 / scale
-        try:
-            self._sync_shadows()
-            self._lamb_step()
-        finally:
-            self._scaler_inv = 1.0
+        self._scaled_update(kwargs.get("grad_scaler"), self._master_step)
         return loss
 
-    def _scaler_inputs(self, grad_scaler) -> Tuple[Optional[float], bool]:
-        """(scale the grads carry or None, whether they hold inf/NaN) from a GradScaler, by either contract."""
-        if grad_scaler is not None:  # NVIDIA's contract: the scaler passed as a keyword
-            found = grad_scaler._check_inf_per_device(self)
-            scale = grad_scaler._get_scale_async()
-            return float(scale), any(float(v) != 0 for v in found.values())
-        # torch's current contract: GradScaler.step sets these two attributes for the call
-        found_inf = getattr(self, "found_inf", None)
-        scale = getattr(self, "grad_scale", None)
-        return (None if scale is None else float(scale)), bool(found_inf is not None and float(found_inf) != 0)
+    def _master_step(self) -> None:
+        self._sync_shadows()
+        self._lamb_step()
