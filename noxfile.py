@@ -195,6 +195,21 @@ def repair(session: nox.Session, wheel: Path, tag: str, arch: str) -> tuple[Path
     return repaired[0], aw, aw_env
 
 
+def use_zig(session: nox.Session, arch: str) -> str:
+    """Compile and link the extension with zig's clang for `arch` (tools/zigcxx), the release wheels' compiler, from
+    now on in this session (the session must have `ziglang`); returns the zig target."""
+    zig_target = MATRIX.arch(arch)["zig_target"]
+    zig = str(ROOT / "tools" / "zigcxx")
+    session.env.update({
+        "APEX_ZIG_TARGET": zig_target,
+        "APEX_ZIG_PYTHON": shutil.which("python", path=session.bin),
+        # setuptools compiles C++ with CC or CXX (by version) and links with LDSHARED or LDCXXSHARED: set all.
+        # -O3 on the link line makes zig build its bundled libc++ optimised, not in its debug mode.
+        "CC": zig, "CXX": zig, "LDSHARED": f"{zig} -shared -O3", "LDCXXSHARED": f"{zig} -shared -O3",
+    })
+    return zig_target
+
+
 @nox.session(python=MAIN_PYTHON, default=False)
 def build(session: nox.Session) -> None:
     """sdist + wheel (zig, glibc 2.17) -> auditwheel repair to the lowest manylinux tag -> checks -> dist/.
@@ -205,20 +220,10 @@ def build(session: nox.Session) -> None:
     parser.add_argument("--arch", choices=MATRIX.arches, default=host_arch(),
                         help=f"the wheel's architecture (default: this machine's, {host_arch()}); another cross-builds")
     arch = parser.parse().arch
-    zig_target = MATRIX.arch(arch)["zig_target"]
     session.install(*group("build"))
     tag = session_python_tag(session)
-    python = shutil.which("python", path=session.bin)
-    zig = str(ROOT / "tools" / "zigcxx")
-    session.env.update({
-        "SOURCE_DATE_EPOCH": source_date_epoch(),
-        "APEX_TARGET_ARCH": arch,
-        "APEX_ZIG_TARGET": zig_target,
-        "APEX_ZIG_PYTHON": python,
-        # setuptools compiles C++ with CC or CXX (by version) and links with LDSHARED or LDCXXSHARED: set all.
-        # -O3 on the link line makes zig build its bundled libc++ optimised, not in its debug mode.
-        "CC": zig, "CXX": zig, "LDSHARED": f"{zig} -shared -O3", "LDCXXSHARED": f"{zig} -shared -O3",
-    })
+    zig_target = use_zig(session, arch)
+    session.env.update({"SOURCE_DATE_EPOCH": source_date_epoch(), "APEX_TARGET_ARCH": arch})
     if arch != host_arch():
         session.env["_PYTHON_HOST_PLATFORM"] = f"linux-{arch}"  # wheel tag linux_<arch> instead of this host's
     session.log(f"building apex {PACKAGE_VERSION} {tag} {arch} with zig ({zig_target}), "
@@ -283,7 +288,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=MAIN_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: python bench/run.py <posargs> against `pip install .`."""
+    """Benchmarks: python bench/run.py <posargs> against `pip install .`, compiled as the release wheels are (zig)."""
     entry = ROOT / "bench" / "run.py"
     if not entry.is_file():
         session.error(f"bench: {entry.relative_to(ROOT)} (the benchmark entry point) does not exist")
@@ -294,6 +299,10 @@ def bench(session: nox.Session) -> None:
     # timm is an outside peer for LAMB / AdamP / RMSpropTF. Its package __init__ needs torchvision, which has no
     # CPU wheel for the pinned torch on PyPI; the bench imports only timm's optimizer modules (torch alone).
     session.install("--no-deps", MATRIX.requirement("timm"))
+    # the extension as the release wheels build it (zig's clang, tools/zigcxx): its loops are what users run, and
+    # GCC vectorises some of them differently (the bf16 conversions: more instructions per element)
+    session.install(*pick("build", "ziglang"))
+    use_zig(session, host_arch())
     session.install(".")
     show_install(session)
     session.run("python", str(entry), *session.posargs)

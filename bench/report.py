@@ -84,7 +84,8 @@ def markdown(result: dict, png_name: Optional[str]) -> str:
         f"{m['cpu_affinity'] or m['cpu_count']} cores usable, {m['mem_total_gib']} GiB; {m['platform']}",
         f"- Software: Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), apex {m['apex']} "
         f"(apex_C SIMD level: {m['simd_level'] or 'not loaded'}; supported: "
-        f"{', '.join(m['simd_levels_supported']) or '-'}; threads: {m.get('thread_pool') or '-'}), "
+        f"{', '.join(m['simd_levels_supported']) or '-'}; threads: {m.get('thread_pool') or '-'}; "
+        f"compiler: {m.get('apex_C_compiler') or '-'}), "
         f"commit {m['git_commit'] or '?'}",
         f"- Device: {m['device']}{' (' + m['device_name'] + ')' if m.get('device_name') else ''}. "
         f"Load average at start / end: {_load(m.get('loadavg_start'))} / {_load(result.get('loadavg_end'))}"

@@ -52,6 +52,7 @@ GATHER = [
     ("rmsprop_tf", NpuFusedRMSpropTF, dict(lr=1e-2, momentum=0.9)),
     ("fused_adagrad", FusedAdagrad, dict(lr=1e-2, weight_decay=0.01)),
     ("fused_adam", FusedAdam, dict(lr=1e-2, weight_decay=0.01)),
+    ("fused_adam_master", FusedAdam, dict(lr=1e-2, weight_decay=0.01, capturable=True, master_weights=True)),
     ("fused_sgd", FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, wd_after_momentum=True)),
     ("lamb", NpuFusedLamb, dict(lr=1e-2, weight_decay=0.01)),
     ("lamb_adam", NpuFusedLamb, dict(lr=1e-2, adam=True)),
@@ -146,8 +147,7 @@ def test_gather_bitwise_equals_combined(name, cls, kw, dtype):
         _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
         if step:
             assert ob.recombine_count == count, "fresh grads were adopted (copied) instead of read in place"
-            if not (cls is FusedAdam and dtype != torch.float32):  # fp32 shadows get converted copies
-                assert any(s.gathered for s in _sets(ob))
+            assert any(s.gathered for s in _sets(ob))
             assert ob.last_executor == "apex_C"
             for p, g in zip(pb, fresh):
                 assert p.grad is g, "p.grad must stay the caller's tensor"
@@ -360,6 +360,67 @@ def test_bad_fresh_grad_leaves_group_steps_and_states_unchanged(cls, kw):
     for p in ps:
         p.grad = torch.ones_like(p)
     ps[-1].grad.data = torch.ones(ps[-1].shape, dtype=torch.float64)
+    snap = snapshot(opt, ps)
+    with pytest.raises(RuntimeError, match="dtype"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+
+
+SHADOWED = [
+    ("fused_adam", FusedAdam, {}),
+    ("fused_adam_master", FusedAdam, dict(capturable=True, master_weights=True)),
+    ("fused_mp_lamb", FusedMixedPrecisionLamb, dict(max_grad_norm=0.5)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name,cls,kw", SHADOWED, ids=[t[0] for t in SHADOWED])
+def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeypatch):
+    """fp16/bf16 params updated through fp32 shadows: the kernel reads the model grads where they are, in the
+    model dtype (no converted copy), bitwise the update from converted copies (`mirror_grads`, forced here);
+    a model grad that cannot be read in place (transposed) sends its set back to the copies for that step."""
+    from apex.optimizers._nvidia import ShadowSet
+
+    if cls is FusedMixedPrecisionLamb:
+        kw = dict(kw, reduced_precision_dtype=dtype)
+    pa, pb = _params(dtype, 13), _params(dtype, 13)
+    oa, ob = cls(_groups(pa, cls), lr=1e-2, **kw), cls(_groups(pb, cls), lr=1e-2, **kw)
+    mirror_only = ShadowSet.bind_model_grads
+    gen = torch.Generator().manual_seed(14)
+    for step in range(6):
+        grads = _draw(gen, pa, step, dtype)
+        if step == 4:  # a non-contiguous grad of the right shape: not readable in place
+            grads[0] = torch.randn(5, 7, generator=gen).to(dtype).t()
+        for p, g in zip(pa, grads):
+            _fresh(p, g)
+        fresh = [None if g is None else g.clone() for g in grads]
+        for p, g in zip(pb, fresh):
+            p.grad = g
+        monkeypatch.setattr(ShadowSet, "bind_model_grads", lambda self: False)
+        oa.step()
+        monkeypatch.setattr(ShadowSet, "bind_model_grads", mirror_only)
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
+        gathered = [s.gathered for s in _sets(ob) if isinstance(s, ShadowSet)]
+        assert len(gathered) == 3 and not any(s.gathered for s in _sets(oa))
+        assert gathered == ([False, True, True] if step == 4 else [True] * 3), gathered
+        assert ob.last_executor == "apex_C" and ob.recombine_count == 1
+        for p, g in zip(pb, fresh):
+            assert p.grad is g, "p.grad must stay the caller's tensor"
+
+
+@pytest.mark.parametrize("name,cls,kw", SHADOWED, ids=[t[0] for t in SHADOWED])
+def test_bad_model_grad_of_a_shadowed_param_raises_before_any_change(name, cls, kw):
+    if cls is FusedMixedPrecisionLamb:
+        kw = dict(kw, reduced_precision_dtype=torch.bfloat16)
+    ps = _params(torch.bfloat16, 15)
+    opt = cls(_groups(ps, cls), lr=1e-2, **kw)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    ps[-1].grad.data = torch.ones(ps[-1].shape, dtype=torch.float32)
     snap = snapshot(opt, ps)
     with pytest.raises(RuntimeError, match="dtype"):
         opt.step()

@@ -572,6 +572,14 @@ PYBIND11_MODULE(apex_C, m) {
   bind("adamp_stage_b", &OptimKernels::adamp_stage_b, true, false, [](const OptArgs&) { return 3; });
   bind("adagrad_step", &OptimKernels::adagrad, true, false, [](const OptArgs&) { return 1; });
 
+  // The compiler that built this module: its vectoriser shapes every kernel loop (the bench records it).
+#if defined(__clang__)
+  m.attr("compiler") = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  m.attr("compiler") = "gcc " __VERSION__;
+#else
+  m.attr("compiler") = "unknown";
+#endif
   m.attr("FLAG_NESTEROV") = static_cast<int>(kNesterov);
   m.attr("FLAG_AMSGRAD") = static_cast<int>(kAmsgrad);
   m.attr("FLAG_DECOUPLED") = static_cast<int>(kDecoupled);

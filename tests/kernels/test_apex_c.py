@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1054,6 +1055,11 @@ def test_simd_level_selection():
     finally:
         apex_C.set_simd_level(previous)
     assert LEVELS[0] == "baseline"
+
+
+def test_compiler_is_named():
+    """The module says which compiler built it (the bench records it: vectorised loops differ between them)."""
+    assert re.fullmatch(r"(clang|gcc) \S.*", apex_C.compiler), apex_C.compiler
 
 
 def test_thread_count_setting():

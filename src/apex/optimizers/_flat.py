@@ -126,7 +126,7 @@ class FlatSet:
         # padding = the alignment gaps between slots; it must stay zero (norms and checks run over whole buffers)
         self.has_padding = any(e != s for e, s in zip(ends, self.offsets[1:]))
         self._pad_index: Optional[torch.Tensor] = None
-        self._grad_bytes: Optional[torch.Tensor] = None
+        self._numels: Optional[torch.Tensor] = None
 
         # params: rebound in place, values kept
         self.flat_p = combine_tensors(self.params, require_copy_value=True)
@@ -311,8 +311,12 @@ class FlatSet:
             return False
         return list(map(_data_ptr, self._bound)) == self._bound_ptrs
 
-    def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]]):
+    def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]],
+                    of: Optional[Sequence[torch.Tensor]] = None):
         """Validates the grads of one step for reading them in place; changes nothing.
+
+        ``of``: the tensors whose dtype, device and shape grad k must have (default: the set's params;
+        the fp32 shadows of low-precision params read their model params' grads, in the model dtype).
 
         Returns (table, todo, has_none): ``table`` holds one grad address per slot (0 where there is
         no grad: skipped), ``todo`` the (k, grad) pairs that cannot be read in place and are copied
@@ -320,22 +324,23 @@ class FlatSet:
         element size, or memory overlapping what the kernel writes), ``has_none``: some grad is None.
         Raises (sparse, dtype, device or shape mismatch) as `pending_grads` does.
         """
+        of = self.params if of is None else of
         if ptrs is None:
             live = [k for k, g in enumerate(gs) if g is not None]
             for k in live:
                 if gs[k].layout != torch.strided:
-                    check_grad(k, self.params[k], gs[k])
+                    check_grad(k, of[k], gs[k])
             lgs = [gs[k] for k in live]
             lptrs = list(map(_data_ptr, lgs))
         else:
             live, lgs, lptrs = None, gs, ptrs
-        self._check_grad_meta(live, lgs)
+        self._check_grad_meta(live, lgs, of)
         if self._dense:
             bad_layout = not all(map(_is_contiguous, lgs))
         else:
             bad_layout = list(map(_stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
         table = torch.tensor(lptrs, dtype=torch.int64)
-        todo_idx = self._not_readable(table, live, lgs, bad_layout)
+        todo_idx = self._not_readable(table, live, lgs, bad_layout, of[0].element_size() if of else 1)
         if live is not None:
             full = torch.zeros(self.nseg, dtype=torch.int64)
             full[torch.tensor(live, dtype=torch.int64)] = table
@@ -345,32 +350,37 @@ class FlatSet:
             table[k] = self.grad_ptrs[k]
         return table, todo, live is not None
 
-    def _check_grad_meta(self, ks: Optional[Sequence[int]], gs: Sequence[torch.Tensor]) -> None:
+    def _check_grad_meta(self, ks: Optional[Sequence[int]], gs: Sequence[torch.Tensor],
+                         of: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Raises as `check_grad` (naming the first culprit) unless grad gs[j] has the dtype, device and shape of
-        slot ks[j] (ks None: slot j), for every j; the per-grad check only runs when the bulk test fails.
+        slot ks[j] (ks None: slot j), for every j; the per-grad check only runs when the bulk test fails. The
+        dtype is that of ``of`` (default: the set's params; all of one dtype).
 
         One map() per property, none of which builds a tuple per grad: a (dtype, device, shape) tuple per
         grad made 5000 small grads allocate 5000 garbage-collected containers per step, and the collections
         they triggered tripled the check's cost (3.1 ms against 1.5 ms, warm).
         """
+        of = self.params if of is None else of
+        dtype = of[0].dtype if of else self.dtype
         shapes = self._shapes if ks is None else [self._shapes[k] for k in ks]
         if not (
-            all(map(_is, map(_get_dtype, gs), _repeat(self.dtype)))
+            all(map(_is, map(_get_dtype, gs), _repeat(dtype)))
             and (all(map(_get_is_cpu, gs)) if self._on_cpu else all(map(_eq, map(_get_device, gs),
                                                                           _repeat(self.device))))
             and list(map(_get_shape, gs)) == shapes
         ):
             for k, g in zip(range(len(gs)) if ks is None else ks, gs):
-                check_grad(k, self.params[k], g)
+                check_grad(k, of[k], g)
 
     def _layout_ok(self, k: int, g: torch.Tensor) -> bool:
         """Whether grad `g` has the element layout of slot `k` (see ``_dense``)."""
         return g.is_contiguous() if self._dense else g.stride() == self.strides[k]
 
     def _not_readable(self, table: torch.Tensor, live: Optional[List[int]], lgs: List[torch.Tensor],
-                      bad_layout: bool) -> List[int]:
-        """Slots whose grad must be copied: an element layout unlike the param's slot, a misaligned address,
-        or memory the update writes (params, states, the O2 copy): the kernel assumes those disjoint."""
+                      bad_layout: bool, elem: int) -> List[int]:
+        """Slots whose grad must be copied: an element layout unlike the param's slot, an address not aligned to
+        the grads' element size `elem`, or memory the update writes (params, states, the O2 copy): the kernel
+        assumes those disjoint."""
         idx = set()
         if bad_layout:
             slots = range(len(lgs)) if live is None else live
@@ -378,11 +388,11 @@ class FlatSet:
         writes = [self.flat_p, *self.flat_s.values()]
         if self.flat_out is not None:
             writes.append(self.flat_out)
-        if self._grad_bytes is None:
-            self._grad_bytes = torch.tensor([p.numel() * p.element_size() for p in self.params], dtype=torch.int64)
-        nbytes = self._grad_bytes if live is None else self._grad_bytes[torch.tensor(live, dtype=torch.int64)]
+        if self._numels is None:
+            self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
+        nbytes = (self._numels if live is None else self._numels[torch.tensor(live, dtype=torch.int64)]) * elem
         end = table + nbytes
-        hit = table.remainder(self.flat_g.element_size()) != 0
+        hit = table.remainder(elem) != 0
         for w in writes:
             lo = w.data_ptr()
             h = (table < lo + w.numel() * w.element_size()) & (end > lo)

@@ -18,14 +18,19 @@ bias correction.
 from __future__ import annotations
 
 import logging
+import operator
 from itertools import chain
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _core
 from .._tensor_utils import zero_grad_
 from ._base import _GroupCache, check_betas
 from ._flat import FlatSet, check_grad
+
+_get_grad = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -193,16 +198,25 @@ class _StateByModel:
 class ShadowSet(FlatSet):
     """Flat buffers over fp32 shadows of low-precision model params.
 
-    The kernels update the shadows with fp32 grads and fp32 states and write the rounded
-    result into the model params in the same pass (the model params are the set's ``out``
-    copies). States are keyed by the model params, so ``optimizer.state[model_param]`` and
-    ``state_dict()`` look as if the model params were optimized directly.
+    The kernels update the shadows with fp32 states and write the rounded result into the model
+    params in the same pass (the model params are the set's ``out`` copies). States are keyed by
+    the model params, so ``optimizer.state[model_param]`` and ``state_dict()`` look as if the
+    model params were optimized directly.
+
+    Grads, per step, one of two ways: the kernel reads the model grads where autograd left them,
+    in the model dtype (`bind_model_grads`: a per-slot address table, ``gdt`` = the model dtype,
+    which the kernels take beside fp32 params), or, for the torch executors, the optimizers that
+    need the flat grad buffer and grads that cannot be read in place, they are converted into the
+    flat fp32 grad buffer (`mirror_grads`). Either way the shadows' ``grad`` is their slot view
+    where the model param has a grad and None elsewhere, so the base class sees which slots to
+    update; in the first case those views' values are stale and nothing reads them.
     """
 
     def __init__(self, shadows: List[torch.Tensor], models: List[torch.Tensor], state, names, fill, has_step):
         self._keyed = _StateByModel(state, {id(s): m for s, m in zip(shadows, models)})
         super().__init__(shadows, self._keyed, names, fill, has_step)
         self.attach_out(models)
+        self._model_plan: Optional[torch.Tensor] = None  # the address table bound for the next update
 
     def expose_new_states(self, state) -> None:
         super().expose_new_states(self._keyed)
@@ -213,6 +227,7 @@ class ShadowSet(FlatSet):
 
     def mirror_grads(self) -> None:
         """Shadow grads = model grads, converted to fp32 in the flat grad buffer; None where the model has none."""
+        self._model_plan = None
         dst, src = [], []
         for k, (shadow, model) in enumerate(zip(self.params, self.out_params)):
             g = model.grad
@@ -226,6 +241,39 @@ class ShadowSet(FlatSet):
                 shadow.grad = self.grad_views[k]
         if dst:
             torch._foreach_copy_(dst, src)
+
+    def bind_model_grads(self) -> bool:
+        """The next kernel update reads the model grads in place, in the model dtype; returns False, with
+        nothing changed, when one of them cannot be read in place (layout, alignment, or memory the update
+        writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed."""
+        gs = list(map(_get_grad, self.out_params))
+        try:
+            ptrs = list(map(_data_ptr, gs))
+        except (TypeError, RuntimeError):  # a None (or sparse) grad: plan_gather checks them one by one
+            ptrs = None
+        table, todo, _ = self.plan_gather(gs, ptrs, of=self.out_params)
+        if todo:
+            return False
+        for shadow, view, g in zip(self.params, self.grad_views, gs):
+            want = None if g is None else view
+            if shadow.grad is not want:
+                shadow.grad = want
+        self._model_plan = table
+        return True
+
+    def apply_model_grads(self) -> None:
+        """After the step's checks: the kernel arguments read the table `bind_model_grads` planned (model dtype),
+        or the flat fp32 grad buffer when this step mirrored. The plan holds for this one update."""
+        table, self._model_plan = self._model_plan, None
+        if self.args is None:
+            return
+        if table is None:  # mirrored: the flat buffer holds every grad (the shadows' grads are its views)
+            self.use_flat()
+            self.args.gdt = _core.DTYPE_CODES[self.dtype]
+            return
+        self.gtab = table
+        self.args.gtab = table.data_ptr()
+        self.args.gdt = _core.DTYPE_CODES[self.out_params[0].dtype]
 
 
 class ShadowParamsMixin:
@@ -302,12 +350,26 @@ class ShadowParamsMixin:
         return [{"params": [master(p) for p in group["params"]]} for group in self.param_groups]
 
     def _sync_shadows(self) -> None:
-        """Before a step: shadows refreshed (unless they are masters) and their grads mirrored."""
-        for s in self._all_sets():
-            if isinstance(s, ShadowSet):
+        """Before a step: shadows refreshed (unless they are masters); the model grads bound for the kernel to read
+        in place where this step's update of the set can (`_gathers`), else converted into the shadows' grads."""
+        self._all_sets()  # re-combines what moved, so the sets below are the ones the step updates
+        for gi, group in enumerate(self.param_groups):
+            for s in self._groups[gi].sets:
+                if not isinstance(s, ShadowSet):
+                    continue
                 if self._refresh_shadows:
                     s.refresh_from_models()
-                s.mirror_grads()
+                gather = self._executor == "auto" and s.args is not None and self._gathers(s, group)
+                if not (gather and s.bind_model_grads()):
+                    s.mirror_grads()
+
+    def _prepare_step(self):
+        prepared = super()._prepare_step()
+        for _, sets in prepared:
+            for s in sets:
+                if isinstance(s, ShadowSet):
+                    s.apply_model_grads()
+        return prepared
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """As the next class in line decides; the model grads of shadowed params are zeroed too (the base class

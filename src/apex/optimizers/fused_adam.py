@@ -17,8 +17,9 @@ up to rounding.
 
 fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
 and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`),
-re-read from the params before every step, with the grads converted into them; the
-kernel writes the rounded params in the same pass. States stay keyed by the params.
+re-read from the params before every step; the kernel reads the model grads where
+they are, in their dtype, and writes the rounded params in the same pass. States stay
+keyed by the params.
 
 ``capturable=True`` is NVIDIA's GradScaler-aware form: ``group["lr"]`` is a float32 tensor
 and ``group["step"]`` an int32 tensor ``[t]`` on the params' device, and torch's
