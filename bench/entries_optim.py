@@ -257,8 +257,8 @@ OPTIMS = [
     Optim("FusedAdam", "FusedAdam", dict(lr=1e-3, weight_decay=1e-2),
           lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, fused=True),
           "torch.optim.AdamW(fused=True)", 7, True, fused_peer=True, regimes=NVIDIA_REGIMES,
-          bf16_note="NVIDIA's layout: fp32 moments, each bf16 param updated in fp32 (an fp32 shadow re-read every "
-                    "step) and rounded once; torch keeps bf16 moments: ours moves about twice the bytes"),
+          bf16_note="NVIDIA's layout: fp32 moments, each bf16 param updated in fp32 and rounded once; torch keeps "
+                    "bf16 moments: ours moves 22 bytes per param against torch's 14"),
     Optim("FusedSGD", "FusedSGD", dict(lr=1e-3, momentum=0.9),
           lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), "torch.optim.SGD(fused=True)", 5, True,
           fused_peer=True, regimes=NVIDIA_REGIMES),

@@ -377,8 +377,10 @@ SHADOWED = [
 @pytest.mark.parametrize("name,cls,kw", SHADOWED, ids=[t[0] for t in SHADOWED])
 def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeypatch):
     """fp16/bf16 params updated through fp32 shadows: the kernel reads the model grads where they are, in the
-    model dtype (no converted copy), bitwise the update from converted copies (`mirror_grads`, forced here);
-    a model grad that cannot be read in place (transposed) sends its set back to the copies for that step."""
+    model dtype (no converted copy), and FusedAdam's shadows that are not master weights are skipped (the
+    params updated in their dtype with fp32 moments); bitwise the update from converted copies into re-read
+    shadows (`mirror_grads`, forced here); a model grad that cannot be read in place (transposed) sends its set
+    back to the copies for that step."""
     from apex.optimizers._nvidia import ShadowSet
 
     if cls is FusedMixedPrecisionLamb:
@@ -396,7 +398,7 @@ def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeyp
         fresh = [None if g is None else g.clone() for g in grads]
         for p, g in zip(pb, fresh):
             p.grad = g
-        monkeypatch.setattr(ShadowSet, "bind_model_grads", lambda self: False)
+        monkeypatch.setattr(ShadowSet, "bind_model_grads", lambda self, direct=False: False)
         oa.step()
         monkeypatch.setattr(ShadowSet, "bind_model_grads", mirror_only)
         ob.step()
@@ -404,6 +406,9 @@ def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeyp
         gathered = [s.gathered for s in _sets(ob) if isinstance(s, ShadowSet)]
         assert len(gathered) == 3 and not any(s.gathered for s in _sets(oa))
         assert gathered == ([False, True, True] if step == 4 else [True] * 3), gathered
+        # FusedAdam without master weights: a set whose grads are read in place updates the model params directly
+        direct = [s.direct for s in _sets(ob) if isinstance(s, ShadowSet)]
+        assert direct == ([g and name == "fused_adam" for g in gathered]), direct
         assert ob.last_executor == "apex_C" and ob.recombine_count == 1
         for p, g in zip(pb, fresh):
             assert p.grad is g, "p.grad must stay the caller's tensor"

@@ -251,6 +251,10 @@ struct PyOptArgs {
     bool ok = (a.pdt == a.gdt && !a.out) || a.pdt == F32;
     if (a.pdt == F32 && a.out && a.odt == F32) ok = false;
     if (a.pdt == F32 && a.gdt != F32 && a.out && a.odt != a.gdt) ok = false;
+    if ((a.flags & kF32States) && (a.pdt == F32 || a.gdt != a.pdt || a.out))
+      throw py::value_error("OptArgs: FLAG_F32_STATES needs float16/bfloat16 params and grads of the same dtype and "
+                            "no out; got param=" + std::to_string(a.pdt) + " grad=" + std::to_string(a.gdt) +
+                            " out=" + (a.out ? std::to_string(a.odt) : "none"));
     if (!ok)
       throw py::value_error("OptArgs: unsupported dtype combination param=" + std::to_string(a.pdt) +
                             " grad=" + std::to_string(a.gdt) + " out=" + (a.out ? std::to_string(a.odt) : "none") +
@@ -287,9 +291,10 @@ struct PyOptArgs {
       check_span(gtab, nseg, sizeof(std::uintptr_t), "OptArgs.gtab");
     else
       check_span(g, total, dtype_size(a.gdt), "OptArgs.g");
-    check_span(s0, s0 ? total : 0, ps, "OptArgs.s0");
-    check_span(s1, s1 ? total : 0, ps, "OptArgs.s1");
-    check_span(s2, s2 ? total : 0, ps, "OptArgs.s2");
+    const std::size_t ss = (a.flags & kF32States) ? sizeof(float) : ps;  // state element size
+    check_span(s0, s0 ? total : 0, ss, "OptArgs.s0");
+    check_span(s1, s1 ? total : 0, ss, "OptArgs.s1");
+    check_span(s2, s2 ? total : 0, ss, "OptArgs.s2");
     if (out) check_span(out, total, dtype_size(a.odt), "OptArgs.out");
     const std::pair<std::uintptr_t, const char*> f32s[] = {
         {steps, "OptArgs.steps"}, {seg_mul, "OptArgs.seg_mul"}, {seg_gmul, "OptArgs.seg_gmul"},
@@ -317,6 +322,9 @@ void check_slots(const OptArgs& a, int need, const char* name) {
 void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool needs_out, const char* name,
              SlotFn slots) {
   const OptArgs& a = args.resolve();
+  if ((a.flags & kF32States) && which != &OptimKernels::adam)
+    throw py::value_error(std::string(name) + ": FLAG_F32_STATES (float32 states of fp16/bf16 params) is "
+                          "implemented by adam_step only");
   check_slots(a, slots(a), name);
   if (needs_steps && a.nseg > 0 && !a.steps)
     throw py::value_error(std::string(name) + ": per-segment steps are required");
@@ -588,6 +596,7 @@ PYBIND11_MODULE(apex_C, m) {
   m.attr("FLAG_NO_BIAS_CORRECTION") = static_cast<int>(kNoBiasCorrection);
   m.attr("FLAG_BIAS_CORRECTION") = static_cast<int>(kBiasCorrection);
   m.attr("FLAG_BETA3") = static_cast<int>(kBeta3);
+  m.attr("FLAG_F32_STATES") = static_cast<int>(kF32States);
   m.attr("DTYPE_F32") = static_cast<int>(F32);
   m.attr("DTYPE_F16") = static_cast<int>(F16);
   m.attr("DTYPE_BF16") = static_cast<int>(BF16);

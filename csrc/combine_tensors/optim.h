@@ -19,7 +19,8 @@ struct OptArgs {
   // index i is read at gtab[k] + (i - seg[k]). Lets a call read grads where autograd left them
   // (separate tensors) instead of a flat buffer. Chosen once per call: loops stay vectorised.
   const std::uintptr_t* gtab = nullptr;
-  void* s[3] = {nullptr, nullptr, nullptr};  // state buffers, stored in the param dtype pdt (meaning per kernel)
+  void* s[3] = {nullptr, nullptr, nullptr};  // state buffers, in the param dtype pdt (meaning per kernel), or
+                                             // float32 with kF32States
   int sdt = F32;  // recorded by the bridge for diagnostics; kernels read states as pdt (torch keeps them so)
   void* out = nullptr;  // optional second copy of the updated param (dtype odt), e.g. O2 model weights
   int odt = F32;
@@ -51,6 +52,9 @@ enum OptFlags : int {
   kNoBiasCorrection = 1 << 6,  // Adam: skip bias correction (NVIDIA FusedAdam bias_correction=False)
   kBiasCorrection = 1 << 7,    // LAMB: apply Adam bias correction from `steps` (NVIDIA FusedLAMB)
   kBeta3 = 1 << 8,             // LAMB: m's grad coefficient is hp[4] instead of 1-beta1 (grad_averaging)
+  // Adam only: fp16/bf16 params and grads with float32 states and no out (NVIDIA FusedAdam's layout: each
+  // param updated in fp32 from its stored value and rounded once, the moments kept in fp32).
+  kF32States = 1 << 9,
 };
 
 struct OptimKernels {

@@ -54,6 +54,19 @@ inline void with_pgo(const OptArgs& a, F&& f) {
   }
 }
 
+// with_pgo plus the state storage type S: P's, or float for fp16/bf16 params under kF32States (Adam).
+template <class F>
+inline void with_pgos(const OptArgs& a, F&& f) {
+  if ((a.flags & kF32States) && a.pdt != F32) {
+    auto* none = static_cast<no_out_t*>(nullptr);
+    auto* s32 = static_cast<float*>(nullptr);
+    if (a.pdt == F16) f(static_cast<half_t*>(nullptr), static_cast<half_t*>(nullptr), none, s32);
+    else f(static_cast<bf16_t*>(nullptr), static_cast<bf16_t*>(nullptr), none, s32);
+    return;
+  }
+  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) { f(pt, gt, ot, pt); });
+}
+
 #define APEX_TYPES(pt, gt, ot)                       \
   using P = std::remove_pointer_t<decltype(pt)>;     \
   using G = std::remove_pointer_t<decltype(gt)>;     \
@@ -140,11 +153,12 @@ static void sgd(const OptArgs& a) {
 // are per-segment scalars (decay 1 and l2 0, or step_size lr, when off).
 template <bool AMSGRAD>
 static void adam_body(const OptArgs& a) {
-  with_pgo(a, [&](auto* pt, auto* gt, auto* ot) {
+  with_pgos(a, [&](auto* pt, auto* gt, auto* ot, auto* st) {
     APEX_TYPES(pt, gt, ot);
-    P* __restrict m = static_cast<P*>(a.s[0]);
-    P* __restrict v = static_cast<P*>(a.s[1]);
-    P* __restrict vmax = static_cast<P*>(a.s[2]);
+    using S = std::remove_pointer_t<decltype(st)>;
+    S* __restrict m = static_cast<S*>(a.s[0]);
+    S* __restrict v = static_cast<S*>(a.s[1]);
+    S* __restrict vmax = static_cast<S*>(a.s[2]);
     (void)vmax;
     const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
     const float eps = static_cast<float>(a.hp[3]), wd = static_cast<float>(a.hp[4]);

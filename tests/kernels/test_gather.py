@@ -290,3 +290,65 @@ def test_scale_gather_bad_arguments():
     mis = np.array([a.ctypes.data + 2], dtype=np.uint64)
     with pytest.raises(ValueError, match="aligned"):
         apex_C._raw_scale_gather_(mis.ctypes.data, numel.ctypes.data, 1, F32, 1.0)
+
+
+def _widen(x: np.ndarray, dt: int) -> np.ndarray:
+    """fp16 / bf16 storage to float32 (exact)."""
+    if dt == BF16:
+        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("flags", [F.FLAG_DECOUPLED, 0, F.FLAG_NO_BIAS_CORRECTION], ids=["adamw", "adam_l2", "no_bc"])
+@pytest.mark.parametrize("gather", [False, True], ids=["flat", "gather"])
+def test_adam_f32_states_of_low_precision_params(level, dt, flags, gather):
+    """FLAG_F32_STATES: fp16/bf16 params and grads with float32 moments, updated in place. Bitwise what the fp32
+    form gives (an exact fp32 copy of the params updated, the result rounded into an fp16/bf16 `out`)."""
+    rng = np.random.default_rng(7)
+    case = Case(rng, dt, dt, nstates=0)
+    n = case.total
+    s32 = [np.abs(rng.standard_normal(n)).astype(np.float32) * (0.1 if j else 1.0) for j in range(2)]
+    s32[0] *= np.sign(rng.standard_normal(n)).astype(np.float32)
+    hp = [1e-2, 0.9, 0.999, 1e-8, 0.05]
+
+    low = case.copy()
+    s_low = [s.copy() for s in s32]
+    a = low.args(gather, hp, flags | F.FLAG_F32_STATES)
+    a.s0, a.s1 = s_low[0].ctypes.data, s_low[1].ctypes.data
+    apex_C.adam_step(a)
+
+    wide = case.copy()
+    wide.p, wide.pdt = _widen(case.p, dt), F32
+    s_wide = [s.copy() for s in s32]
+    out = np.zeros(n, dtype=STORAGE[dt])
+    b = wide.args(gather, hp, flags)
+    b.pdt, b.sdt = F32, F32
+    b.s0, b.s1 = s_wide[0].ctypes.data, s_wide[1].ctypes.data
+    b.out, b.odt = out.ctypes.data, dt
+    apex_C.adam_step(b)
+
+    written = np.zeros(n, dtype=bool)
+    for s0, e in zip(case.seg[:-1], case.seg_end):
+        written[s0:e] = True
+    assert same_bits(low.p[written], out[written]), "params"
+    assert same_bits(low.p[~written], case.p[~written]), "the gaps between slots are untouched"
+    for j in range(2):
+        assert same_bits(s_low[j], s_wide[j]), f"state {j}"
+    assert not same_bits(low.p, case.p), "the update changed something"
+
+
+def test_f32_states_flag_is_checked():
+    rng = np.random.default_rng(8)
+    case = Case(rng, BF16, BF16, nstates=2, sizes=(5, 3))
+    hp = [1e-2, 0.9, 0.999, 1e-8, 0.0]
+    with pytest.raises(ValueError, match="adam_step only"):
+        apex_C.sgd_step(case.args(False, [0.1, 0.9, 0.0, 0.0], F.FLAG_F32_STATES))
+    wide = Case(rng, F32, F32, nstates=2, sizes=(5, 3))
+    with pytest.raises(ValueError, match="FLAG_F32_STATES needs float16/bfloat16 params"):
+        apex_C.adam_step(wide.args(False, hp, F.FLAG_F32_STATES))
+    a = case.args(False, hp, F.FLAG_F32_STATES)
+    out = np.zeros(case.total, dtype=np.uint16)
+    a.out, a.odt = out.ctypes.data, BF16
+    with pytest.raises(ValueError, match="FLAG_F32_STATES needs"):
+        apex_C.adam_step(a)

@@ -210,6 +210,11 @@ class ShadowSet(FlatSet):
     flat fp32 grad buffer (`mirror_grads`). Either way the shadows' ``grad`` is their slot view
     where the model param has a grad and None elsewhere, so the base class sees which slots to
     update; in the first case those views' values are stale and nothing reads them.
+
+    ``direct`` (this step's update, FusedAdam's shadows that are not master weights, with the model
+    grads read in place): the kernel updates the model params themselves, in their dtype, with the
+    fp32 states (``FLAG_F32_STATES``), so the shadows are neither re-read nor written: the same bits
+    as updating a fresh fp32 copy and rounding it, without the copy.
     """
 
     def __init__(self, shadows: List[torch.Tensor], models: List[torch.Tensor], state, names, fill, has_step):
@@ -217,6 +222,8 @@ class ShadowSet(FlatSet):
         super().__init__(shadows, self._keyed, names, fill, has_step)
         self.attach_out(models)
         self._model_plan: Optional[torch.Tensor] = None  # the address table bound for the next update
+        self._direct_next = False
+        self.direct = False
 
     def expose_new_states(self, state) -> None:
         super().expose_new_states(self._keyed)
@@ -242,10 +249,15 @@ class ShadowSet(FlatSet):
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def bind_model_grads(self) -> bool:
+    def copy_out(self, fused: bool = True) -> None:
+        if not self.direct:  # a direct update wrote the model params themselves (the shadows are stale)
+            super().copy_out(fused)
+
+    def bind_model_grads(self, direct: bool = False) -> bool:
         """The next kernel update reads the model grads in place, in the model dtype; returns False, with
         nothing changed, when one of them cannot be read in place (layout, alignment, or memory the update
-        writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed."""
+        writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed.
+        ``direct``: that update is to write the model params themselves (see the class docstring)."""
         gs = list(map(_get_grad, self.out_params))
         try:
             ptrs = list(map(_data_ptr, gs))
@@ -259,21 +271,30 @@ class ShadowSet(FlatSet):
             if shadow.grad is not want:
                 shadow.grad = want
         self._model_plan = table
+        self._direct_next = direct
         return True
 
     def apply_model_grads(self) -> None:
         """After the step's checks: the kernel arguments read the table `bind_model_grads` planned (model dtype),
         or the flat fp32 grad buffer when this step mirrored. The plan holds for this one update."""
         table, self._model_plan = self._model_plan, None
-        if self.args is None:
+        self.direct, self._direct_next = table is not None and self._direct_next, False
+        a = self.args
+        if a is None:
             return
+        model_code = _core.DTYPE_CODES[self.out_params[0].dtype]
+        if self.direct:  # the model params in their dtype, no second copy to write
+            a.p, a.pdt, a.out = self.flat_out.data_ptr(), model_code, 0
+        else:  # the fp32 shadows, the rounded result written into the model params in the same pass
+            a.p, a.pdt = self.flat_p.data_ptr(), _core.DTYPE_CODES[self.dtype]
+            a.out, a.odt = self.flat_out.data_ptr(), model_code
         if table is None:  # mirrored: the flat buffer holds every grad (the shadows' grads are its views)
             self.use_flat()
-            self.args.gdt = _core.DTYPE_CODES[self.dtype]
+            a.gdt = _core.DTYPE_CODES[self.dtype]
             return
         self.gtab = table
-        self.args.gtab = table.data_ptr()
-        self.args.gdt = _core.DTYPE_CODES[self.out_params[0].dtype]
+        a.gtab = table.data_ptr()
+        a.gdt = model_code
 
 
 class ShadowParamsMixin:
@@ -286,6 +307,9 @@ class ShadowParamsMixin:
     """
 
     _refresh_shadows = True
+    # the optimizer's kernel step can update fp16/bf16 params directly with fp32 states (FLAG_F32_STATES), so
+    # shadows that are re-read every step need not be: the update writes the model params (ShadowSet.direct)
+    _direct_low_precision = False
 
     def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
         return (torch.float16, torch.bfloat16)
@@ -357,11 +381,20 @@ class ShadowParamsMixin:
             for s in self._groups[gi].sets:
                 if not isinstance(s, ShadowSet):
                     continue
+                gather = self._executor == "auto" and s.args is not None and self._gathers(s, group)
+                direct = self._refresh_shadows and self._direct_low_precision
+                if gather and s.bind_model_grads(direct):
+                    if self._refresh_shadows and not direct:
+                        s.refresh_from_models()
+                    continue
                 if self._refresh_shadows:
                     s.refresh_from_models()
-                gather = self._executor == "auto" and s.args is not None and self._gathers(s, group)
-                if not (gather and s.bind_model_grads()):
-                    s.mirror_grads()
+                s.mirror_grads()
+
+    def _prepare_args(self, s: FlatSet, hp: List[float], flags: int = 0):
+        if isinstance(s, ShadowSet) and s.direct:
+            flags |= _core.ext.FLAG_F32_STATES
+        return super()._prepare_args(s, hp, flags)
 
     def _prepare_step(self):
         prepared = super()._prepare_step()

@@ -17,9 +17,9 @@ up to rounding.
 
 fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
 and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`),
-re-read from the params before every step; the kernel reads the model grads where
-they are, in their dtype, and writes the rounded params in the same pass. States stay
-keyed by the params.
+re-read from the params before every step, or, on the CPU kernel with the grads read
+where they are, not at all: the kernel then updates the params in their dtype with the
+fp32 moments (the same bits). States stay keyed by the params.
 
 ``capturable=True`` is NVIDIA's GradScaler-aware form: ``group["lr"]`` is a float32 tensor
 and ``group["step"]`` an int32 tensor ``[t]`` on the params' device, and torch's
@@ -73,6 +73,8 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
     _has_step = False  # NVIDIA: group["step"], no per-param step
 
     _unscale_grads_after = True  # capturable + GradScaler: NVIDIA's kernel leaves the grads unscaled
+
+    _direct_low_precision = True  # adam_step updates fp16/bf16 params with fp32 moments (FLAG_F32_STATES)
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
