@@ -352,14 +352,19 @@ def test_fused_lamb_l2_mode_copies_fresh_grads():
 def test_bad_fresh_grad_leaves_group_steps_and_states_unchanged(cls, kw):
     """Optimizers that read every grad before the first update (global norms, per-group step counts) reject a
     bad fresh grad in the last group before any count, norm or state moves."""
-    ps = _params(torch.float32, 12)
+    _check_bad_last_grad_changes_nothing(cls, kw, torch.float32, torch.float64, seed=12)
+
+
+def _check_bad_last_grad_changes_nothing(cls, kw, dtype, bad_dtype, seed):
+    """One good step, then fresh grads whose last one has `bad_dtype`: the step raises and changes nothing."""
+    ps = _params(dtype, seed)
     opt = cls(_groups(ps, cls), lr=1e-2, **kw)
     for p in ps:
         p.grad = torch.ones_like(p)
     opt.step()
     for p in ps:
         p.grad = torch.ones_like(p)
-    ps[-1].grad.data = torch.ones(ps[-1].shape, dtype=torch.float64)
+    ps[-1].grad.data = torch.ones(ps[-1].shape, dtype=bad_dtype)
     snap = snapshot(opt, ps)
     with pytest.raises(RuntimeError, match="dtype"):
         opt.step()
@@ -418,18 +423,7 @@ def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeyp
 def test_bad_model_grad_of_a_shadowed_param_raises_before_any_change(name, cls, kw):
     if cls is FusedMixedPrecisionLamb:
         kw = dict(kw, reduced_precision_dtype=torch.bfloat16)
-    ps = _params(torch.bfloat16, 15)
-    opt = cls(_groups(ps, cls), lr=1e-2, **kw)
-    for p in ps:
-        p.grad = torch.ones_like(p)
-    opt.step()
-    for p in ps:
-        p.grad = torch.ones_like(p)
-    ps[-1].grad.data = torch.ones(ps[-1].shape, dtype=torch.float32)
-    snap = snapshot(opt, ps)
-    with pytest.raises(RuntimeError, match="dtype"):
-        opt.step()
-    assert_unchanged(opt, ps, snap)
+    _check_bad_last_grad_changes_nothing(cls, kw, torch.bfloat16, torch.float32, seed=15)
 
 
 def test_grad_overlapping_the_param_buffer_is_copied_first():
