@@ -111,8 +111,16 @@ class BuildSimd(build_ext):
             if level != "baseline"
         ]
         ext_path = self.get_ext_fullpath(ext.name)
-        if not (self.force or _newer([u for u, _ in units] + list(ext.depends), ext_path)):
+        # What the objects were built with: another compiler, target or flags (an in-place GCC build, then the
+        # release toolchain's zig in the same tree) rebuilds everything instead of linking or shipping old objects.
+        recipe = repr((self.compiler.compiler_so, self.compiler.linker_so, os.environ.get("APEX_ZIG_TARGET"), arch,
+                       ext.extra_compile_args, ext.extra_link_args, ext.define_macros))
+        stamp = os.path.join(self.build_temp, "apex_C.recipe")
+        same_recipe = os.path.exists(stamp) and open(stamp, encoding="utf-8").read() == recipe
+        if not (self.force or not same_recipe or _newer([u for u, _ in units] + list(ext.depends), ext_path)):
             return
+        force = self.force
+        self.force = self.force or not same_recipe  # compile() also skips objects newer than their sources
 
         def compile_unit(unit):
             src, extra = unit
@@ -127,12 +135,15 @@ class BuildSimd(build_ext):
             )
 
         jobs = int(os.environ.get("APEX_BUILD_JOBS") or os.cpu_count() or 1)
-        with ThreadPoolExecutor(max(1, min(jobs, len(units)))) as pool:
-            # The kernel units are the slow ones: start them first. Results are gathered in unit order, so the
-            # link line (and the .so) is the same whatever finishes first.
-            order = sorted(range(len(units)), key=lambda i: "kernels_" not in units[i][0])
-            started = {i: pool.submit(compile_unit, units[i]) for i in order}
-            objects = [obj for i in range(len(units)) for obj in started[i].result()]
+        try:
+            with ThreadPoolExecutor(max(1, min(jobs, len(units)))) as pool:
+                # The kernel units are the slow ones: start them first. Results are gathered in unit order, so the
+                # link line (and the .so) is the same whatever finishes first.
+                order = sorted(range(len(units)), key=lambda i: "kernels_" not in units[i][0])
+                started = {i: pool.submit(compile_unit, units[i]) for i in order}
+                objects = [obj for i in range(len(units)) for obj in started[i].result()]
+        finally:
+            self.force = force
 
         # Link through setuptools (libraries, export symbols, target language) with nothing left to compile.
         sources, extra_objects, force = ext.sources, ext.extra_objects, self.force
@@ -141,6 +152,9 @@ class BuildSimd(build_ext):
             super().build_extension(ext)
         finally:
             ext.sources, ext.extra_objects, self.force = sources, extra_objects, force
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w", encoding="utf-8") as f:
+            f.write(recipe)
 
 
 def extension():
