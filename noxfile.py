@@ -301,9 +301,11 @@ def bench(session: nox.Session) -> None:
     session.install("--no-deps", MATRIX.requirement("timm"))
     # the extension as the release wheels build it (zig's clang, tools/zigcxx): its loops are what users run, and
     # GCC vectorises some of them differently (the bf16 conversions: more instructions per element)
-    session.install(*pick("build", "ziglang"))
+    # (without build isolation: the compiler wrapper runs this session's python, whose ziglang an isolated build
+    # environment would hide)
+    session.install(*pick("build", "pybind11", "setuptools", "ziglang"))
     use_zig(session, host_arch())
-    session.install(".")
+    session.install("--no-build-isolation", ".")
     show_install(session)
     session.run("python", str(entry), *session.posargs)
 
