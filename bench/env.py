@@ -105,7 +105,7 @@ def machine_info(device: str) -> dict:
         "simd_level": core.simd_level(),
         "simd_levels_supported": core.ext.supported_simd_levels() if core.ext is not None else [],
         # the compiler of the loaded apex_C (nox -s bench builds it as the release wheels are: zig's clang)
-        "apex_C_compiler": getattr(core.ext, "compiler", None) if core.ext is not None else None,
+        "apex_C_compiler": str(getattr(core.ext, "compiler", "")).strip() or None if core.ext is not None else None,
         # whose threads run apex_C's threaded calls: torch's OpenMP team, or threads started per call
         "thread_pool": core.ext.thread_pool() if core.ext is not None else None,
         "device": device,
