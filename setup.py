@@ -118,9 +118,7 @@ class BuildSimd(build_ext):
         stamp = os.path.join(self.build_temp, "apex_C.recipe")
         same_recipe = os.path.exists(stamp) and open(stamp, encoding="utf-8").read() == recipe
         if not (self.force or not same_recipe or _newer([u for u, _ in units] + list(ext.depends), ext_path)):
-            return
-        force = self.force
-        self.force = self.force or not same_recipe  # compile() also skips objects newer than their sources
+            return  # (past this point every unit is compiled: compile() itself never skips an object)
 
         def compile_unit(unit):
             src, extra = unit
@@ -135,15 +133,12 @@ class BuildSimd(build_ext):
             )
 
         jobs = int(os.environ.get("APEX_BUILD_JOBS") or os.cpu_count() or 1)
-        try:
-            with ThreadPoolExecutor(max(1, min(jobs, len(units)))) as pool:
-                # The kernel units are the slow ones: start them first. Results are gathered in unit order, so the
-                # link line (and the .so) is the same whatever finishes first.
-                order = sorted(range(len(units)), key=lambda i: "kernels_" not in units[i][0])
-                started = {i: pool.submit(compile_unit, units[i]) for i in order}
-                objects = [obj for i in range(len(units)) for obj in started[i].result()]
-        finally:
-            self.force = force
+        with ThreadPoolExecutor(max(1, min(jobs, len(units)))) as pool:
+            # The kernel units are the slow ones: start them first. Results are gathered in unit order, so the
+            # link line (and the .so) is the same whatever finishes first.
+            order = sorted(range(len(units)), key=lambda i: "kernels_" not in units[i][0])
+            started = {i: pool.submit(compile_unit, units[i]) for i in order}
+            objects = [obj for i in range(len(units)) for obj in started[i].result()]
 
         # Link through setuptools (libraries, export symbols, target language) with nothing left to compile.
         sources, extra_objects, force = ext.sources, ext.extra_objects, self.force
