@@ -295,9 +295,11 @@ class FlatSet:
         return [(k, g) for k, g in live if g is not views[k] or g.data_ptr() != ptrs[k]]
 
     # -- grads read where they are (gather) -------------------------------------
-    def scan_grads(self) -> Tuple[List[Optional[torch.Tensor]], Optional[List[int]]]:
-        """The params' current grads and, when none is None or sparse, their addresses (one map each)."""
-        gs = list(map(_get_grad, self.params))
+    def scan_grads(self, of: Optional[Sequence[torch.Tensor]] = None
+                   ) -> Tuple[List[Optional[torch.Tensor]], Optional[List[int]]]:
+        """The current grads of the params (or of ``of``) and, when none is None or sparse, their addresses
+        (one map each)."""
+        gs = list(map(_get_grad, self.params if of is None else of))
         try:
             return gs, list(map(_data_ptr, gs))
         except (TypeError, RuntimeError):  # a None (or sparse) grad: data_ptr does not apply

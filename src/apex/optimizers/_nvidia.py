@@ -18,7 +18,6 @@ bias correction.
 from __future__ import annotations
 
 import logging
-import operator
 from itertools import chain
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -28,9 +27,6 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ._base import _GroupCache, check_betas
 from ._flat import FlatSet, check_grad
-
-_get_grad = operator.attrgetter("grad")
-_data_ptr = torch.Tensor.data_ptr
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -221,8 +217,8 @@ class ShadowSet(FlatSet):
         self._keyed = _StateByModel(state, {id(s): m for s, m in zip(shadows, models)})
         super().__init__(shadows, self._keyed, names, fill, has_step)
         self.attach_out(models)
-        self._model_plan: Optional[torch.Tensor] = None  # the address table bound for the next update
-        self._direct_next = False
+        # (address table, direct) bound by `bind_model_grads` for the next update; None: this step mirrors
+        self._model_plan: Optional[Tuple[torch.Tensor, bool]] = None
         self.direct = False
 
     def expose_new_states(self, state) -> None:
@@ -258,11 +254,7 @@ class ShadowSet(FlatSet):
         nothing changed, when one of them cannot be read in place (layout, alignment, or memory the update
         writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed.
         ``direct``: that update is to write the model params themselves (see the class docstring)."""
-        gs = list(map(_get_grad, self.out_params))
-        try:
-            ptrs = list(map(_data_ptr, gs))
-        except (TypeError, RuntimeError):  # a None (or sparse) grad: plan_gather checks them one by one
-            ptrs = None
+        gs, ptrs = self.scan_grads(self.out_params)
         table, todo, _ = self.plan_gather(gs, ptrs, of=self.out_params)
         if todo:
             return False
@@ -270,15 +262,14 @@ class ShadowSet(FlatSet):
             want = None if g is None else view
             if shadow.grad is not want:
                 shadow.grad = want
-        self._model_plan = table
-        self._direct_next = direct
+        self._model_plan = (table, direct)
         return True
 
     def apply_model_grads(self) -> None:
         """After the step's checks: the kernel arguments read the table `bind_model_grads` planned (model dtype),
         or the flat fp32 grad buffer when this step mirrored. The plan holds for this one update."""
-        table, self._model_plan = self._model_plan, None
-        self.direct, self._direct_next = table is not None and self._direct_next, False
+        plan, self._model_plan = self._model_plan, None
+        table, self.direct = plan if plan is not None else (None, False)
         a = self.args
         if a is None:
             return
@@ -383,13 +374,11 @@ class ShadowParamsMixin:
                     continue
                 gather = self._executor == "auto" and s.args is not None and self._gathers(s, group)
                 direct = self._refresh_shadows and self._direct_low_precision
-                if gather and s.bind_model_grads(direct):
-                    if self._refresh_shadows and not direct:
-                        s.refresh_from_models()
-                    continue
-                if self._refresh_shadows:
+                bound = gather and s.bind_model_grads(direct)
+                if self._refresh_shadows and not (bound and direct):  # a direct update never reads the shadows
                     s.refresh_from_models()
-                s.mirror_grads()
+                if not bound:
+                    s.mirror_grads()
 
     def _prepare_args(self, s: FlatSet, hp: List[float], flags: int = 0):
         if isinstance(s, ShadowSet) and s.direct:
