@@ -31,6 +31,48 @@ using apexc::store;
 struct no_out_t {};
 inline void store(no_out_t*, idx_t, float) {}
 
+// Software prefetch for the element loops. Each loop streams three to seven buffers; on some x86 hosts the
+// hardware prefetchers fall behind the 16-bit loops, whose loads then wait on memory (bf16 SGD with momentum,
+// 108M elements, 2 threads, Intel Xeon with AVX-512: 17 GB/s, 46 GB/s with these prefetches; the fp32 loops,
+// already at the host's bandwidth, are unchanged). streamed(lo, hi, body, streams...) runs body(c0, c1) over
+// chunks of kStreamChunk elements of [lo, hi) and, before each full chunk, prefetches every line of each stream
+// kStreamAhead elements further on. Chunking never changes an element's arithmetic (the loops are elementwise),
+// so the bits are those of one loop over [lo, hi). A full chunk has a constant trip count, so its vector loop
+// has no remainder. Prefetches past the end of a buffer are harmless: they never fault.
+constexpr idx_t kStreamChunk = 64, kStreamAhead = 1024;
+
+// element i of a stream at base + i * size (size 0: nothing to prefetch)
+struct Stream {
+  std::uintptr_t base, size;
+};
+// x indexed from `origin`: x[i - origin] is the loop's element i
+template <class T>
+APEX_ELEMENT Stream stream(const T* x, idx_t origin = 0) {
+  return {reinterpret_cast<std::uintptr_t>(x) - static_cast<std::uintptr_t>(origin) * sizeof(T), sizeof(T)};
+}
+APEX_ELEMENT Stream stream(const no_out_t*, idx_t = 0) { return {0, 0}; }
+
+APEX_ELEMENT void prefetch_chunk(const Stream& s, idx_t at) {
+#if defined(__GNUC__) || defined(__clang__)
+  if (!s.size) return;
+  const std::uintptr_t first = s.base + static_cast<std::uintptr_t>(at) * s.size;
+  for (std::uintptr_t b = 0; b < kStreamChunk * s.size; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(first + b));
+#else
+  (void)s;
+  (void)at;
+#endif
+}
+
+template <class Body, class... S>
+APEX_ELEMENT void streamed(idx_t lo, idx_t hi, Body&& body, const S&... s) {
+  idx_t c = lo;
+  for (; hi - c > kStreamChunk; c += kStreamChunk) {
+    (prefetch_chunk(s, c + kStreamAhead), ...);
+    body(c, c + kStreamChunk);
+  }
+  body(c, hi);
+}
+
 // Calls f(P*, G*, O*) for the supported (param, grad, out) storage combinations:
 // grads in the param dtype, or fp32 params (master weights) with any grad dtype;
 // an out copy only for fp32 params. Anything else is rejected by the binding.
@@ -102,34 +144,38 @@ static void sgd_body(const OptArgs& a) {
       // d = g * scale (+ wd * p). p is read once per element: a second load(p, i) after a store is not
       // merged with the first (the compiler cannot prove the arrays disjoint through the lambda).
       if (mom == 0.f || !buf) {
-        APEX_IVDEP
-        for (idx_t i = lo; i < hi; ++i) {
-          const float pv = load(p, i);
-          float d = load(gk, i - lo) * gs;
-          if constexpr (L2) d = d + wd * pv;
-          if constexpr (POST == 1) d = d * umul;
-          if constexpr (POST == 2) d = d * umul + wd * pv;
-          const float np = pv - lr * d;
-          store(p, i, np);
-          store(o, i, np);
-        }
+        streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+          APEX_IVDEP
+          for (idx_t i = c0; i < c1; ++i) {
+            const float pv = load(p, i);
+            float d = load(gk, i - lo) * gs;
+            if constexpr (L2) d = d + wd * pv;
+            if constexpr (POST == 1) d = d * umul;
+            if constexpr (POST == 2) d = d * umul + wd * pv;
+            const float np = pv - lr * d;
+            store(p, i, np);
+            store(o, i, np);
+          }
+        }, stream(p), stream(gk, lo), stream(o));
       } else {
         // torch starts the buffer as the gradient itself: keep 0, take 1 on a slot's first update
         const bool first = a.first && a.first[k];
         const float keep = first ? 0.f : mom, tk = first ? 1.f : take;
-        APEX_IVDEP
-        for (idx_t i = lo; i < hi; ++i) {
-          const float pv = load(p, i);
-          float d = load(gk, i - lo) * gs;
-          if constexpr (L2) d = d + wd * pv;
-          float s = store_load(buf, i, keep * load(buf, i) + tk * d);  // used as stored (as torch does)
-          if constexpr (NESTEROV) s = d + mom * s;
-          if constexpr (POST == 1) s = s * umul;
-          if constexpr (POST == 2) s = s * umul + wd * pv;
-          const float np = pv - lr * s;
-          store(p, i, np);
-          store(o, i, np);
-        }
+        streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+          APEX_IVDEP
+          for (idx_t i = c0; i < c1; ++i) {
+            const float pv = load(p, i);
+            float d = load(gk, i - lo) * gs;
+            if constexpr (L2) d = d + wd * pv;
+            float s = store_load(buf, i, keep * load(buf, i) + tk * d);  // used as stored (as torch does)
+            if constexpr (NESTEROV) s = d + mom * s;
+            if constexpr (POST == 1) s = s * umul;
+            if constexpr (POST == 2) s = s * umul + wd * pv;
+            const float np = pv - lr * s;
+            store(p, i, np);
+            store(o, i, np);
+          }
+        }, stream(p), stream(gk, lo), stream(buf), stream(o));
       }
     });
   });
@@ -174,23 +220,25 @@ static void adam_body(const OptArgs& a) {
       const G* __restrict gk = grad_at(a, g, k, lo);
       const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
       const float l2 = decoupled ? 0.f : wd;
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float pv = load(p, i) * decay;
-        float gv = load(gk, i - lo) * gs + l2 * pv;
-        float mv = fb1 * load(m, i) + omb1 * gv;
-        float vv = fb2 * load(v, i) + omb2 * gv * gv;
-        mv = store_load(m, i, mv);  // the moments as stored
-        float vs = store_load(v, i, vv);
-        if (AMSGRAD) {
-          float vm = load(vmax, i);
-          vs = store_load(vmax, i, vs > vm ? vs : vm);
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float pv = load(p, i) * decay;
+          float gv = load(gk, i - lo) * gs + l2 * pv;
+          float mv = fb1 * load(m, i) + omb1 * gv;
+          float vv = fb2 * load(v, i) + omb2 * gv * gv;
+          mv = store_load(m, i, mv);  // the moments as stored
+          float vs = store_load(v, i, vv);
+          if (AMSGRAD) {
+            float vm = load(vmax, i);
+            vs = store_load(vmax, i, vs > vm ? vs : vm);
+          }
+          float denom = std::sqrt(vs) / bc2_sqrt + eps;
+          float np = pv - step_size * mv / denom;
+          store(p, i, np);
+          store(o, i, np);
         }
-        float denom = std::sqrt(vs) / bc2_sqrt + eps;
-        float np = pv - step_size * mv / denom;
-        store(p, i, np);
-        store(o, i, np);
-      }
+      }, stream(p), stream(gk, lo), stream(m), stream(v), AMSGRAD ? stream(vmax) : Stream{0, 0}, stream(o));
     });
   });
 }
@@ -212,17 +260,19 @@ static void adadelta(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float pv = load(p, i);
-        float gv = load(gk, i - lo) * gs + wd * pv;
-        float stdv = std::sqrt(store_load(sq, i, rho * load(sq, i) + omr * gv * gv) + eps);
-        float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
-        store(acc, i, rho * load(acc, i) + omr * delta * delta);
-        float np = pv - lr * delta;
-        store(p, i, np);
-        store(o, i, np);
-      }
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float pv = load(p, i);
+          float gv = load(gk, i - lo) * gs + wd * pv;
+          float stdv = std::sqrt(store_load(sq, i, rho * load(sq, i) + omr * gv * gv) + eps);
+          float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
+          store(acc, i, rho * load(acc, i) + omr * delta * delta);
+          float np = pv - lr * delta;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      }, stream(p), stream(gk, lo), stream(sq), stream(acc), stream(o));
     });
   });
 }
@@ -251,33 +301,36 @@ static void rmsprop_body(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float pv = load(p, i);
-        if (TF) pv = pv - wd_decay * pv;
-        float gv = load(gk, i - lo) * gs + wd_l2 * pv;
-        float s = load(sq, i);
-        float sv = store_load(sq, i, TF ? s + one_minus * (gv * gv - s) : alpha * s + one_minus * gv * gv);
-        if (CENTERED) {
-          float ga = load(gavg, i);
-          ga = store_load(gavg, i, ga + one_minus * (gv - ga));
-          // The variance is >= 0 in exact math; rounding (or a low-precision
-          // square_avg flushing to zero) can make it slightly negative, and
-          // sqrt would turn that into NaN. max() keeps a NaN input NaN.
-          sv = std::max(sv - ga * ga, 0.f);
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float pv = load(p, i);
+          if (TF) pv = pv - wd_decay * pv;
+          float gv = load(gk, i - lo) * gs + wd_l2 * pv;
+          float s = load(sq, i);
+          float sv = store_load(sq, i, TF ? s + one_minus * (gv * gv - s) : alpha * s + one_minus * gv * gv);
+          if (CENTERED) {
+            float ga = load(gavg, i);
+            ga = store_load(gavg, i, ga + one_minus * (gv - ga));
+            // The variance is >= 0 in exact math; rounding (or a low-precision
+            // square_avg flushing to zero) can make it slightly negative, and
+            // sqrt would turn that into NaN. max() keeps a NaN input NaN.
+            sv = std::max(sv - ga * ga, 0.f);
+          }
+          const float avg = TF ? std::sqrt(sv + eps) : std::sqrt(sv) + eps;
+          float np;
+          if (MOM == kMomLr) {
+            np = pv - store_load(buf, i, mom * load(buf, i) + lr * gv / avg);
+          } else if (MOM == kMom) {
+            np = pv - lr * store_load(buf, i, mom * load(buf, i) + gv / avg);
+          } else {
+            np = pv - lr * gv / avg;
+          }
+          store(p, i, np);
+          store(o, i, np);
         }
-        const float avg = TF ? std::sqrt(sv + eps) : std::sqrt(sv) + eps;
-        float np;
-        if (MOM == kMomLr) {
-          np = pv - store_load(buf, i, mom * load(buf, i) + lr * gv / avg);
-        } else if (MOM == kMom) {
-          np = pv - lr * store_load(buf, i, mom * load(buf, i) + gv / avg);
-        } else {
-          np = pv - lr * gv / avg;
-        }
-        store(p, i, np);
-        store(o, i, np);
-      }
+      }, stream(p), stream(gk, lo), stream(sq), CENTERED ? stream(gavg) : Stream{0, 0},
+               MOM != kNoMom ? stream(buf) : Stream{0, 0}, stream(o));
     });
   });
 }
@@ -312,17 +365,19 @@ static void bert_adam(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float pv = load(p, i);
-        float gv = load(gk, i - lo) * gs;
-        float mv = store_load(m, i, b1 * load(m, i) + omb1 * gv);
-        float vv = store_load(v, i, b2 * load(v, i) + omb2 * gv * gv);
-        float u = mv / (std::sqrt(vv) + eps) + wd * pv;
-        float np = pv - lr * u;
-        store(p, i, np);
-        store(o, i, np);
-      }
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float pv = load(p, i);
+          float gv = load(gk, i - lo) * gs;
+          float mv = store_load(m, i, b1 * load(m, i) + omb1 * gv);
+          float vv = store_load(v, i, b2 * load(v, i) + omb2 * gv * gv);
+          float u = mv / (std::sqrt(vv) + eps) + wd * pv;
+          float np = pv - lr * u;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      }, stream(p), stream(gk, lo), stream(m), stream(v), stream(o));
     });
   });
 }
@@ -446,14 +501,16 @@ static void lamb_stage2(const OptArgs& a) {
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
       const LambBC bc = lamb_bc(a, k, a.hp[3], a.hp[4]);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float pv = load(p, i);
-        float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps) + wd * pv;
-        float np = pv - step * u;
-        store(p, i, np);
-        store(o, i, np);
-      }
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float pv = load(p, i);
+          float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps) + wd * pv;
+          float np = pv - step * u;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      }, stream(p), stream(m), stream(v), stream(o));
     });
   });
 }
@@ -568,19 +625,21 @@ static void adamp_stage_b(const OptArgs& a) {
       const float coef = (pn != 0.f && a.seg_out) ? static_cast<float>(a.seg_out[k]) : 0.f;
       const float wdr = a.seg_aux ? a.seg_aux[k] : 1.f;
       const float decay = static_cast<float>(1.0 - lr * wd * wdr);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float gv = load(gk, i - lo) * s.gs;
-        float mv = store_load(m, i, s.b1 * load(m, i) + s.omb1 * gv);
-        float vv = store_load(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
-        float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
-        float pert = pick_f32(s.nesterov, s.b1 * mv + s.omb1 * gv, mv) / denom;
-        float pv = load(p, i);
-        pert -= pv * pn * coef;
-        float np = pv * decay - s.step_size * pert;
-        store(p, i, np);
-        store(o, i, np);
-      }
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float gv = load(gk, i - lo) * s.gs;
+          float mv = store_load(m, i, s.b1 * load(m, i) + s.omb1 * gv);
+          float vv = store_load(v, i, s.b2 * load(v, i) + s.omb2 * gv * gv);
+          float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
+          float pert = pick_f32(s.nesterov, s.b1 * mv + s.omb1 * gv, mv) / denom;
+          float pv = load(p, i);
+          pert -= pv * pn * coef;
+          float np = pv * decay - s.step_size * pert;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      }, stream(p), stream(gk, lo), stream(m), stream(v), stream(o));
     });
   });
 }
@@ -597,16 +656,18 @@ static void adagrad(const OptArgs& a) {
       const float clr = static_cast<float>(lr / (1.0 + (a.steps[k] - 1.0) * lr_decay));
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
-      APEX_IVDEP
-      for (idx_t i = lo; i < hi; ++i) {
-        float pv = load(p, i);
-        float gv = load(gk, i - lo) * gs + pick_f32(wmode, 0.f, wd * pv);
-        float sv = store_load(sum, i, load(sum, i) + gv * gv);
-        float u = gv / (std::sqrt(sv) + eps) + pick_f32(wmode, wd * pv, 0.f);
-        float np = pv - clr * u;
-        store(p, i, np);
-        store(o, i, np);
-      }
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        APEX_IVDEP
+        for (idx_t i = c0; i < c1; ++i) {
+          float pv = load(p, i);
+          float gv = load(gk, i - lo) * gs + pick_f32(wmode, 0.f, wd * pv);
+          float sv = store_load(sum, i, load(sum, i) + gv * gv);
+          float u = gv / (std::sqrt(sv) + eps) + pick_f32(wmode, wd * pv, 0.f);
+          float np = pv - clr * u;
+          store(p, i, np);
+          store(o, i, np);
+        }
+      }, stream(p), stream(gk, lo), stream(sum), stream(o));
     });
   });
 }

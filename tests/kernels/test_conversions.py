@@ -279,6 +279,61 @@ def test_low_precision_optimizer_steps_match_baseline(level, dt, case):
         assert a == b, f"{level} {case} {name} differs from baseline"
 
 
+# Every elementwise optimizer kernel, with options that take each loop variant.
+ELEMENTWISE_CASES = {
+    **OPT_CASES,
+    "adam-f32-out": ("adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adadelta": ("adadelta_step", 0, [1.0, 0.9, 1e-6, 0.01]),
+    "rmsprop-centered-momentum": ("rmsprop_step", apex_C.FLAG_CENTERED, [1e-2, 0.99, 1e-8, 0.01, 0.9]),
+    "rmsprop-tf-lr-in-momentum": ("rmsprop_tf_step", apex_C.FLAG_LR_IN_MOMENTUM | apex_C.FLAG_DECOUPLED,
+                                  [1e-2, 0.9, 1e-10, 0.01, 0.9]),
+    "bert-adam": ("bert_adam_step", 0, [1e-3, 0.9, 0.999, 1e-6, 0.01]),
+    "adagrad": ("adagrad_step", 0, [1e-2, 1e-10, 0.01, 0.1]),
+    "lamb-stage2": ("lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-3, 1e-6, 0.01, 0.9, 0.999]),
+}
+
+
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("case", list(ELEMENTWISE_CASES))
+def test_elementwise_kernels_ignore_how_slots_are_cut(level, dt, case):
+    """The element loops run in prefetched chunks (optim_impl.h `streamed`): full chunks with a fixed trip count,
+    then the rest. An element's bits must not depend on which of those paths computed it: one slot of n elements
+    (full chunks and a tail) against the same elements as n one-element slots (tails only), two steps, every
+    buffer compared bitwise. n spans several chunks and a thread split, odd so the tail is partial."""
+    kernel, flags, hp = ELEMENTWISE_CASES[case]
+    out_dt = F16 if dt == F32 and case == "adam-f32-out" else None
+    rng = np.random.default_rng(11)
+    n = 70001
+    p = as_storage(np.clip(special_f32(rng, n), -6.0e4, 6.0e4), dt)
+    states = [as_storage(np.abs(rng.standard_normal(n).astype(np.float32)) * 1e-3, dt) for _ in range(3)]
+    grads = [as_storage((rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 1, n)).astype(np.float32), dt)
+             for _ in range(2)]
+
+    def run(seg):
+        nseg = len(seg) - 1
+        pp, ss = p.copy(), [s.copy() for s in states]
+        out = np.zeros(n, STORAGE[out_dt]) if out_dt is not None else None
+        for t, g in enumerate(grads, start=1):
+            a = apex_C.OptArgs()
+            a.pdt = a.gdt = a.sdt = dt
+            a.p, a.g, a.seg, a.nseg = pp.ctypes.data, g.ctypes.data, seg.ctypes.data, nseg
+            a.s0, a.s1, a.s2 = (s.ctypes.data for s in ss)
+            steps = np.full(nseg, float(t), np.float32)
+            first = np.full(nseg, t == 1, np.uint8)
+            seg_mul = np.full(nseg, 0.75, np.float32)
+            a.steps, a.first, a.seg_mul = steps.ctypes.data, first.ctypes.data, seg_mul.ctypes.data
+            a.flags, a.hp, a.threads = flags, list(hp), 2
+            if out is not None:
+                a.out, a.odt = out.ctypes.data, out_dt
+            getattr(apex_C, kernel)(a)
+        return [pp.tobytes()] + [s.tobytes() for s in ss] + ([out.tobytes()] if out is not None else [])
+
+    whole = run(np.array([0, n], np.int64))
+    pieces = run(np.arange(n + 1, dtype=np.int64))
+    for name, a, b in zip(("param", "s0", "s1", "s2", "out"), whole, pieces):
+        assert a == b, f"{level} {case}: {name} differs between one slot and one-element slots"
+
+
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 @pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
 def test_sgd_decay_after_momentum_is_the_two_pass_form(level, dt, wd):
