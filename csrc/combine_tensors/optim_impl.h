@@ -31,47 +31,8 @@ using apexc::store;
 struct no_out_t {};
 inline void store(no_out_t*, idx_t, float) {}
 
-// Software prefetch for the element loops. Each loop streams three to seven buffers; on some x86 hosts the
-// hardware prefetchers fall behind the 16-bit loops, whose loads then wait on memory (bf16 SGD with momentum,
-// 108M elements, 2 threads, Intel Xeon with AVX-512: 17 GB/s, 46 GB/s with these prefetches; the fp32 loops,
-// already at the host's bandwidth, are unchanged). streamed(lo, hi, body, streams...) runs body(c0, c1) over
-// chunks of kStreamChunk elements of [lo, hi) and, before each full chunk, prefetches every line of each stream
-// kStreamAhead elements further on. Chunking never changes an element's arithmetic (the loops are elementwise),
-// so the bits are those of one loop over [lo, hi). A full chunk has a constant trip count, so its vector loop
-// has no remainder. Prefetches past the end of a buffer are harmless: they never fault.
-constexpr idx_t kStreamChunk = 64, kStreamAhead = 1024;
-
-// element i of a stream at base + i * size (size 0: nothing to prefetch)
-struct Stream {
-  std::uintptr_t base, size;
-};
-// x indexed from `origin`: x[i - origin] is the loop's element i
-template <class T>
-APEX_ELEMENT Stream stream(const T* x, idx_t origin = 0) {
-  return {reinterpret_cast<std::uintptr_t>(x) - static_cast<std::uintptr_t>(origin) * sizeof(T), sizeof(T)};
-}
+// An optimizer without an out copy streams no out buffer.
 APEX_ELEMENT Stream stream(const no_out_t*, idx_t = 0) { return {0, 0}; }
-
-APEX_ELEMENT void prefetch_chunk(const Stream& s, idx_t at) {
-#if defined(__GNUC__) || defined(__clang__)
-  if (!s.size) return;
-  const std::uintptr_t first = s.base + static_cast<std::uintptr_t>(at) * s.size;
-  for (std::uintptr_t b = 0; b < kStreamChunk * s.size; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(first + b));
-#else
-  (void)s;
-  (void)at;
-#endif
-}
-
-template <class Body, class... S>
-APEX_ELEMENT void streamed(idx_t lo, idx_t hi, Body&& body, const S&... s) {
-  idx_t c = lo;
-  for (; hi - c > kStreamChunk; c += kStreamChunk) {
-    (prefetch_chunk(s, c + kStreamAhead), ...);
-    body(c, c + kStreamChunk);
-  }
-  body(c, hi);
-}
 
 // Calls f(P*, G*, O*) for the supported (param, grad, out) storage combinations:
 // grads in the param dtype, or fp32 params (master weights) with any grad dtype;
@@ -409,6 +370,7 @@ static void segment_reduce(const OptArgs& a, double* out, F&& fn) {
 }
 
 constexpr int kL = 8;  // independent accumulators per reduced value
+static_assert(kStreamChunk % kL == 0, "a streamed chunk must hold whole lane groups");
 
 template <int N>
 struct LaneAcc {
@@ -459,17 +421,19 @@ static void lamb_stage1(const OptArgs& a) {
       float pb[kChunk], ub[kChunk];
       for (idx_t base = lo; base < hi; base += kChunk) {
         const int n = static_cast<int>(std::min<idx_t>(kChunk, hi - base));
-        APEX_IVDEP
-        for (int l = 0; l < n; ++l) {
-          const idx_t j = base + l;
-          const float pv = load(p, j);
-          const float gv = load(gk, j - lo) * gs;
-          // u from the moments as stored (store_load: no reload from memory)
-          const float mv = store_load(m, j, cb1 * load(m, j) + cb3 * gv);
-          const float vv = store_load(v, j, cb2 * load(v, j) + comb2 * gv * gv);
-          pb[l] = pv;
-          ub[l] = mv * cm / (std::sqrt(vv * cv) + ceps) + cwd * pv;
-        }
+        streamed(base, base + n, [&](idx_t c0, idx_t c1) {
+          APEX_IVDEP
+          for (idx_t j = c0; j < c1; ++j) {
+            const idx_t l = j - base;
+            const float pv = load(p, j);
+            const float gv = load(gk, j - lo) * gs;
+            // u from the moments as stored (store_load: no reload from memory)
+            const float mv = store_load(m, j, cb1 * load(m, j) + cb3 * gv);
+            const float vv = store_load(v, j, cb2 * load(v, j) + comb2 * gv * gv);
+            pb[l] = pv;
+            ub[l] = mv * cm / (std::sqrt(vv * cv) + ceps) + cwd * pv;
+          }
+        }, stream(p), stream(gk, lo), stream(m), stream(v));
         const int full = n - n % kLanes;
         for (int l0 = 0; l0 < full; l0 += kLanes)
           for (int l = 0; l < kLanes; ++l) pp[l] += static_cast<double>(pb[l0 + l]) * pb[l0 + l];
@@ -523,16 +487,18 @@ static void row_dots(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       LaneAcc<3> acc;
-      idx_t i = lo;
       auto body = [&](idx_t j, int l) {
         double gv = static_cast<double>(load(gk, j - lo) * gs), pv = load(p, j);
         acc.v[0][l] += gv * pv;
         acc.v[1][l] += gv * gv;
         acc.v[2][l] += pv * pv;
       };
-      for (; i + kL <= hi; i += kL)
-        for (int l = 0; l < kL; ++l) body(i + l, l);
-      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+        for (; i + kL <= c1; i += kL)
+          for (int l = 0; l < kL; ++l) body(i + l, l);
+        for (int l = 0; i < c1; ++i, ++l) body(i, l);
+      }, stream(gk, lo), stream(p));
       acc.fold(out);
     });
   });
@@ -547,14 +513,16 @@ static void grad_sum_sq(const OptArgs& a) {
     segment_reduce<1>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const G* __restrict gk = grad_at(a, g, k, lo);
       LaneAcc<1> acc;
-      idx_t i = lo;
       auto body = [&](idx_t j, int l) {
         const double gv = load(gk, j - lo);
         acc.v[0][l] += gv * gv;
       };
-      for (; i + kL <= hi; i += kL)
-        for (int l = 0; l < kL; ++l) body(i + l, l);
-      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+        for (; i + kL <= c1; i += kL)
+          for (int l = 0; l < kL; ++l) body(i + l, l);
+        for (int l = 0; i < c1; ++i, ++l) body(i, l);
+      }, stream(gk, lo));
       acc.fold(out);
     });
   });
@@ -592,7 +560,6 @@ static void adamp_stage_a(const OptArgs& a) {
       const AdamPScalars s = adamp_scalars(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       LaneAcc<1> acc;
-      idx_t i = lo;
       auto body = [&](idx_t j, int l) {
         float gv = load(gk, j - lo) * s.gs;
         // round the moments through the storage dtype, as stage B stores them
@@ -604,9 +571,12 @@ static void adamp_stage_a(const OptArgs& a) {
         float pert = (s.nesterov ? s.b1 * mv + s.omb1 * gv : mv) / denom;
         acc.v[0][l] += static_cast<double>(load(p, j) * pn) * pert;
       };
-      for (; i + kL <= hi; i += kL)
-        for (int l = 0; l < kL; ++l) body(i + l, l);
-      for (int l = 0; i < hi; ++i, ++l) body(i, l);
+      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+        for (; i + kL <= c1; i += kL)
+          for (int l = 0; l < kL; ++l) body(i + l, l);
+        for (int l = 0; i < c1; ++i, ++l) body(i, l);
+      }, stream(gk, lo), stream(m), stream(v), stream(p));
       acc.fold(out);
     });
   });
