@@ -84,7 +84,8 @@ inline float gmul(const OptArgs& a, idx_t k) { return a.grad_scale * (a.seg_gmul
 // ---------------------------------------------------------------------------
 // torch.optim.SGD. Weight decay and Nesterov are template parameters (chosen once per call): torch adds the
 // decay term only when weight_decay != 0 (so an inf param stays inf instead of meeting 0 * inf = NaN), and
-// the 16-bit loops are bound by instruction count, so terms that do not apply are not computed.
+// once the memory keeps up (prefetched) the 16-bit loops are bound by instruction count, so terms that do not
+// apply are not computed.
 // POST (kDecoupled): a per-segment multiplier on the momentum result and the decay after it,
 // u = s * seg_mul[k] (+ wd * p when POST == 2, i.e. weight_decay != 0; seg_mul absent = 1): NovoGrad's
 // update m / (bc1 * d_k) + wd * p in the pass that updates its moment m, and NVIDIA FusedSGD's
