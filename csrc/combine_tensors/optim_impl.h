@@ -3,6 +3,7 @@
 // scalars (bias corrections) are computed in double once per segment.
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <vector>
 #include <cmath>
 #include <stdexcept>
@@ -80,6 +81,19 @@ inline void with_pgos(const OptArgs& a, F&& f) {
   (void)p; (void)g; (void)o
 
 inline float gmul(const OptArgs& a, idx_t k) { return a.grad_scale * (a.seg_gmul ? a.seg_gmul[k] : 1.f); }
+
+// Per-slot scalars that depend only on the slot's step count (bias corrections): the slots of a call nearly always
+// share one count, so f(t) is taken once for slot 0's count and again only for a slot whose count differs (Adam
+// over 5000 slots of 200 elements: 10000 pow() per call otherwise). Without per-slot steps every slot reads t = 0.
+template <class F>
+inline auto by_step_count(const OptArgs& a, F f) {
+  const double t0 = (a.nseg > 0 && a.steps) ? a.steps[0] : 0.0;
+  const auto v0 = f(t0);
+  return [&a, f, t0, v0](idx_t k) {
+    const double t = a.steps ? a.steps[k] : 0.0;
+    return t == t0 ? v0 : f(t);
+  };
+}
 
 // ---------------------------------------------------------------------------
 // torch.optim.SGD. Weight decay and Nesterov are template parameters (chosen once per call): torch adds the
@@ -174,10 +188,13 @@ static void adam_body(const OptArgs& a) {
     const float omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
     const bool decoupled = a.flags & kDecoupled;
     const bool no_bc = a.flags & kNoBiasCorrection;
+    const auto corrections = by_step_count(a, [=](double t) {
+      return std::pair<float, float>(static_cast<float>(no_bc ? lr : lr / (1.0 - std::pow(b1, t))),
+                                     static_cast<float>(no_bc ? 1.0 : std::sqrt(1.0 - std::pow(b2, t))));
+    });
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
-      const double t = a.steps[k];
-      const float step_size = static_cast<float>(no_bc ? lr : lr / (1.0 - std::pow(b1, t)));
-      const float bc2_sqrt = static_cast<float>(no_bc ? 1.0 : std::sqrt(1.0 - std::pow(b2, t)));
+      const std::pair<float, float> bc = corrections(k);
+      const float step_size = bc.first, bc2_sqrt = bc.second;
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
@@ -390,10 +407,12 @@ struct LambBC {
   float m, v;
 };
 
-inline LambBC lamb_bc(const OptArgs& a, idx_t k, double b1, double b2) {
-  if (!(a.flags & kBiasCorrection) || !a.steps) return {1.f, 1.f};
-  const double t = a.steps[k];
-  return {static_cast<float>(1.0 / (1.0 - std::pow(b1, t))), static_cast<float>(1.0 / (1.0 - std::pow(b2, t)))};
+inline auto lamb_bcs(const OptArgs& a, double b1, double b2) {
+  const bool on = (a.flags & kBiasCorrection) && a.steps;
+  return by_step_count(a, [=](double t) {
+    if (!on) return LambBC{1.f, 1.f};
+    return LambBC{static_cast<float>(1.0 / (1.0 - std::pow(b1, t))), static_cast<float>(1.0 / (1.0 - std::pow(b2, t)))};
+  });
 }
 
 static void lamb_stage1(const OptArgs& a) {
@@ -405,10 +424,11 @@ static void lamb_stage1(const OptArgs& a) {
     const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
     const float b3 = static_cast<float>((a.flags & kBeta3) ? a.hp[4] : 1.0 - a.hp[0]);
     const float omb2 = static_cast<float>(1.0 - a.hp[1]);
+    const auto bcs = lamb_bcs(a, a.hp[0], a.hp[1]);
     segment_reduce<2>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
-      const LambBC bc = lamb_bc(a, k, a.hp[0], a.hp[1]);
+      const LambBC bc = bcs(k);
       // Chunks of kChunk: the update (sqrt, divide) runs as one plain float loop the compiler vectorises, then
       // one loop per array adds its squares into kLanes double lanes (element i of the segment into lane
       // (i - lo) % kLanes), folded in lane order at the end: the same order at every SIMD level.
@@ -463,9 +483,10 @@ static void lamb_stage2(const OptArgs& a) {
     const P* __restrict v = static_cast<const P*>(a.s[1]);
     const float lr = static_cast<float>(a.hp[0]), eps = static_cast<float>(a.hp[1]);
     const float wd = static_cast<float>(a.hp[2]);
+    const auto bcs = lamb_bcs(a, a.hp[3], a.hp[4]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
-      const LambBC bc = lamb_bc(a, k, a.hp[3], a.hp[4]);
+      const LambBC bc = bcs(k);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
@@ -535,16 +556,26 @@ struct AdamPScalars {
   bool nesterov;
 };
 
-inline AdamPScalars adamp_scalars(const OptArgs& a, idx_t k) {
-  const double t = a.steps[k];
+// (step_size, sqrt(1 - b2^t)) by slot
+inline auto adamp_corrections(const OptArgs& a) {
+  const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
+  return by_step_count(a, [=](double t) {
+    return std::pair<float, float>(static_cast<float>(lr / (1.0 - std::pow(b1, t))),
+                                   static_cast<float>(std::sqrt(1.0 - std::pow(b2, t))));
+  });
+}
+
+template <class C>
+inline AdamPScalars adamp_scalars(const OptArgs& a, idx_t k, const C& corrections) {
+  const std::pair<float, float> bc = corrections(k);
   AdamPScalars s;
   s.b1 = static_cast<float>(a.hp[1]);
   s.b2 = static_cast<float>(a.hp[2]);
   s.omb1 = static_cast<float>(1.0 - a.hp[1]);
   s.omb2 = static_cast<float>(1.0 - a.hp[2]);
   s.eps = static_cast<float>(a.hp[3]);
-  s.step_size = static_cast<float>(a.hp[0] / (1.0 - std::pow(a.hp[1], t)));
-  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(a.hp[2], t)));
+  s.step_size = bc.first;
+  s.bc2_sqrt = bc.second;
   s.gs = gmul(a, k);
   s.nesterov = a.flags & kNesterov;
   return s;
@@ -555,10 +586,11 @@ static void adamp_stage_a(const OptArgs& a) {
     APEX_TYPES(pt, gt, ot);
     const P* __restrict m = static_cast<const P*>(a.s[0]);
     const P* __restrict v = static_cast<const P*>(a.s[1]);
+    const auto corrections = adamp_corrections(a);
     segment_reduce<1>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float pn = a.seg_mul[k];
       if (pn == 0.f) return;
-      const AdamPScalars s = adamp_scalars(a, k);
+      const AdamPScalars s = adamp_scalars(a, k, corrections);
       const G* __restrict gk = grad_at(a, g, k, lo);
       LaneAcc<1> acc;
       auto body = [&](idx_t j, int l) {
@@ -589,8 +621,9 @@ static void adamp_stage_b(const OptArgs& a) {
     P* __restrict m = static_cast<P*>(a.s[0]);
     P* __restrict v = static_cast<P*>(a.s[1]);
     const double lr = a.hp[0], wd = a.hp[4];
+    const auto corrections = adamp_corrections(a);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
-      const AdamPScalars s = adamp_scalars(a, k);
+      const AdamPScalars s = adamp_scalars(a, k, corrections);
       const G* __restrict gk = grad_at(a, g, k, lo);
       const float pn = a.seg_mul ? a.seg_mul[k] : 0.f;
       const float coef = (pn != 0.f && a.seg_out) ? static_cast<float>(a.seg_out[k]) : 0.f;

@@ -334,6 +334,44 @@ def test_elementwise_kernels_ignore_how_slots_are_cut(level, dt, case):
         assert a == b, f"{level} {case}: {name} differs between one slot and one-element slots"
 
 
+@pytest.mark.parametrize("case", ["adam", "adamw", "lamb-stage2", "adagrad"])
+def test_slots_with_different_step_counts(level, case):
+    """Per-slot scalars that depend on the step count (bias corrections, Adagrad's lr decay) are computed once for
+    the first slot's count and reused for slots with the same count: every slot must still get its own count's
+    values. One call over four slots with counts 3, 1, 3, 7 against each slot run alone."""
+    kernel, flags, hp = ELEMENTWISE_CASES[case]
+    rng = np.random.default_rng(12)
+    sizes, counts = [300, 77, 130, 64], [3.0, 1.0, 3.0, 7.0]
+    n = sum(sizes)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    p = rng.standard_normal(n).astype(np.float32)
+    states = [np.abs(rng.standard_normal(n).astype(np.float32)) * 1e-3 for _ in range(3)]
+    g = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+
+    def run(lo, hi, steps):
+        pp, ss = p[lo:hi].copy(), [s[lo:hi].copy() for s in states]
+        seg = (bounds[(bounds >= lo) & (bounds <= hi)] - lo).astype(np.int64)
+        nseg = len(seg) - 1
+        gg = g[lo:hi].copy()
+        a = apex_C.OptArgs()
+        a.pdt = a.gdt = a.sdt = F32
+        a.p, a.g, a.seg, a.nseg = pp.ctypes.data, gg.ctypes.data, seg.ctypes.data, nseg
+        a.s0, a.s1, a.s2 = (s.ctypes.data for s in ss)
+        st = np.array(steps, np.float32)
+        first = np.zeros(nseg, np.uint8)
+        seg_mul = np.full(nseg, 0.75, np.float32)
+        a.steps, a.first, a.seg_mul = st.ctypes.data, first.ctypes.data, seg_mul.ctypes.data
+        a.flags, a.hp, a.threads = flags, list(hp), 2
+        getattr(apex_C, kernel)(a)
+        return [pp, *ss]
+
+    together = run(0, n, counts)
+    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        alone = run(int(lo), int(hi), [counts[k]])
+        for name, a, b in zip(("param", "s0", "s1", "s2"), together, alone):
+            assert a[lo:hi].tobytes() == b.tobytes(), f"{level} {case}: slot {k} {name} differs from the slot alone"
+
+
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 @pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
 def test_sgd_decay_after_momentum_is_the_two_pass_form(level, dt, wd):
