@@ -173,7 +173,7 @@ static void sgd(const OptArgs& a) {
 // correction when asked). AMSGrad is a template parameter, so there is one loop
 // body and no per-call branch inside it; L2 / decoupled decay and bias correction
 // are per-segment scalars (decay 1 and l2 0, or step_size lr, when off).
-template <bool AMSGRAD>
+template <bool AMSGRAD, bool L2>
 static void adam_body(const OptArgs& a) {
   with_pgos(a, [&](auto* pt, auto* gt, auto* ot, auto* st) {
     APEX_TYPES(pt, gt, ot);
@@ -203,7 +203,8 @@ static void adam_body(const OptArgs& a) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
           float pv = load(p, i) * decay;
-          float gv = load(gk, i - lo) * gs + l2 * pv;
+          float gv = load(gk, i - lo) * gs;
+          if constexpr (L2) gv = gv + l2 * pv;
           float mv = fb1 * load(m, i) + omb1 * gv;
           float vv = fb2 * load(v, i) + omb2 * gv * gv;
           mv = store_load(m, i, mv);  // the moments as stored
@@ -222,9 +223,11 @@ static void adam_body(const OptArgs& a) {
   });
 }
 
+// As torch, the L2 term exists only when weight_decay != 0: a 0 * inf term would turn an inf param into NaN.
 static void adam(const OptArgs& a) {
-  if (a.flags & kAmsgrad) adam_body<true>(a);
-  else adam_body<false>(a);
+  const bool l2 = !(a.flags & kDecoupled) && a.hp[4] != 0.0;
+  if (a.flags & kAmsgrad) l2 ? adam_body<true, true>(a) : adam_body<true, false>(a);
+  else l2 ? adam_body<false, true>(a) : adam_body<false, false>(a);
 }
 
 // ---------------------------------------------------------------------------
@@ -236,6 +239,7 @@ static void adadelta(const OptArgs& a) {
     const float lr = static_cast<float>(a.hp[0]), rho = static_cast<float>(a.hp[1]);
     const float eps = static_cast<float>(a.hp[2]), wd = static_cast<float>(a.hp[3]);
     const float omr = static_cast<float>(1.0 - a.hp[1]);
+    const bool decay = a.hp[3] != 0.0;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
@@ -243,7 +247,8 @@ static void adadelta(const OptArgs& a) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
           float pv = load(p, i);
-          float gv = load(gk, i - lo) * gs + wd * pv;
+          float gv = load(gk, i - lo) * gs;
+          gv = pick_f32(decay, gv + wd * pv, gv);  // no term at weight_decay 0 (0 * inf = NaN)
           float stdv = std::sqrt(store_load(sq, i, rho * load(sq, i) + omr * gv * gv) + eps);
           float delta = std::sqrt(load(acc, i) + eps) / stdv * gv;
           store(acc, i, rho * load(acc, i) + omr * delta * delta);
@@ -276,6 +281,7 @@ static void rmsprop_body(const OptArgs& a) {
     const float mom = static_cast<float>(a.hp[4]);
     const bool decoupled = TF && (a.flags & kDecoupled);
     const float wd_decay = decoupled ? wd : 0.f, wd_l2 = decoupled ? 0.f : wd;
+    const bool decay_on = decoupled && a.hp[3] != 0.0, l2_on = !decoupled && a.hp[3] != 0.0;
     const float one_minus = static_cast<float>(1.0 - a.hp[1]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
@@ -284,8 +290,10 @@ static void rmsprop_body(const OptArgs& a) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
           float pv = load(p, i);
-          if (TF) pv = pv - wd_decay * pv;
-          float gv = load(gk, i - lo) * gs + wd_l2 * pv;
+          // the decay terms only when weight_decay != 0 (0 * inf = NaN), the other arm selected bit for bit
+          if (TF) pv = pick_f32(decay_on, pv - wd_decay * pv, pv);
+          float gv = load(gk, i - lo) * gs;
+          gv = pick_f32(l2_on, gv + wd_l2 * pv, gv);
           float s = load(sq, i);
           float sv = store_load(sq, i, TF ? s + one_minus * (gv * gv - s) : alpha * s + one_minus * gv * gv);
           if (CENTERED) {
@@ -341,6 +349,7 @@ static void bert_adam(const OptArgs& a) {
     const float b2 = static_cast<float>(a.hp[2]), eps = static_cast<float>(a.hp[3]);
     const float wd = static_cast<float>(a.hp[4]);
     const float omb1 = static_cast<float>(1.0 - a.hp[1]), omb2 = static_cast<float>(1.0 - a.hp[2]);
+    const bool decay = a.hp[4] != 0.0;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
@@ -351,7 +360,8 @@ static void bert_adam(const OptArgs& a) {
           float gv = load(gk, i - lo) * gs;
           float mv = store_load(m, i, b1 * load(m, i) + omb1 * gv);
           float vv = store_load(v, i, b2 * load(v, i) + omb2 * gv * gv);
-          float u = mv / (std::sqrt(vv) + eps) + wd * pv;
+          float u = mv / (std::sqrt(vv) + eps);
+          u = pick_f32(decay, u + wd * pv, u);  // no term at weight_decay 0 (0 * inf = NaN)
           float np = pv - lr * u;
           store(p, i, np);
           store(o, i, np);
@@ -438,6 +448,7 @@ static void lamb_stage1(const OptArgs& a) {
       constexpr int kLanes = 16, kChunk = 512;
       // Local copies: through the captures the compiler reloads every scalar after each store to pb / ub.
       const float cb1 = b1, cb2 = b2, cb3 = b3, comb2 = omb2, ceps = eps, cwd = wd, cm = bc.m, cv = bc.v;
+      const bool cdecay = a.hp[3] != 0.0;
       double pp[kLanes] = {}, uu[kLanes] = {};
       float pb[kChunk], ub[kChunk];
       for (idx_t base = lo; base < hi; base += kChunk) {
@@ -452,7 +463,8 @@ static void lamb_stage1(const OptArgs& a) {
             const float mv = store_load(m, j, cb1 * load(m, j) + cb3 * gv);
             const float vv = store_load(v, j, cb2 * load(v, j) + comb2 * gv * gv);
             pb[l] = pv;
-            ub[l] = mv * cm / (std::sqrt(vv * cv) + ceps) + cwd * pv;
+            const float u = mv * cm / (std::sqrt(vv * cv) + ceps);
+            ub[l] = pick_f32(cdecay, u + cwd * pv, u);  // no term at weight_decay 0 (0 * inf = NaN)
           }
         }, stream(p), stream(gk, lo), stream(m), stream(v));
         const int full = n - n % kLanes;
@@ -483,6 +495,7 @@ static void lamb_stage2(const OptArgs& a) {
     const P* __restrict v = static_cast<const P*>(a.s[1]);
     const float lr = static_cast<float>(a.hp[0]), eps = static_cast<float>(a.hp[1]);
     const float wd = static_cast<float>(a.hp[2]);
+    const bool decay = a.hp[2] != 0.0;
     const auto bcs = lamb_bcs(a, a.hp[3], a.hp[4]);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
@@ -491,7 +504,8 @@ static void lamb_stage2(const OptArgs& a) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
           float pv = load(p, i);
-          float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps) + wd * pv;
+          float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps);
+          u = pick_f32(decay, u + wd * pv, u);  // no term at weight_decay 0 (0 * inf = NaN)
           float np = pv - step * u;
           store(p, i, np);
           store(o, i, np);
@@ -656,6 +670,7 @@ static void adagrad(const OptArgs& a) {
     const double lr = a.hp[0], lr_decay = a.hp[3];
     const float eps = static_cast<float>(a.hp[1]), wd = static_cast<float>(a.hp[2]);
     const bool wmode = a.flags & kDecoupled;
+    const bool l2_on = !wmode && a.hp[2] != 0.0, decay_on = wmode && a.hp[2] != 0.0;
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const float clr = static_cast<float>(lr / (1.0 + (a.steps[k] - 1.0) * lr_decay));
       const float gs = gmul(a, k);
@@ -664,9 +679,12 @@ static void adagrad(const OptArgs& a) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
           float pv = load(p, i);
-          float gv = load(gk, i - lo) * gs + pick_f32(wmode, 0.f, wd * pv);
+          // the decay term (added to the grad, or to the update in wmode) only when weight_decay != 0
+          float gv = load(gk, i - lo) * gs;
+          gv = pick_f32(l2_on, gv + wd * pv, gv);
           float sv = store_load(sum, i, load(sum, i) + gv * gv);
-          float u = gv / (std::sqrt(sv) + eps) + pick_f32(wmode, wd * pv, 0.f);
+          float u = gv / (std::sqrt(sv) + eps);
+          u = pick_f32(decay_on, u + wd * pv, u);
           float np = pv - clr * u;
           store(p, i, np);
           store(o, i, np);

@@ -1,0 +1,70 @@
+"""A weight decay of 0 adds no decay term, as in torch: an inf param stays inf (0 * inf would make it NaN).
+
+Every optimizer that mirrors a torch.optim class, every executor, fp32 and bf16: inf and NaN land where torch puts
+them, in the params and in every state; finite values are torch's within a few roundings (torch rounds each of its
+ops in the param dtype, we compute in fp32 and round once). fp16 is left out: torch's single-tensor path computes
+in fp16, where Adam's eps (1e-8) is 0, so a zero grad gives 0 / 0 = NaN there and not in torch's fused kernels
+or ours. SGD has its own copy of this test (tests/test_optim_sgd.py), with bitwise fp32 values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _optim_harness import use_executor
+
+import apex.optimizers as ao
+
+VALUES = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.5, -2.0, 3.0])
+GRADS = torch.tensor([1.0, 1.0, 1.0, -0.0, 0.25, 0.5, -0.0, 0.75])
+
+# (ours, torch's, hyperparameters): the decay off, and on where it is decoupled (a multiplication keeps inf)
+CASES = {
+    "Adam": ("NpuFusedAdam", torch.optim.Adam, dict(lr=1e-3, weight_decay=0.0)),
+    "Adam-amsgrad": ("NpuFusedAdam", torch.optim.Adam, dict(lr=1e-3, weight_decay=0.0, amsgrad=True)),
+    "AdamW": ("NpuFusedAdamW", torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.0)),
+    "AdamW-decay": ("NpuFusedAdamW", torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01)),
+    "FusedAdam": ("FusedAdam", torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01)),
+    "FusedAdam-L2": ("FusedAdam", torch.optim.Adam, dict(lr=1e-3, weight_decay=0.0, adam_w_mode=False)),
+    "RMSprop": ("NpuFusedRMSprop", torch.optim.RMSprop, dict(lr=1e-3, weight_decay=0.0)),
+    "RMSprop-centered-momentum": ("NpuFusedRMSprop", torch.optim.RMSprop,
+                                  dict(lr=1e-3, weight_decay=0.0, centered=True, momentum=0.9)),
+    "Adadelta": ("NpuFusedAdadelta", torch.optim.Adadelta, dict(lr=1.0, weight_decay=0.0)),
+    "Adagrad": ("FusedAdagrad", torch.optim.Adagrad, dict(lr=1e-2, weight_decay=0.0)),
+}
+
+
+def _ref_kwargs(ref_cls, hp):
+    kw = {k: v for k, v in hp.items() if k != "adam_w_mode"}
+    return dict(kw, foreach=False)
+
+
+@pytest.mark.parametrize("executor", ["apex_C", "torch", "torch_ops"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_nonfinite_params_as_torch(monkeypatch, device, executor, dtype, case):
+    name, ref_cls, hp = CASES[case]
+    expect = use_executor(monkeypatch, executor, device)
+    ours_p = torch.nn.Parameter(VALUES.to(device, dtype).repeat(40))  # long enough for the vector loops
+    ref_p = torch.nn.Parameter(VALUES.to(device, dtype).repeat(40))
+    ours = getattr(ao, name)([ours_p], **hp)
+    ref = ref_cls([ref_p], **_ref_kwargs(ref_cls, hp))
+    for _ in range(3):
+        ours_p.grad = GRADS.to(device, dtype).repeat(40)
+        ref_p.grad = GRADS.to(device, dtype).repeat(40)
+        ours.step()
+        ref.step()
+    assert ours.last_executor == expect
+    pairs = [("param", ours_p.detach(), ref_p.detach())]
+    for key, value in ref.state[ref_p].items():
+        if key != "step" and key in ours.state[ours_p]:
+            pairs.append((key, ours.state[ours_p][key], value))
+    tol = 8 * torch.finfo(dtype).eps
+    for key, a, b in pairs:
+        a, b = a.float().cpu(), b.float().cpu()
+        assert torch.equal(a.isnan(), b.isnan()), f"{case} {key}: NaN at {a.isnan().nonzero()} vs {b.isnan().nonzero()}"
+        assert torch.equal(a.isinf(), b.isinf()), f"{case} {key}: inf at {a.isinf().nonzero()} vs {b.isinf().nonzero()}"
+        inf = a.isinf()
+        assert torch.equal(a[inf], b[inf]), f"{case} {key}: infs of another sign"
+        fin = a.isfinite()
+        torch.testing.assert_close(a[fin], b[fin], rtol=tol, atol=1e-30, msg=lambda m, key=key: f"{case} {key}: {m}")
