@@ -76,6 +76,18 @@ def use_executor(monkeypatch, executor: str, device: str) -> str:
     return "apex_C" if executor == "apex_C" else "torch"
 
 
+def assert_nonfinite_alike(ours: torch.Tensor, ref: torch.Tensor, what: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
+    """NaN and inf at the same places, infs of the same sign; returns (as fp32 on the CPU) the finite values of
+    ours and of ref, for the caller's own comparison of those."""
+    a, b = ours.float().cpu(), ref.float().cpu()
+    for kind, ma, mb in (("NaN", a.isnan(), b.isnan()), ("inf", a.isinf(), b.isinf())):
+        assert torch.equal(ma, mb), f"{what}: {kind} at {ma.nonzero().flatten()} vs {mb.nonzero().flatten()}"
+    inf = a.isinf()
+    assert torch.equal(a[inf], b[inf]), f"{what}: infs of another sign"
+    fin = a.isfinite()
+    return a[fin], b[fin]
+
+
 def random_shapes(rng: random.Random, n: Optional[int] = None) -> List[Tuple[int, ...]]:
     n = rng.randint(3, 6) if n is None else n
     shapes = []

@@ -34,7 +34,6 @@ constexpr int kLanes = 16;
 // with lanes dividing kStreamChunk: every chunk starts on lane 0. Prefetches past the end of a buffer are
 // harmless: they never fault.
 constexpr idx_t kStreamChunk = 64, kStreamAhead = 1024;
-static_assert(kStreamChunk % kLanes == 0, "a chunk must hold whole lane groups");
 
 // element i of a stream at base + i * size (size 0: nothing to prefetch)
 struct Stream {
@@ -65,6 +64,19 @@ APEX_ELEMENT void streamed(idx_t lo, idx_t hi, Body&& body, const S&... s) {
     body(c, c + kStreamChunk);
   }
   body(c, hi);
+}
+
+// A lane-split reduction over [lo, hi) through streamed(): body(i, l) for every element, with l = (i - lo) % L,
+// so each lane accumulates the same elements in the same order as one plain loop would give it.
+template <int L, class Body, class... S>
+APEX_ELEMENT void streamed_lanes(idx_t lo, idx_t hi, Body&& body, const S&... s) {
+  static_assert(kStreamChunk % L == 0, "a streamed chunk must hold whole lane groups");
+  streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+    idx_t i = c0;
+    for (; i + L <= c1; i += L)
+      for (int l = 0; l < L; ++l) body(i + l, l);
+    for (int l = 0; i < c1; ++i, ++l) body(i, l);
+  }, s...);
 }
 
 template <class S, class D>
@@ -198,18 +210,9 @@ static bool has_nonfinite(const void* src, int dt, idx_t n, int threads) {
 template <class T>
 static double sum_sq_range(const T* p, idx_t n) {
   double acc[kLanes] = {0};
-  streamed(0, n, [&](idx_t c0, idx_t c1) {
-    idx_t i = c0;
-    for (; i + kLanes <= c1; i += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        double v = static_cast<double>(load(p, i + l));
-        acc[l] += v * v;
-      }
-    }
-    for (int l = 0; i < c1; ++i, ++l) {
-      double v = static_cast<double>(load(p, i));
-      acc[l] += v * v;
-    }
+  streamed_lanes<kLanes>(0, n, [&](idx_t i, int l) {
+    const double v = static_cast<double>(load(p, i));
+    acc[l] += v * v;
   }, stream(p));
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
@@ -221,23 +224,11 @@ template <class T>
 static double max_abs_range(const T* p, idx_t n) {
   float acc[kLanes] = {0};
   std::uint32_t nan = 0;
-  streamed(0, n, [&](idx_t c0, idx_t c1) {
-    idx_t i = c0;
-    for (; i + kLanes <= c1; i += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        float v = load(p, i + l);
-        std::uint32_t a = f32_to_bits(v) & 0x7fffffffu;
-        nan |= a > 0x7f800000u ? 1u : 0u;
-        float av = bits_to_f32(a);
-        acc[l] = av > acc[l] ? av : acc[l];
-      }
-    }
-    for (int l = 0; i < c1; ++i, ++l) {
-      std::uint32_t a = f32_to_bits(load(p, i)) & 0x7fffffffu;
-      nan |= a > 0x7f800000u ? 1u : 0u;
-      float av = bits_to_f32(a);
-      acc[l] = av > acc[l] ? av : acc[l];
-    }
+  streamed_lanes<kLanes>(0, n, [&](idx_t i, int l) {
+    const std::uint32_t a = f32_to_bits(load(p, i)) & 0x7fffffffu;
+    nan |= a > 0x7f800000u ? 1u : 0u;
+    const float av = bits_to_f32(a);
+    acc[l] = av > acc[l] ? av : acc[l];
   }, stream(p));
   float m = 0.f;
   for (int l = 0; l < kLanes; ++l) m = acc[l] > m ? acc[l] : m;

@@ -95,6 +95,16 @@ inline auto by_step_count(const OptArgs& a, F f) {
   };
 }
 
+// Adam's (and AdamP's) bias corrections by slot: (step size lr / (1 - b1^t), sqrt(1 - b2^t)) from hp[0..2] =
+// lr, b1, b2; (lr, 1) without bias correction.
+inline auto adam_corrections(const OptArgs& a, bool bias_correction) {
+  const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
+  return by_step_count(a, [=](double t) {
+    return std::pair<float, float>(static_cast<float>(bias_correction ? lr / (1.0 - std::pow(b1, t)) : lr),
+                                   static_cast<float>(bias_correction ? std::sqrt(1.0 - std::pow(b2, t)) : 1.0));
+  });
+}
+
 // ---------------------------------------------------------------------------
 // torch.optim.SGD. Weight decay and Nesterov are template parameters (chosen once per call): torch adds the
 // decay term only when weight_decay != 0 (so an inf param stays inf instead of meeting 0 * inf = NaN), and
@@ -187,11 +197,7 @@ static void adam_body(const OptArgs& a) {
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
     const float omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
     const bool decoupled = a.flags & kDecoupled;
-    const bool no_bc = a.flags & kNoBiasCorrection;
-    const auto corrections = by_step_count(a, [=](double t) {
-      return std::pair<float, float>(static_cast<float>(no_bc ? lr : lr / (1.0 - std::pow(b1, t))),
-                                     static_cast<float>(no_bc ? 1.0 : std::sqrt(1.0 - std::pow(b2, t))));
-    });
+    const auto corrections = adam_corrections(a, !(a.flags & kNoBiasCorrection));
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const std::pair<float, float> bc = corrections(k);
       const float step_size = bc.first, bc2_sqrt = bc.second;
@@ -398,7 +404,6 @@ static void segment_reduce(const OptArgs& a, double* out, F&& fn) {
 }
 
 constexpr int kL = 8;  // independent accumulators per reduced value
-static_assert(kStreamChunk % kL == 0, "a streamed chunk must hold whole lane groups");
 
 template <int N>
 struct LaneAcc {
@@ -529,12 +534,7 @@ static void row_dots(const OptArgs& a) {
         acc.v[1][l] += gv * gv;
         acc.v[2][l] += pv * pv;
       };
-      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
-        idx_t i = c0;
-        for (; i + kL <= c1; i += kL)
-          for (int l = 0; l < kL; ++l) body(i + l, l);
-        for (int l = 0; i < c1; ++i, ++l) body(i, l);
-      }, stream(gk, lo), stream(p));
+      streamed_lanes<kL>(lo, hi, body, stream(gk, lo), stream(p));
       acc.fold(out);
     });
   });
@@ -553,12 +553,7 @@ static void grad_sum_sq(const OptArgs& a) {
         const double gv = load(gk, j - lo);
         acc.v[0][l] += gv * gv;
       };
-      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
-        idx_t i = c0;
-        for (; i + kL <= c1; i += kL)
-          for (int l = 0; l < kL; ++l) body(i + l, l);
-        for (int l = 0; i < c1; ++i, ++l) body(i, l);
-      }, stream(gk, lo));
+      streamed_lanes<kL>(lo, hi, body, stream(gk, lo));
       acc.fold(out);
     });
   });
@@ -569,15 +564,6 @@ struct AdamPScalars {
   float b1, b2, omb1, omb2, eps, step_size, bc2_sqrt, gs;
   bool nesterov;
 };
-
-// (step_size, sqrt(1 - b2^t)) by slot
-inline auto adamp_corrections(const OptArgs& a) {
-  const double lr = a.hp[0], b1 = a.hp[1], b2 = a.hp[2];
-  return by_step_count(a, [=](double t) {
-    return std::pair<float, float>(static_cast<float>(lr / (1.0 - std::pow(b1, t))),
-                                   static_cast<float>(std::sqrt(1.0 - std::pow(b2, t))));
-  });
-}
 
 template <class C>
 inline AdamPScalars adamp_scalars(const OptArgs& a, idx_t k, const C& corrections) {
@@ -600,7 +586,7 @@ static void adamp_stage_a(const OptArgs& a) {
     APEX_TYPES(pt, gt, ot);
     const P* __restrict m = static_cast<const P*>(a.s[0]);
     const P* __restrict v = static_cast<const P*>(a.s[1]);
-    const auto corrections = adamp_corrections(a);
+    const auto corrections = adam_corrections(a, true);
     segment_reduce<1>(a, a.seg_out, [&](idx_t k, idx_t lo, idx_t hi, double* out) {
       const float pn = a.seg_mul[k];
       if (pn == 0.f) return;
@@ -618,12 +604,7 @@ static void adamp_stage_a(const OptArgs& a) {
         float pert = (s.nesterov ? s.b1 * mv + s.omb1 * gv : mv) / denom;
         acc.v[0][l] += static_cast<double>(load(p, j) * pn) * pert;
       };
-      streamed(lo, hi, [&](idx_t c0, idx_t c1) {
-        idx_t i = c0;
-        for (; i + kL <= c1; i += kL)
-          for (int l = 0; l < kL; ++l) body(i + l, l);
-        for (int l = 0; i < c1; ++i, ++l) body(i, l);
-      }, stream(gk, lo), stream(m), stream(v), stream(p));
+      streamed_lanes<kL>(lo, hi, body, stream(gk, lo), stream(m), stream(v), stream(p));
       acc.fold(out);
     });
   });
@@ -635,7 +616,7 @@ static void adamp_stage_b(const OptArgs& a) {
     P* __restrict m = static_cast<P*>(a.s[0]);
     P* __restrict v = static_cast<P*>(a.s[1]);
     const double lr = a.hp[0], wd = a.hp[4];
-    const auto corrections = adamp_corrections(a);
+    const auto corrections = adam_corrections(a, true);
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const AdamPScalars s = adamp_scalars(a, k, corrections);
       const G* __restrict gk = grad_at(a, g, k, lo);
