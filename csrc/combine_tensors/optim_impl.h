@@ -7,6 +7,7 @@
 #include <vector>
 #include <cmath>
 #include <stdexcept>
+#include <type_traits>
 
 #include "optim.h"
 
@@ -129,40 +130,33 @@ static void sgd_body(const OptArgs& a) {
       (void)umul;
       // d = g * scale (+ wd * p). p is read once per element: a second load(p, i) after a store is not
       // merged with the first (the compiler cannot prove the arrays disjoint through the lambda).
-      if (mom == 0.f || !buf) {
+      // One loop body, with the momentum buffer a compile-time choice (MOM): without it the update is d.
+      // torch starts the buffer as the gradient itself: keep 0, take 1 on a slot's first update.
+      const bool first = a.first && a.first[k];
+      const float keep = first ? 0.f : mom, tk = first ? 1.f : take;
+      auto run = [&](auto mom_on) {
+        constexpr bool MOM = decltype(mom_on)::value;
         streamed(lo, hi, [&](idx_t c0, idx_t c1) {
           APEX_IVDEP
           for (idx_t i = c0; i < c1; ++i) {
             const float pv = load(p, i);
             float d = load(gk, i - lo) * gs;
             if constexpr (L2) d = d + wd * pv;
-            if constexpr (POST == 1) d = d * umul;
-            if constexpr (POST == 2) d = d * umul + wd * pv;
-            const float np = pv - lr * d;
-            store(p, i, np);
-            store(o, i, np);
-          }
-        }, stream(p), stream(gk, lo), stream(o));
-      } else {
-        // torch starts the buffer as the gradient itself: keep 0, take 1 on a slot's first update
-        const bool first = a.first && a.first[k];
-        const float keep = first ? 0.f : mom, tk = first ? 1.f : take;
-        streamed(lo, hi, [&](idx_t c0, idx_t c1) {
-          APEX_IVDEP
-          for (idx_t i = c0; i < c1; ++i) {
-            const float pv = load(p, i);
-            float d = load(gk, i - lo) * gs;
-            if constexpr (L2) d = d + wd * pv;
-            float s = store_load(buf, i, keep * load(buf, i) + tk * d);  // used as stored (as torch does)
-            if constexpr (NESTEROV) s = d + mom * s;
+            float s = d;
+            if constexpr (MOM) {
+              s = store_load(buf, i, keep * load(buf, i) + tk * d);  // used as stored (as torch does)
+              if constexpr (NESTEROV) s = d + mom * s;
+            }
             if constexpr (POST == 1) s = s * umul;
             if constexpr (POST == 2) s = s * umul + wd * pv;
             const float np = pv - lr * s;
             store(p, i, np);
             store(o, i, np);
           }
-        }, stream(p), stream(gk, lo), stream(buf), stream(o));
-      }
+        }, stream(p), stream(gk, lo), MOM ? stream(buf) : Stream{0, 0}, stream(o));
+      };
+      if (mom == 0.f || !buf) run(std::false_type{});
+      else run(std::true_type{});
     });
   });
 }
@@ -180,10 +174,12 @@ static void sgd(const OptArgs& a) {
 
 // ---------------------------------------------------------------------------
 // torch.optim.Adam / AdamW (and NVIDIA's FusedAdam: the same update without bias
-// correction when asked). AMSGrad is a template parameter, so there is one loop
-// body and no per-call branch inside it; L2 / decoupled decay and bias correction
-// are per-segment scalars (decay 1 and l2 0, or step_size lr, when off).
-template <bool AMSGRAD, bool L2>
+// correction when asked). AMSGrad and the weight decay form (WD: kNoDecay, kL2Decay
+// g + wd * p, kDecoupledDecay p * (1 - lr * wd)) are template parameters, so there is
+// one loop body, no per-call branch inside it, and no decay term when weight_decay
+// is 0 (as torch); bias correction is a per-segment scalar (step_size lr when off).
+enum : int { kNoDecay = 0, kL2Decay = 1, kDecoupledDecay = 2 };
+template <bool AMSGRAD, int WD>
 static void adam_body(const OptArgs& a) {
   with_pgos(a, [&](auto* pt, auto* gt, auto* ot, auto* st) {
     APEX_TYPES(pt, gt, ot);
@@ -196,21 +192,21 @@ static void adam_body(const OptArgs& a) {
     const float eps = static_cast<float>(a.hp[3]), wd = static_cast<float>(a.hp[4]);
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
     const float omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
-    const bool decoupled = a.flags & kDecoupled;
+    const float decay = static_cast<float>(1.0 - lr * wd);
+    (void)decay;
     const auto corrections = adam_corrections(a, !(a.flags & kNoBiasCorrection));
     for_segments(a, [&](idx_t k, idx_t lo, idx_t hi) {
       const std::pair<float, float> bc = corrections(k);
       const float step_size = bc.first, bc2_sqrt = bc.second;
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
-      const float decay = decoupled ? static_cast<float>(1.0 - lr * wd) : 1.f;
-      const float l2 = decoupled ? 0.f : wd;
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         APEX_IVDEP
         for (idx_t i = c0; i < c1; ++i) {
-          float pv = load(p, i) * decay;
+          float pv = load(p, i);
+          if constexpr (WD == kDecoupledDecay) pv = pv * decay;
           float gv = load(gk, i - lo) * gs;
-          if constexpr (L2) gv = gv + l2 * pv;
+          if constexpr (WD == kL2Decay) gv = gv + wd * pv;
           float mv = fb1 * load(m, i) + omb1 * gv;
           float vv = fb2 * load(v, i) + omb2 * gv * gv;
           mv = store_load(m, i, mv);  // the moments as stored
@@ -229,12 +225,14 @@ static void adam_body(const OptArgs& a) {
   });
 }
 
-// As torch, the L2 term exists only when weight_decay != 0: a 0 * inf term would turn an inf param into NaN.
-static void adam(const OptArgs& a) {
-  const bool l2 = !(a.flags & kDecoupled) && a.hp[4] != 0.0;
-  if (a.flags & kAmsgrad) l2 ? adam_body<true, true>(a) : adam_body<true, false>(a);
-  else l2 ? adam_body<false, true>(a) : adam_body<false, false>(a);
+// As torch, decay terms exist only when weight_decay != 0: a 0 * inf L2 term would turn an inf param into NaN.
+template <bool AMSGRAD>
+static void adam_decay(const OptArgs& a) {
+  if (a.hp[4] == 0.0) adam_body<AMSGRAD, kNoDecay>(a);
+  else if (a.flags & kDecoupled) adam_body<AMSGRAD, kDecoupledDecay>(a);
+  else adam_body<AMSGRAD, kL2Decay>(a);
 }
+static void adam(const OptArgs& a) { (a.flags & kAmsgrad) ? adam_decay<true>(a) : adam_decay<false>(a); }
 
 // ---------------------------------------------------------------------------
 static void adadelta(const OptArgs& a) {
