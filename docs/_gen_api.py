@@ -380,6 +380,9 @@ NOTES = {
     "apex.multi_tensor_apply.amp_C.multi_tensor_novograd": (
         "NVIDIA: same signature and math (`grad_norms` already blended by the caller)."),
     "apex.multi_tensor_apply.amp_C.multi_tensor_adagrad": "NVIDIA: same signature, modes and math.",
+    "apex.multi_tensor_apply.amp_C.update_scale_hysteresis": (
+        "NVIDIA: same signature, rules and in-place state, on every device (NVIDIA: CUDA tensors only); also "
+        "accepts int64 trackers and any floating `found_inf`, and checks its arguments. NPU patch: none."),
     # ---- apex.normalization
     "apex.normalization.FusedLayerNorm": (
         "NVIDIA: same signature, parameters and `extra_repr`; torch's `layer_norm` on every device (NVIDIA also "

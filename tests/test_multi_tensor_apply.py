@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -383,6 +384,88 @@ def test_adagrad_matches_torch_and_decoupled_formula():
     amp_C.multi_tensor_adagrad(2048, _flag(), [[g64.float()], [p], [h]], 0.1, 1e-10, 1, 0.01)
     expect = p64 - 0.1 * (g64 / (g64.abs() + 1e-10) + 0.01 * p64)
     torch.testing.assert_close(p.double(), expect, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- loss scale with hysteresis
+def _hysteresis_reference(state, found, growth_factor, backoff_factor, interval, hysteresis):
+    """Upstream's documented rules on Python numbers; the scale rounded to float32 as a float32 state."""
+    scale, growth, hyst = state
+    if found > 0:
+        hyst -= 1
+        if hyst > 0:
+            return scale, 0, hyst
+    if found != 0:  # nan too
+        scale, growth = float(np.float32(scale * backoff_factor)), 0
+    elif growth + 1 == interval:
+        with np.errstate(over="ignore"):
+            grown = float(np.float32(scale * growth_factor))
+        scale, growth = (grown if math.isfinite(grown) else scale), 0
+    else:
+        growth += 1
+    if found <= 0:
+        hyst = hysteresis
+    return scale, growth, hyst
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_update_scale_hysteresis_follows_the_rules(seed, device):
+    rng = np.random.default_rng(seed)
+    interval, hysteresis = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    growth_factor, backoff_factor = [(2.0, 0.5), (1.5, 0.3), (4.0, 0.125)][seed % 3]
+    # near the top (growth that would overflow float32 is refused) and near the bottom (backoff reaches 0)
+    init = [65536.0, 3.0e38, 1.0e-38, 1.0][seed % 4]
+    scale = torch.tensor([init], dtype=torch.float32, device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.full((1,), hysteresis, dtype=torch.int64 if seed % 2 else torch.int32, device=device)
+    found = torch.zeros(1, device=device)
+    state = (float(np.float32(init)), 0, hysteresis)
+    runs = rng.choice([0.0, 1.0, float("nan"), -1.0, 0.5], size=300, p=[0.55, 0.3, 0.05, 0.05, 0.05])
+    for x in runs:
+        found.fill_(float(x))
+        out = amp_C.update_scale_hysteresis(scale, growth, hyst, found, growth_factor, backoff_factor, interval,
+                                            hysteresis)
+        assert out is scale
+        state = _hysteresis_reference(state, float(x), growth_factor, backoff_factor, interval, hysteresis)
+        assert (scale.item(), growth.item(), hyst.item()) == state
+
+
+def test_update_scale_hysteresis_holds_the_scale_for_hysteresis_minus_one_overflows():
+    scale, growth = torch.tensor([1024.0]), torch.tensor([2], dtype=torch.int32)
+    hyst, found = torch.tensor([3], dtype=torch.int32), torch.ones(1)
+    for expect_hyst in (2, 1):
+        amp_C.update_scale_hysteresis(scale, growth, hyst, found, 2.0, 0.5, 4, 3)
+        assert (scale.item(), growth.item(), hyst.item()) == (1024.0, 0, expect_hyst)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, found, 2.0, 0.5, 4, 3)
+    assert (scale.item(), growth.item(), hyst.item()) == (512.0, 0, 0)
+    found.zero_()
+    amp_C.update_scale_hysteresis(scale, growth, hyst, found, 2.0, 0.5, 4, 3)
+    assert (scale.item(), growth.item(), hyst.item()) == (512.0, 1, 3)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"current_scale": torch.tensor([1.0], dtype=torch.float64)}, TypeError, "current_scale.*float32"),
+    ({"current_scale": torch.ones(2)}, TypeError, "current_scale.*2 elements"),
+    ({"current_scale": 1.0}, TypeError, "current_scale.*float"),
+    ({"growth_tracker": torch.zeros(1)}, TypeError, "growth_tracker.*integer"),
+    ({"hysteresis_tracker": torch.zeros(1, dtype=torch.bool)}, TypeError, "hysteresis_tracker.*integer"),
+    ({"found_inf": torch.zeros(1, dtype=torch.int32)}, TypeError, "found_inf.*floating"),
+    ({"growth_interval": 2.0}, TypeError, "growth_interval must be an int"),
+    ({"hysteresis": True}, TypeError, "hysteresis must be an int"),
+    ({"hysteresis": 2 ** 31}, ValueError, r"hysteresis must be in \[-2147483648, 2147483647\]"),
+    ({"growth_interval": 2 ** 63}, ValueError, "growth_interval must be in"),
+    ({"growth_factor": "2"}, TypeError, "growth_factor must be a number"),
+])
+def test_update_scale_hysteresis_rejects_bad_arguments_before_writing(change, error, match):
+    args = {"current_scale": torch.tensor([8.0]), "growth_tracker": torch.tensor([1], dtype=torch.int32),
+            "hysteresis_tracker": torch.tensor([1], dtype=torch.int32), "found_inf": torch.ones(1),
+            "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "hysteresis": 2}
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    args.update(change)
+    with pytest.raises(error, match=match):
+        amp_C.update_scale_hysteresis(**args)
+    for k, v in before.items():
+        if isinstance(args[k], torch.Tensor) and k not in change:
+            assert torch.equal(args[k], v), k
 
 
 # ---------------------------------------------------------------- bad arguments

@@ -48,6 +48,7 @@ __all__ = [
     "multi_tensor_scale",
     "multi_tensor_sgd",
     "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
 ]
 
 available = True
@@ -417,3 +418,85 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
                      grad_scale=1.0)
         _store(p, p32)
         _store(h, h32)
+
+
+# ---------------------------------------------------------------- loss scale with hysteresis
+def _one_element(op: str, name: str, t: Any, kind: str) -> torch.Tensor:
+    """``t`` if it is a one-element tensor of the kind ("float32", "floating point" or "integer")."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a one-element {kind} tensor, got {type(t).__name__}")
+    if kind == "float32":
+        ok = t.dtype == torch.float32
+    elif kind == "floating point":
+        ok = t.is_floating_point()
+    else:
+        ok = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    if t.numel() != 1 or not ok:
+        raise TypeError(f"{op}: {name} must be a one-element {kind} tensor, got {t.dtype} with {t.numel()} elements")
+    return t
+
+
+def _int_arg(op: str, name: str, value: Any, dtype: torch.dtype = torch.int64) -> int:
+    """``value`` if it is an int that ``dtype`` holds."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"{op}: {name} must be in [{info.min}, {info.max}] ({dtype}), got {value}")
+    return value
+
+
+def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.Tensor,
+                            hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor, growth_factor: float,
+                            backoff_factor: float, growth_interval: int, hysteresis: int) -> torch.Tensor:
+    """One loss-scale update of a dynamic scaler that tolerates ``hysteresis`` overflowing steps before it
+    backs off, as upstream's op (Megatron/NeMo-style scalers); updates the three state tensors in place and
+    returns ``current_scale``.
+
+    With ``f = found_inf``:
+
+    * ``f > 0``: ``hysteresis_tracker -= 1``; while it stays above 0, only ``growth_tracker = 0`` (the scale
+      is kept);
+    * otherwise, ``f`` nonzero (a nan too): ``scale *= backoff_factor`` (rounded once to float32; no floor,
+      so repeated backoffs reach 0), ``growth_tracker = 0``;
+    * ``f`` zero: ``growth_tracker += 1``; when it reaches ``growth_interval``, ``scale *= growth_factor``
+      unless that is not finite in float32, and ``growth_tracker = 0``;
+    * ``f <= 0``: ``hysteresis_tracker = hysteresis``.
+
+    ``current_scale`` is a one-element float32 tensor, ``found_inf`` a one-element floating point tensor,
+    the trackers one-element integer tensors (``hysteresis`` must fit the tracker's dtype), all on one
+    device. The update is computed with tensor ops on that device (no host synchronisation); arguments
+    are checked before anything is written.
+    """
+    op = "update_scale_hysteresis"
+    scale = _one_element(op, "current_scale", current_scale, "float32")
+    growth = _one_element(op, "growth_tracker", growth_tracker, "integer")
+    hyst = _one_element(op, "hysteresis_tracker", hysteresis_tracker, "integer")
+    found = _one_element(op, "found_inf", found_inf, "floating point")
+    devices = {t.device for t in (scale, growth, hyst, found)}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    growth_f, backoff_f = _number(growth_factor, "growth_factor", op), _number(backoff_factor, "backoff_factor", op)
+    interval = _int_arg(op, "growth_interval", growth_interval)
+    hysteresis = _int_arg(op, "hysteresis", hysteresis, hyst.dtype)
+
+    with torch.no_grad():
+        f = found.detach().reshape(()).to(torch.float32)
+        s = scale.detach().reshape(()).to(torch.float64)
+        g = growth.detach().reshape(()).to(torch.int64)
+        h = hyst.detach().reshape(()).to(torch.int64)
+        h = h - (f > 0).to(torch.int64)
+        held = (f > 0) & (h > 0)                        # an overflow the hysteresis absorbs
+        backoff = f != 0                                 # nan != 0 too
+        grown = (s * growth_f).to(torch.float32)
+        due = (g + 1) == interval
+        new_scale = torch.where(backoff, (s * backoff_f).to(torch.float32),
+                                torch.where(due & torch.isfinite(grown), grown, s.to(torch.float32)))
+        new_growth = torch.where(backoff | due, torch.zeros_like(g), g + 1)
+        new_scale = torch.where(held, s.to(torch.float32), new_scale)
+        new_growth = torch.where(held, torch.zeros_like(g), new_growth)
+        new_hyst = torch.where(~held & (f <= 0), torch.full_like(h, hysteresis), h)
+        scale.detach().copy_(new_scale.reshape(scale.shape))
+        growth.detach().copy_(new_growth.reshape(growth.shape))
+        hyst.detach().copy_(new_hyst.reshape(hyst.shape))
+    return current_scale
