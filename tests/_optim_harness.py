@@ -88,6 +88,22 @@ def assert_nonfinite_alike(ours: torch.Tensor, ref: torch.Tensor, what: str = ""
     return a[fin], b[fin]
 
 
+def step_twins(make_ours: Callable[[list], torch.optim.Optimizer], make_ref: Callable[[list], torch.optim.Optimizer],
+               values: torch.Tensor, grads: torch.Tensor, device: str, dtype: torch.dtype, steps: int = 3):
+    """One param per side holding ``values`` repeated 40 times (long enough for the vector loops), stepped
+    ``steps`` times with ``grads`` (repeated alike) as a fresh grad tensor each step; returns
+    (ours, ours_p, ref, ref_p)."""
+    ours_p = torch.nn.Parameter(values.to(device, dtype).repeat(40))
+    ref_p = torch.nn.Parameter(values.to(device, dtype).repeat(40))
+    ours, ref = make_ours([ours_p]), make_ref([ref_p])
+    for _ in range(steps):
+        ours_p.grad = grads.to(device, dtype).repeat(40)
+        ref_p.grad = grads.to(device, dtype).repeat(40)
+        ours.step()
+        ref.step()
+    return ours, ours_p, ref, ref_p
+
+
 def random_shapes(rng: random.Random, n: Optional[int] = None) -> List[Tuple[int, ...]]:
     n = rng.randint(3, 6) if n is None else n
     shapes = []

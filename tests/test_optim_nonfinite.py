@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _optim_harness import assert_nonfinite_alike, use_executor
+from _optim_harness import assert_nonfinite_alike, step_twins, use_executor
 
 import apex.optimizers as ao
 
@@ -45,15 +45,8 @@ def _ref_kwargs(hp):
 def test_nonfinite_params_as_torch(monkeypatch, device, executor, dtype, case):
     name, ref_cls, hp = CASES[case]
     expect = use_executor(monkeypatch, executor, device)
-    ours_p = torch.nn.Parameter(VALUES.to(device, dtype).repeat(40))  # long enough for the vector loops
-    ref_p = torch.nn.Parameter(VALUES.to(device, dtype).repeat(40))
-    ours = getattr(ao, name)([ours_p], **hp)
-    ref = ref_cls([ref_p], **_ref_kwargs(hp))
-    for _ in range(3):
-        ours_p.grad = GRADS.to(device, dtype).repeat(40)
-        ref_p.grad = GRADS.to(device, dtype).repeat(40)
-        ours.step()
-        ref.step()
+    ours, ours_p, ref, ref_p = step_twins(lambda ps: getattr(ao, name)(ps, **hp),
+                                          lambda ps: ref_cls(ps, **_ref_kwargs(hp)), VALUES, GRADS, device, dtype)
     assert ours.last_executor == expect
     pairs = [("param", ours_p.detach(), ref_p.detach())]
     for key, value in ref.state[ref_p].items():

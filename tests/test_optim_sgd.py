@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from _optim_harness import Spec, Suite, assert_nonfinite_alike, invalid_values, use_executor
+from _optim_harness import Spec, Suite, assert_nonfinite_alike, invalid_values, step_twins, use_executor
 
 from apex.optimizers import NpuFusedSGD
 
@@ -83,15 +83,10 @@ def test_nonfinite_params_as_torch(monkeypatch, device, executor, dtype, hp):
     expect = use_executor(monkeypatch, executor, device)
     values = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.5, -2.0, 3.0])
     grads = torch.tensor([1.0, 1.0, 1.0, -0.0, -0.0, 0.5, -0.0, float("inf")])
-    ours_p = torch.nn.Parameter(values.to(device, dtype).repeat(40))  # long enough for the vector loop
-    ref_p = torch.nn.Parameter(values.to(device, dtype).repeat(40))
-    ours = NpuFusedSGD([ours_p], lr=0.1, weight_decay=0.0, **hp)
-    ref = torch.optim.SGD([ref_p], lr=0.1, weight_decay=0.0, foreach=False, **hp)
-    for _ in range(3):
-        ours_p.grad = grads.to(device, dtype).repeat(40)
-        ref_p.grad = grads.to(device, dtype).repeat(40)
-        ours.step()
-        ref.step()
+    ours, ours_p, ref, ref_p = step_twins(lambda ps: NpuFusedSGD(ps, lr=0.1, weight_decay=0.0, **hp),
+                                          lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.0, foreach=False,
+                                                                     **hp),
+                                          values, grads, device, dtype)
     assert ours.last_executor == expect
     pairs = [(ours_p.detach(), ref_p.detach())]
     if hp["momentum"]:

@@ -482,20 +482,19 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
 
     with torch.no_grad():
         f = found.detach().reshape(()).to(torch.float32)
-        s = scale.detach().reshape(()).to(torch.float64)
+        kept = scale.detach().reshape(()).clone()
+        s = kept.to(torch.float64)  # scale * factor in double, rounded once to float32 (as upstream's kernel)
         g = growth.detach().reshape(()).to(torch.int64)
-        h = hyst.detach().reshape(()).to(torch.int64)
-        h = h - (f > 0).to(torch.int64)
-        held = (f > 0) & (h > 0)                        # an overflow the hysteresis absorbs
-        backoff = f != 0                                 # nan != 0 too
+        over = f > 0
+        h = hyst.detach().reshape(()).to(torch.int64) - over.to(torch.int64)
+        held = over & (h > 0)                # an overflow the hysteresis absorbs: only the growth count resets
+        backoff = ~held & (f != 0)           # nan != 0 too
+        due = (f == 0) & (g + 1 == interval)
         grown = (s * growth_f).to(torch.float32)
-        due = (g + 1) == interval
         new_scale = torch.where(backoff, (s * backoff_f).to(torch.float32),
-                                torch.where(due & torch.isfinite(grown), grown, s.to(torch.float32)))
-        new_growth = torch.where(backoff | due, torch.zeros_like(g), g + 1)
-        new_scale = torch.where(held, s.to(torch.float32), new_scale)
-        new_growth = torch.where(held, torch.zeros_like(g), new_growth)
-        new_hyst = torch.where(~held & (f <= 0), torch.full_like(h, hysteresis), h)
+                                torch.where(due & torch.isfinite(grown), grown, kept))
+        new_growth = torch.where(held | backoff | due, torch.zeros_like(g), g + 1)
+        new_hyst = torch.where(f <= 0, torch.full_like(h, hysteresis), h)
         scale.detach().copy_(new_scale.reshape(scale.shape))
         growth.detach().copy_(new_growth.reshape(growth.shape))
         hyst.detach().copy_(new_hyst.reshape(hyst.shape))
