@@ -207,7 +207,9 @@ class Optim:
     """One optimizer's rows. `fused_peer`: the reference is torch's own fused kernel (targets 1.02x / 1.05x on
     the model); `regimes`: None for every regime and the bf16 model, else the fp32 regimes to run.
     `bf16_note`: with `regimes`, also the bf16 model, without a target: the note says why the two sides do
-    different work there (e.g. fp32 moments against torch's bf16 ones)."""
+    different work there (e.g. fp32 moments against torch's bf16 ones). `elems`: values of the param dtype the
+    math must read and write per param at least, over every pass it needs (Adam: p, g, m, v read, p, m, v
+    written = 7; a grad-norm clip that must finish before the update reads every grad once more)."""
 
     def __init__(self, name: str, ours: str, ours_kw: dict, ref: Callable[[List[torch.Tensor]], Any],
                  ref_label: str, elems: int, same_math: bool, timm: Optional[str] = None, fused_peer: bool = False,
@@ -243,8 +245,9 @@ OPTIMS = [
     Optim("RMSpropTF momentum", "NpuFusedRMSpropTF", dict(lr=1e-3, momentum=0.9),
           _timm_ref("rmsprop_tf", "RMSpropTF", lr=1e-3, momentum=0.9, foreach=True),
           "timm.optim.RMSpropTF(foreach=True)", 7, True, timm="rmsprop_tf"),
+    # BertAdam clips each grad by its own norm (max_grad_norm=1.0) before the update: 7 + 1
     Optim("BertAdam", "NpuFusedBertAdam", dict(lr=1e-3), lambda ps: ForeachBertAdam(ps, lr=1e-3),
-          "same math in torch _foreach ops", 7, True),
+          "same math in torch _foreach ops", 8, True),
     Optim("LAMB", "NpuFusedLamb", dict(lr=1e-3), lambda ps: ForeachLamb(ps, lr=1e-3),
           "same math in torch _foreach ops", 10, True),
     Optim("LAMB vs timm", "NpuFusedLamb", dict(lr=1e-3),
@@ -265,8 +268,9 @@ OPTIMS = [
     Optim("FusedAdagrad", "FusedAdagrad", dict(lr=1e-2),
           lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True), "torch.optim.Adagrad(fused=True)", 5, True,
           fused_peer=True, regimes=NVIDIA_REGIMES),
+    # NVIDIA's LAMB clips by the global grad norm (max_grad_norm=1.0) before its two passes: 10 + 1
     Optim("FusedLAMB", "FusedLAMB", dict(lr=1e-3), lambda ps: ForeachNvidiaLamb(ps, lr=1e-3),
-          "same math in torch _foreach ops", 10, True, regimes=NVIDIA_REGIMES),
+          "same math in torch _foreach ops", 11, True, regimes=NVIDIA_REGIMES),
     Optim("FusedNovoGrad", "FusedNovoGrad", dict(lr=1e-3), lambda ps: ForeachNovoGrad(ps, lr=1e-3),
           "same math in torch _foreach ops", 6, True, regimes=NVIDIA_REGIMES),
 ]

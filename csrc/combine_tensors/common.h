@@ -25,8 +25,11 @@ inline std::size_t dtype_size(int d) { return d == F32 ? 4 : 2; }
 // ---------------------------------------------------------------------------
 // Scalar conversions. The *_soft functions define the bits every SIMD level
 // must produce: round to nearest even, subnormals kept (also under DAZ/FTZ),
-// infinities kept, nan -> quiet nan of the same sign (fp16: 0x7e00, bf16: the
-// top 16 bits with the quiet bit set), nan loads keep their payload bits.
+// infinities kept; a nan keeps its sign and the top bits of its payload and is
+// quieted: fp32 -> fp16 / bf16 stores keep the top 10 / 7 payload bits with the
+// quiet bit set, fp16 loads set the quiet bit of a signalling nan, bf16 loads
+// are exact. These are the bits of x86 F16C and of torch's own CPU casts, so the
+// F16C levels need no fix-up instructions around the conversions.
 // They are branch-free and every select is a mask, never a conditional
 // expression: GCC (default -ftrapping-math) will not speculate the float add
 // of one arm, so a conditional kept the whole optimizer loop scalar.
@@ -73,7 +76,8 @@ APEX_ELEMENT float half_to_f32_soft(std::uint16_t h) {
   // operand is a normal float, so the value survives flush-denormal modes
   // (DAZ/FTZ, e.g. torch.set_flush_denormal(True)).
   const std::uint32_t sub = f32_to_bits(bits_to_f32(0x3f000000u | em) - 0.5f);
-  const std::uint32_t special = (em << 13) | 0x7f800000u;  // inf / nan keep payload
+  // inf; a nan keeps its payload and is quieted (bit 22)
+  const std::uint32_t special = (em << 13) | 0x7f800000u | (mask_if(s32(em) > 0x7c00) & 0x00400000u);
   std::uint32_t out = pick(mask_if(s32(em) < 0x0400), sub, normal);
   out = pick(mask_if(s32(em) >= 0x7c00), special, out);
   return bits_to_f32(out | sign);
@@ -90,7 +94,7 @@ APEX_ELEMENT std::uint16_t f32_to_half_soft(float f) {
   const std::uint32_t sub = f32_to_bits(bits_to_f32(a) + 0.5f) - 0x3f000000u;
   std::uint32_t r = pick(mask_if(s32(a) < 0x38800000), sub, normal);  // 2^-14
   r = pick(mask_if(s32(a) >= 0x477ff000), 0x7c00u, r);                 // rounds to inf
-  r = pick(mask_if(s32(a) > 0x7f800000), 0x7e00u, r);                  // nan
+  r = pick(mask_if(s32(a) > 0x7f800000), ((a >> 13) & 0x3ffu) | 0x7e00u, r);  // nan: top payload bits, quiet
   return static_cast<std::uint16_t>(r | sign);
 }
 
@@ -112,30 +116,24 @@ APEX_ELEMENT std::uint16_t f32_to_bf16(float f) {
 }
 
 // fp16 through the F16C instructions (VCVTPH2PS, VCVTPS2PH with the MXCSR
-// rounding, nearest-even unless a program changes it; torch never does). They
-// give the *_soft bits for every non-nan input, subnormals included, with or
-// without DAZ/FTZ (checked over all 2^16 / 2^32 inputs), but quiet a
-// signalling nan on load and keep nan payload bits on store: nan inputs take
-// the *_soft result by a mask select. Only clang (zig, the release build)
-// vectorises _Float16 conversions into these instructions; GCC before 13 would
-// emit one call per element, so GCC builds use the *_soft forms (same bits).
+// rounding, nearest-even unless a program changes it; torch never does): one
+// instruction per 8 or 16 values, with the *_soft bits for every input,
+// subnormals and nans included, with or without DAZ/FTZ (checked over all 2^16
+// / 2^32 inputs). Only clang (zig, the release build) vectorises _Float16
+// conversions into these instructions; GCC before 13 would emit one call per
+// element, so GCC builds use the *_soft forms (same bits).
 #if defined(__F16C__) && defined(__clang__)
 #define APEX_F16_HARDWARE 1
 APEX_ELEMENT float half_to_f32(std::uint16_t h) {
   _Float16 x;
   std::memcpy(&x, &h, 2);
-  const std::uint32_t hw = f32_to_bits(static_cast<float>(x));
-  const std::uint32_t em = h & 0x7fffu;
-  const std::uint32_t nan = (static_cast<std::uint32_t>(h & 0x8000u) << 16) | (em << 13) | 0x7f800000u;
-  return bits_to_f32(pick(mask_if(s32(em) > 0x7c00), nan, hw));
+  return static_cast<float>(x);
 }
 APEX_ELEMENT std::uint16_t f32_to_half(float f) {
   const _Float16 x = static_cast<_Float16>(f);
   std::uint16_t hw;
   std::memcpy(&hw, &x, 2);
-  const std::uint32_t u = f32_to_bits(f);
-  const std::uint32_t nan = ((u >> 16) & 0x8000u) | 0x7e00u;
-  return static_cast<std::uint16_t>(pick(mask_if(f != f), nan, hw));
+  return hw;
 }
 #else
 #define APEX_F16_HARDWARE 0

@@ -1,10 +1,10 @@
 """fp16 / bf16 storage conversions of the apex_C kernels: exact bits at every SIMD level (torch-free, numpy only).
 
-The contract (csrc/combine_tensors/common.h): loads are exact (every 16-bit pattern, nan payload kept), stores
-round to nearest even with subnormal results kept, overflow to inf, and a nan becomes a quiet nan of the same sign
-(fp16: 0x7e00 | sign; bf16: the top 16 bits with the quiet bit set). Levels may use hardware conversions (F16C
-under clang builds) only where they give these bits, so every level is compared with references written from the
-definition and with the baseline level.
+The contract (csrc/combine_tensors/common.h): loads are exact (every 16-bit pattern; an fp16 signalling nan is
+quieted, its payload kept), stores round to nearest even with subnormal results kept, overflow to inf, and a nan
+keeps its sign and the top bits of its payload with the quiet bit set (fp16: 10 bits, bf16: 7), as x86 F16C and
+torch's CPU casts give them. Levels may use hardware conversions (F16C under clang builds) only where they give
+these bits, so every level is compared with references written from the definition and with the baseline level.
 
 Proof for float32 -> 16 bit without all 2^32 inputs (fast tier): every upper 16-bit pattern (sign, exponent, top
 7 mantissa bits) is combined with every low 16-bit value that sits on or next to a rounding boundary
@@ -52,7 +52,7 @@ def test_known_levels_cover_the_supported_ones():
 # nearest even with subnormals, which is the IEEE conversion)
 # ---------------------------------------------------------------------------------------------------------------
 def f16_bits_to_f32_bits(h: np.ndarray) -> np.ndarray:
-    """Exact widening; nan payload moved up unchanged, then quieted (copy_ multiplies by 1, which quiets)."""
+    """Exact widening; a nan's payload moved up unchanged and the quiet bit set."""
     h = h.astype(np.uint16)
     out = h.view(np.float16).astype(np.float32).view(np.uint32).copy()
     em = (h & 0x7FFF).astype(np.uint32)
@@ -74,7 +74,7 @@ def f32_bits_to_f16_bits(u: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         out = u.view(np.float32).astype(np.float16).view(np.uint16).copy()
     nan = (u & 0x7FFFFFFF) > 0x7F800000
-    out[nan] = ((u[nan] >> 16) & 0x8000).astype(np.uint16) | np.uint16(0x7E00)
+    out[nan] = (((u[nan] >> 16) & 0x8000) | ((u[nan] >> 13) & 0x3FF) | 0x7E00).astype(np.uint16)
     return out
 
 
@@ -131,7 +131,8 @@ def test_reference_helpers_on_hand_checked_cases():
     f16 = {0x3F801000: 0x3C00, 0x3F803000: 0x3C02, 0x3F801001: 0x3C01, 0x477FF000: 0x7C00, 0x477FEFFF: 0x7BFF,
            0x33000000: 0x0000, 0x33000001: 0x0001, 0x33800000: 0x0001, 0x33C00000: 0x0002, 0x387FC000: 0x03FF,
            0x387FDFFF: 0x03FF, 0x387FE000: 0x0400, 0x00000001: 0x0000,
-           0xFFC00001: 0xFE00, 0x7F800001: 0x7E00, 0xFF800000: 0xFC00}
+           0xFFC00001: 0xFE00, 0x7F800001: 0x7E00, 0xFF800000: 0xFC00, 0x7F802000: 0x7E01, 0xFFBFE000: 0xFFFF,
+           0x7FC01FFF: 0x7E00}
     x = np.array(list(f16), np.uint32)
     assert f32_bits_to_f16_bits(x).tolist() == list(f16.values())
     bf = {0x3F808000: 0x3F80, 0x3F818000: 0x3F82, 0x7F7F8000: 0x7F80, 0x007FFFFF: 0x0080, 0x7F800001: 0x7FC0,
@@ -478,6 +479,22 @@ def test_grad_sum_sq_matches_baseline_and_float64(level, dt):
     sums = _grad_sum_sq(clean, dt, seg, skip)
     assert sums[2] == 0.0 and sums[1] == 0.0
     np.testing.assert_allclose(sums[[0, 3]], exact[[0, 3]], rtol=1e-12, atol=0)
+
+
+def test_fp16_casts_match_torch(level):
+    """fp16 storage gives the bits of torch's own CPU casts, nans included (payload bits, quiet bit); bf16 stores
+    match torch's for every non-nan input (torch's bf16 cast gives every nan the canonical 0x7fc0)."""
+    torch = pytest.importorskip("torch", reason="the reference is torch's cast")
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = torch.from_numpy(every.view(np.float16).copy()).float().numpy().view(np.uint32)
+    assert_bits(convert(every, F16, F32), want, every, f"{level}: f16 -> f32 against torch")
+    x = boundary_inputs()
+    as_f32 = torch.from_numpy(x.view(np.float32).copy())
+    want = as_f32.half().numpy().view(np.uint16)
+    assert_bits(convert(x, F32, F16), want, x, f"{level}: f32 -> f16 against torch")
+    finite = x[(x & 0x7FFFFFFF) <= 0x7F800000]
+    want = torch.from_numpy(finite.view(np.float32).copy()).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    assert_bits(convert(finite, F32, BF16), want, finite, f"{level}: f32 -> bf16 against torch")
 
 
 # ---------------------------------------------------------------------------------------------------------------
