@@ -23,25 +23,28 @@ inline void with_type(int dt, F&& f) {
 
 constexpr int kLanes = 16;
 
-// Software prefetch for the streaming loops (optimizer updates and reductions). A loop streams one to seven
-// buffers; on some x86 hosts the hardware prefetchers fall behind the 16-bit loops, whose loads then wait on
-// memory (bf16 SGD with momentum, 108M elements, 2 threads, Intel Xeon with AVX-512: 17 GB/s, 46 GB/s with these
-// prefetches; the fp32 loops, already at the host's bandwidth, are unchanged). streamed(lo, hi, body, streams...)
-// runs body(c0, c1) over chunks of kStreamChunk elements of [lo, hi) and, before each full chunk, prefetches
-// every line of each stream kStreamAhead elements further on. A full chunk has a constant trip count, so its
-// vector loop has no remainder; the rest of the range runs as one shorter chunk. Elementwise loops get the bits
-// of one loop over [lo, hi); reductions keep theirs too as long as their lane of element i is (i - lo) % lanes
-// with lanes dividing kStreamChunk: every chunk starts on lane 0. Prefetches past the end of a buffer are
-// harmless: they never fault.
+// Software prefetch for the streaming loops (optimizer updates and reductions), for streams of 16-bit elements
+// only. A loop streams one to seven buffers; on some x86 hosts the hardware prefetchers fall behind the 16-bit
+// loops, whose loads then wait on memory (bf16 SGD with momentum, 108M elements, 2 threads, Intel Xeon with
+// AVX-512: 17 GB/s, 46 GB/s with these prefetches). fp32 streams are left to the hardware: on that Xeon the fp32
+// loops ran at the host's bandwidth either way, and on an AMD EPYC (Zen 4) prefetching them into L1 made the
+// fp32 loops 20-35% slower (Adam, SGD, BertAdam, LAMB stage 1, sum of squares; 1 and 2 threads), where the 16-bit
+// loops ran the same with or without. streamed(lo, hi, body, streams...) runs body(c0, c1) over chunks of
+// kStreamChunk elements of [lo, hi) and, before each full chunk, prefetches every line of each 16-bit stream
+// kStreamAhead elements further on. A full chunk has a constant trip count, so its vector loop has no remainder;
+// the rest of the range runs as one shorter chunk. Elementwise loops get the bits of one loop over [lo, hi);
+// reductions keep theirs too as long as their lane of element i is (i - lo) % lanes with lanes dividing
+// kStreamChunk: every chunk starts on lane 0. Prefetches past the end of a buffer are harmless: they never fault.
 constexpr idx_t kStreamChunk = 64, kStreamAhead = 1024;
 
 // element i of a stream at base + i * size (size 0: nothing to prefetch)
 struct Stream {
   std::uintptr_t base, size;
 };
-// x indexed from `origin`: x[i - origin] is the loop's element i
+// x indexed from `origin`: x[i - origin] is the loop's element i; wider elements are not prefetched (above)
 template <class T>
 APEX_ELEMENT Stream stream(const T* x, idx_t origin = 0) {
+  if constexpr (sizeof(T) > 2) return {0, 0};
   return {reinterpret_cast<std::uintptr_t>(x) - static_cast<std::uintptr_t>(origin) * sizeof(T), sizeof(T)};
 }
 
