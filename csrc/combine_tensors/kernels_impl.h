@@ -4,6 +4,7 @@
 // vectorise them (no branches on data, fixed-width accumulators for sums).
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "common.h"
@@ -173,14 +174,25 @@ static bool axpy(const void* src, int sdt, void* dst, int ddt, idx_t n, float s,
   return check && found;
 }
 
+// Converts once, then replicates the stored bits as plain integers: a loop assigning the 16-bit element structs
+// is not vectorised (bf16, 108M elements, 2 threads: 9 GB/s against 27 GB/s for the integer loop), and zero bits
+// go through memset, which picks the host's best store sequence.
 static void fill(void* dst, int dt, idx_t n, float value, int threads) {
   with_type(dt, [&](auto* t) {
     using T = std::remove_pointer_t<decltype(t)>;
-    T* p = static_cast<T*>(dst);
-    T v;  // convert once, then replicate the stored bits
+    using Bits = std::conditional_t<sizeof(T) == 2, std::uint16_t, std::uint32_t>;
+    static_assert(sizeof(T) == sizeof(Bits), "storage types are 16 or 32 bits wide");
+    T v;
     store(&v, 0, value);
+    Bits bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    Bits* p = static_cast<Bits*>(dst);
     parallel_for(n, threads, [&](idx_t b, idx_t e) {
-      for (idx_t i = b; i < e; ++i) p[i] = v;
+      if (bits == 0) {
+        std::memset(p + b, 0, static_cast<std::size_t>(e - b) * sizeof(Bits));
+      } else {
+        for (idx_t i = b; i < e; ++i) p[i] = bits;
+      }
     });
   });
 }

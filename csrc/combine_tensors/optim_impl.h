@@ -447,7 +447,8 @@ static void lamb_stage1(const OptArgs& a) {
       // (i - lo) % kLanes), folded in lane order at the end: the same order at every SIMD level.
       // Accumulating inside the element loop kept it scalar (2.3x slower); a 16-element block with both loops
       // fully unrolled became lane shuffles in the 16-bit instantiations (bf16 2x slower than fp32); one
-      // squares loop over both arrays was split into 8+4+2+1+1-wide pieces.
+      // squares loop over both arrays was split into 8+4+2+1+1-wide pieces; 32 or 64 lanes (more independent
+      // add chains) made the fp32 stage 1.8-2.5x slower (GCC, avx512, 32M elements, 1 thread).
       constexpr int kLanes = 16, kChunk = 512;
       // Local copies: through the captures the compiler reloads every scalar after each store to pb / ub.
       const float cb1 = b1, cb2 = b2, cb3 = b3, comb2 = omb2, ceps = eps, cwd = wd, cm = bc.m, cv = bc.v;
