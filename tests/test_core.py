@@ -163,3 +163,23 @@ def test_security_doc_lists_every_entry_point():
         assert hasattr(apex_C, name), name
         assert f"`{name}`" in text, f"docs/security.md does not say what {name} checks"
     assert "2**48" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8])
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_int_table_is_torch_tensor_of_the_values(dtype, n):
+    """The per-step address / flag tables: the values, dtype and writability torch.tensor(list) gives, and each
+    table its own memory (the array it was built from stays alive with it)."""
+    hi = 2**62 if dtype == torch.int64 else 2
+    values = [(k * 7919 + 1) % hi for k in range(n)] if dtype == torch.int64 else [k % 2 == 0 for k in range(n)]
+    tables = [_core.int_table(values, dtype) if dtype != torch.int64 else _core.int_table(values) for _ in range(3)]
+    for t in tables:
+        assert t.dtype == dtype and t.device.type == "cpu" and t.shape == (n,) and t.is_contiguous()
+        assert torch.equal(t, torch.tensor(values, dtype=dtype))
+    if n:
+        tables[0][0] = 1
+        tables[0][-1] = 0
+        assert torch.equal(tables[1], torch.tensor(values, dtype=dtype))
+    if dtype == torch.int64 and n:
+        with pytest.raises(OverflowError):
+            _core.int_table([2**63])

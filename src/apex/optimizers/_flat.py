@@ -43,6 +43,7 @@ _repeat = itertools.repeat
 _eq = operator.eq
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+
 _is_contiguous = torch.Tensor.is_contiguous
 _is = operator.is_
 
@@ -256,7 +257,7 @@ class FlatSet:
         skipped = [g is None for g in self.expected_grads]
         self.n_skipped = sum(skipped)
         if self.n_skipped:
-            self.skip.copy_(torch.tensor(skipped, dtype=torch.uint8))
+            self.skip.copy_(_core.int_table(skipped, torch.uint8))
         else:
             self.skip.zero_()
 
@@ -341,11 +342,11 @@ class FlatSet:
             bad_layout = not all(map(_is_contiguous, lgs))
         else:
             bad_layout = list(map(_stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
-        table = torch.tensor(lptrs, dtype=torch.int64)
+        table = _core.int_table(lptrs)
         todo_idx = self._not_readable(table, live, lgs, bad_layout, of[0].element_size() if of else 1)
         if live is not None:
             full = torch.zeros(self.nseg, dtype=torch.int64)
-            full[torch.tensor(live, dtype=torch.int64)] = table
+            full[_core.int_table(live)] = table
             table = full
         todo = [(k, gs[k]) for k in todo_idx]
         for k, _ in todo:
@@ -392,7 +393,7 @@ class FlatSet:
             writes.append(self.flat_out)
         if self._numels is None:
             self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
-        nbytes = (self._numels if live is None else self._numels[torch.tensor(live, dtype=torch.int64)]) * elem
+        nbytes = (self._numels if live is None else self._numels[_core.int_table(live)]) * elem
         end = table + nbytes
         hit = table.remainder(elem) != 0
         for w in writes:
