@@ -239,15 +239,41 @@ def test_fold_unscale_with_torch_fused_passes_scale_to_kernel():
     ro.step()
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    # an overflow: the kernel is called with found_inf=1 and skips in-kernel (step counts restored)
+    # an overflow: the step is skipped before the fused kernel (no found_inf call), nothing changes
     o.zero_grad()
     w = m[0].weight.detach().clone()
+    o.seen = None
     with amp.scale_loss(loss_of(m, x, y), o) as scaled:
         scaled.backward()
         m[0].weight.grad.view(-1)[0] = float("nan")
     o.step()
-    assert o.seen["found_inf"].item() == 1.0
+    assert o.seen is None
     assert torch.equal(m[0].weight, w) and o.state[m[0].weight]["step"].item() == 1.0
+
+
+def test_fold_unscale_first_step_overflow_leaves_torch_fused_sgd_as_stock():
+    """A first step that overflows must leave no state: torch's fused SGD, called with found_inf = 1, would create
+    its momentum buffers without writing them, and the next step would read them."""
+    (x, y), = data(1)
+    runs = []
+    for fused in (True, False):
+        m = net()
+        o = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, fused=fused)
+        amp.initialize(m, o, opt_level="O1", combine_grad=True, fold_unscale=True, verbosity=0)
+        for step in range(3):
+            o.zero_grad()
+            with amp.scale_loss(loss_of(m, x, y), o) as scaled:
+                scaled.backward()
+                if step == 0:
+                    m[0].weight.grad.view(-1)[0] = float("inf")
+            o.step()
+            if step == 0:
+                assert not any(o.state[p] for p in m.parameters()), "a skipped step created optimizer state"
+        runs.append([p.detach().clone() for p in m.parameters()])
+        amp.deinitialize()
+    for a, b in zip(*runs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_fold_unscale_ignored_for_plain_torch_optimizer(caplog):

@@ -318,7 +318,7 @@ class AmpStash:
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
         if self.skip_pending is not None:
-            return self._skip(orig_step)
+            return self._skip()
         opt = self.optimizer
         scale = self.combined.folded_scale() if self.combined is not None else None
         fused_torch = scale is not None and not self.ours
@@ -356,19 +356,15 @@ class AmpStash:
             if name in self.optimizer.__dict__:
                 delattr(self.optimizer, name)
 
-    def _skip(self, orig_step):
+    def _skip(self):
         loss_id, scaler = self.skip_pending
         self.skip_pending = None
         maybe_log("Gradient overflow. Skipping step, loss scaler %d reducing loss scale to %s",
                   loss_id, scaler.loss_scale())
         combined = self.combined
-        if combined is not None and combined.folded_scale() is not None and not self.ours:
-            # torch fused kernels skip in-kernel on found_inf (their step counters are restored too)
-            self._set_torch_scale(combined.folded_scale(), found_inf=1.0)
-            try:
-                orig_step()
-            finally:
-                self._clear_torch_scale()
+        # The overflow is known here, so a torch fused optimizer is not called with found_inf = 1 (as torch's
+        # GradScaler does) but skipped like any other: its first call creates state even when it skips, and
+        # torch 2.13's fused SGD leaves that momentum buffer uninitialised, which the next step then reads.
         if combined is not None:
             combined.after_skip()
         else:
