@@ -326,7 +326,7 @@ class AmpStash:
             if self.ours:
                 opt.apex_grad_scale = 1.0 / scale
             else:
-                self._set_torch_scale(scale, found_inf=0.0)
+                self._set_torch_scale(scale)
         try:
             result = orig_step()
         finally:
@@ -345,11 +345,13 @@ class AmpStash:
                 master.grad = None  # not zeroed by model.zero_grad(): upstream clears them here
         return result
 
-    def _set_torch_scale(self, scale: float, found_inf: float) -> None:
+    def _set_torch_scale(self, scale: float) -> None:
+        """torch's fused-optimizer contract: the scale the grads carry, and no overflow (an overflow step never
+        reaches the optimizer, see `_skip`)."""
         opt = self.optimizer
         device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
         opt.grad_scale = torch.full((), scale, dtype=torch.float32, device=device)
-        opt.found_inf = torch.full((), found_inf, dtype=torch.float32, device=device)
+        opt.found_inf = torch.zeros((), dtype=torch.float32, device=device)
 
     def _clear_torch_scale(self) -> None:
         for name in ("grad_scale", "found_inf"):

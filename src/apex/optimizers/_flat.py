@@ -43,7 +43,6 @@ _repeat = itertools.repeat
 _eq = operator.eq
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
-
 _is_contiguous = torch.Tensor.is_contiguous
 _is = operator.is_
 
