@@ -115,14 +115,23 @@ APEX_ELEMENT std::uint16_t f32_to_bf16(float f) {
   return static_cast<std::uint16_t>(r >> 16);
 }
 
-// fp16 through the F16C instructions (VCVTPH2PS, VCVTPS2PH with the MXCSR
-// rounding, nearest-even unless a program changes it; torch never does): one
-// instruction per 8 or 16 values, with the *_soft bits for every input,
-// subnormals and nans included, with or without DAZ/FTZ (checked over all 2^16
-// / 2^32 inputs). Only clang (zig, the release build) vectorises _Float16
-// conversions into these instructions; GCC before 13 would emit one call per
-// element, so GCC builds use the *_soft forms (same bits).
-#if defined(__F16C__) && defined(__clang__)
+// fp16 through the conversion instructions: on x86_64 F16C (VCVTPH2PS,
+// VCVTPS2PH with the MXCSR rounding, nearest-even unless a program changes it;
+// torch never does), one instruction per 8 or 16 values; on AArch64 FCVTL /
+// FCVTN (4 values each, FPCR rounding, nearest-even by default), which every
+// AArch64 CPU has, so only a level that asks for them (the neon level defines
+// APEX_AARCH64_F16_CONVERT) uses them and the baseline level keeps the soft
+// forms it is tested against. Both give the *_soft bits for every input,
+// subnormals and nans included, with or without flush-to-zero (x86 DAZ/FTZ;
+// AArch64 FPCR.FZ, which these conversions apply to fp32 inputs only, and
+// every fp32 denormal rounds to a signed zero in fp16 anyway), with FPCR's
+// default-nan and alternative-half-precision modes off, as Linux starts every
+// thread (checked over all 2^16 / 2^32 inputs). Only clang (zig, the release
+// build) vectorises _Float16 conversions into these instructions; GCC before
+// 13 would emit one call per element on x86, so GCC builds use the *_soft
+// forms (same bits).
+#if defined(__clang__) && ((defined(__x86_64__) && defined(__F16C__)) || \
+                           (defined(__aarch64__) && defined(APEX_AARCH64_F16_CONVERT)))
 #define APEX_F16_HARDWARE 1
 APEX_ELEMENT float half_to_f32(std::uint16_t h) {
   _Float16 x;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -173,6 +174,33 @@ void team_entry(void* p) {
   if (own != c->fp) set_fp_control(own);
 }
 }  // namespace
+
+// The flush-denormal mode torch.set_flush_denormal sets, for the calling thread, without torch (the torch-free
+// kernel tests prove the conversions under it): x86 MXCSR DAZ (bit 6) + FTZ (bit 15), AArch64 FPCR.FZ (bit 24).
+// False, with nothing changed, where there is no such mode: on x86 DAZ is set only where the MXCSR mask that
+// FXSAVE reports has bit 6 (writing a bit outside the mask faults), as torch asks cpuinfo.
+bool set_flush_denormal(bool on) {
+#if defined(__x86_64__) || defined(_M_X64)
+  alignas(16) unsigned char area[512] = {};
+  __asm__ volatile("fxsave %0" : "=m"(area));
+  std::uint32_t mask;
+  std::memcpy(&mask, area + 28, sizeof mask);
+  if (mask == 0) mask = 0xFFBF;  // FXSAVE's "no mask recorded": the default mask, without DAZ
+  constexpr unsigned kDaz = 1u << 6, kFtz = 1u << 15;
+  if (!(mask & kDaz)) return false;
+  const FpControl v = get_fp_control();
+  set_fp_control(on ? (v | kDaz | kFtz) : (v & ~(kDaz | kFtz)));
+  return true;
+#elif defined(__aarch64__)
+  constexpr std::uint64_t kFz = std::uint64_t{1} << 24;
+  const FpControl v = get_fp_control();
+  set_fp_control(on ? (v | kFz) : (v & ~kFz));
+  return true;
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 void run_team(int parts, void (*body)(void*), void* ctx) {
   if (parts <= 1) {

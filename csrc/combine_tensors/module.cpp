@@ -32,6 +32,7 @@ namespace apexc {
 std::vector<std::string> supported_levels();
 void set_simd_level(const std::string& level);
 void init_dispatch();
+bool set_flush_denormal(bool on);
 }  // namespace apexc
 
 namespace {
@@ -349,6 +350,9 @@ PYBIND11_MODULE(apex_C, m) {
   m.def("simd_level", [] { return std::string(K().name); }, "the SIMD level in use");
   m.def("set_simd_level", &set_simd_level, py::arg("level"),
         "select a SIMD level ('baseline', 'avx2', 'avx512', 'neon' or 'auto'); ValueError if unsupported");
+  m.def("_set_flush_denormal", &set_flush_denormal, py::arg("on"),
+        "private: the calling thread's flush-denormal mode as torch.set_flush_denormal sets it (x86 DAZ + FTZ, "
+        "AArch64 FPCR.FZ); False, changing nothing, where the CPU has none");
   m.def("get_num_threads", &default_threads);
   m.def("set_num_threads", &set_default_threads, py::arg("n"), "default thread count (<= 0: APEX_NUM_THREADS or all cores)");
   m.def("thread_pool", &thread_pool,

@@ -1366,3 +1366,22 @@ def test_fork_after_threaded_call():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child failed, wait status {status}"
     # and the parent still works after the fork
     assert apex_C.sum_sq(x, 2) == pytest.approx(want, rel=SUM_RTOL)
+
+
+def test_private_flush_denormal_setter_sets_and_clears_the_mode():
+    """`apex_C._set_flush_denormal` sets the calling thread's mode as torch.set_flush_denormal does (an fp32 denormal
+    through a multiply becomes a signed zero) and clears it again; where the CPU has no such mode it says False."""
+    x = np.array([1e-40, -1e-40, 1.5], np.float32)
+    out = np.zeros_like(x)
+    if not apex_C._set_flush_denormal(True):
+        assert apex_C._set_flush_denormal(False) is False
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        apex_C._raw_copy_(x.ctypes.data, F32, out.ctypes.data, F32, x.size, 1)
+    finally:
+        assert apex_C._set_flush_denormal(False) is True
+    assert out.view(np.uint32).tolist() == [0, 0x80000000, np.float32(1.5).view(np.uint32)]
+    apex_C._raw_copy_(x.ctypes.data, F32, out.ctypes.data, F32, x.size, 1)
+    assert out.view(np.uint32).tolist() == x.view(np.uint32).tolist()
+    with pytest.raises(TypeError):
+        apex_C._set_flush_denormal("yes")

@@ -3,8 +3,9 @@
 The contract (csrc/combine_tensors/common.h): loads are exact (every 16-bit pattern; an fp16 signalling nan is
 quieted, its payload kept), stores round to nearest even with subnormal results kept, overflow to inf, and a nan
 keeps its sign and the top bits of its payload with the quiet bit set (fp16: 10 bits, bf16: 7), as x86 F16C and
-torch's CPU casts give them. Levels may use hardware conversions (F16C under clang builds) only where they give
-these bits, so every level is compared with references written from the definition and with the baseline level.
+torch's CPU casts give them. Levels may use hardware conversions (F16C, AArch64 FCVTL / FCVTN under clang builds)
+only where they give these bits, so every level is compared with references written from the definition and with
+the baseline level.
 
 Proof for float32 -> 16 bit without all 2^32 inputs (fast tier): every upper 16-bit pattern (sign, exponent, top
 7 mantissa bits) is combined with every low 16-bit value that sits on or next to a rounding boundary
@@ -498,13 +499,23 @@ def test_fp16_casts_match_torch(level):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# flush-denormal mode (MXCSR DAZ/FTZ, set by torch.set_flush_denormal): conversions must not change
+# flush-denormal mode (x86 MXCSR DAZ/FTZ, AArch64 FPCR.FZ; set by torch.set_flush_denormal): conversions must not
+# change. Set by torch where it is installed, and by apex_C's private setter of the same bits, so that the
+# torch-free cells (every Python, aarch64 under qemu) check it too.
 # ---------------------------------------------------------------------------------------------------------------
-def test_conversions_under_flush_denormal(level):
-    torch = pytest.importorskip("torch", reason="torch sets the flush-denormal mode for this check")
+def _flush_denormal_setter(name: str):
+    if name == "torch":
+        torch = pytest.importorskip("torch", reason="torch sets the flush-denormal mode for this check")
+        return torch.set_flush_denormal
+    return apex_C._set_flush_denormal
+
+
+@pytest.mark.parametrize("setter", ["apex_C", "torch"])
+def test_conversions_under_flush_denormal(level, setter):
+    set_flush_denormal = _flush_denormal_setter(setter)
     x = boundary_inputs()
     every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    if not torch.set_flush_denormal(True):
+    if not set_flush_denormal(True):
         pytest.skip("this CPU has no flush-denormal mode")
     try:
         h2f = convert(every, F16, F32)
@@ -517,7 +528,7 @@ def test_conversions_under_flush_denormal(level):
         ams = _optimizer_case("adam_step", BF16, apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0],
                               np.random.default_rng(4), subnormal_states=True)
     finally:
-        torch.set_flush_denormal(False)
+        set_flush_denormal(False)
     assert_bits(h2f, f16_bits_to_f32_bits(every), every, f"{level}: f16 -> f32 under DAZ/FTZ")
     # bf16 subnormals are float32 subnormals: the load is exact, copy_'s multiply by 1 then flushes them to a signed
     # zero under DAZ, as any float32 arithmetic (torch's included) does
