@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tools import matrix
+from tools.util import host_arch
 from tools.util import run as _run
 from tools.util import sha256 as _file_sha256
 
@@ -288,6 +289,10 @@ def build_userland(u: Userland, engine: Engine, key: str) -> dict:
     if not MERGED_USR_HOOKS.is_dir():
         raise ContainerError(f"{MERGED_USR_HOOKS} missing: the Debian mmdebstrap package (>= 1.0) ships it")
     ensure_binfmt(u.arch)
+    if u.arch != host_arch() and not shutil.which("arch-test"):
+        # mmdebstrap asks arch-test whether a foreign arch runs before it bootstraps one, and stops without it
+        raise ContainerError(f"a {u.debian_arch} userland cannot be bootstrapped here: mmdebstrap needs arch-test "
+                             "for a foreign architecture; install arch-test (apt-get)")
     mirror = matrix.load().local["mirror"]
     debs = CACHE / "debs" / f"{u.suite}-{u.debian_arch}"
     if any(c.isspace() for c in str(debs)):
