@@ -283,16 +283,14 @@ def _dpkg_manifest(rootfs: Path) -> tuple[list[dict], str]:
 
 def build_userland(u: Userland, engine: Engine, key: str) -> dict:
     """mmdebstrap -> (interpreters) -> manifest -> import. Returns the manifest record."""
-    for tool in ("mmdebstrap", "dpkg-query", "tar"):
+    # a foreign arch also needs arch-test: mmdebstrap asks it whether that arch runs before bootstrapping, and stops
+    foreign = ("arch-test",) if u.arch != host_arch() else ()
+    for tool in ("mmdebstrap", "dpkg-query", "tar", *foreign):
         if not shutil.which(tool):
             raise ContainerError(f"{tool} not found: the offline base image path needs it (apt-get install -y {tool})")
     if not MERGED_USR_HOOKS.is_dir():
         raise ContainerError(f"{MERGED_USR_HOOKS} missing: the Debian mmdebstrap package (>= 1.0) ships it")
     ensure_binfmt(u.arch)
-    if u.arch != host_arch() and not shutil.which("arch-test"):
-        # mmdebstrap asks arch-test whether a foreign arch runs before it bootstraps one, and stops without it
-        raise ContainerError(f"a {u.debian_arch} userland cannot be bootstrapped here: mmdebstrap needs arch-test "
-                             "for a foreign architecture; install arch-test (apt-get)")
     mirror = matrix.load().local["mirror"]
     debs = CACHE / "debs" / f"{u.suite}-{u.debian_arch}"
     if any(c.isspace() for c in str(debs)):
