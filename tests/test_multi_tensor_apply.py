@@ -387,18 +387,24 @@ def test_adagrad_matches_torch_and_decoupled_formula():
 
 
 # ---------------------------------------------------------------- loss scale with hysteresis
+def _ftz32(x):
+    """x as flush-to-zero float32 arithmetic reads and writes it: below the smallest normal it is 0."""
+    return 0.0 if abs(x) < np.finfo(np.float32).tiny else x
+
+
 def _hysteresis_reference(state, found, growth_factor, backoff_factor, interval, hysteresis):
-    """Upstream's documented rules on Python numbers; the scale rounded to float32 as a float32 state."""
+    """Upstream's documented rules on Python numbers; the scale rounded to float32 as a float32 state, with
+    the flush-to-zero float32 arithmetic of upstream's kernel (built with fast math)."""
     scale, growth, hyst = state
     if found > 0:
         hyst -= 1
         if hyst > 0:
             return scale, 0, hyst
     if found != 0:  # nan too
-        scale, growth = float(np.float32(scale * backoff_factor)), 0
+        scale, growth = _ftz32(float(np.float32(_ftz32(scale) * backoff_factor))), 0
     elif growth + 1 == interval:
         with np.errstate(over="ignore"):
-            grown = float(np.float32(scale * growth_factor))
+            grown = _ftz32(float(np.float32(_ftz32(scale) * growth_factor)))
         scale, growth = (grown if math.isfinite(grown) else scale), 0
     else:
         growth += 1
@@ -427,6 +433,20 @@ def test_update_scale_hysteresis_follows_the_rules(seed, device):
         assert out is scale
         state = _hysteresis_reference(state, float(x), growth_factor, backoff_factor, interval, hysteresis)
         assert (scale.item(), growth.item(), hyst.item()) == state
+
+
+@pytest.mark.parametrize("init, factor, found, expect", [
+    (2.0 ** -126, 0.5, 1.0, 0.0),             # backoff below the smallest normal: 0, not 2**-127
+    (2.0 ** -125, 0.5, 1.0, 2.0 ** -126),     # to the smallest normal: kept
+    (1.0e-38, 4.0, 0.0, 0.0),                 # a subnormal scale reads as 0, so growth gives 0
+    (-(2.0 ** -126), 0.5, 1.0, -0.0),         # the sign of the zero is kept
+])
+def test_update_scale_hysteresis_flushes_subnormal_scales_to_zero(init, factor, found, expect, device):
+    scale = torch.tensor([init], dtype=torch.float32, device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.ones(1, dtype=torch.int32, device=device)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, torch.tensor([found], device=device), factor, factor, 1, 1)
+    assert scale.item() == expect and math.copysign(1.0, scale.item()) == math.copysign(1.0, expect)
 
 
 def test_update_scale_hysteresis_holds_the_scale_for_hysteresis_minus_one_overflows():

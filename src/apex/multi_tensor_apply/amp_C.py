@@ -446,6 +446,12 @@ def _int_arg(op: str, name: str, value: Any, dtype: torch.dtype = torch.int64) -
     return value
 
 
+def _flush_subnormal(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) with subnormal values replaced by a zero of the same sign, as flush-to-zero float32
+    arithmetic reads and writes them."""
+    return torch.where(x.abs() < torch.finfo(torch.float32).smallest_normal, x * 0, x)
+
+
 def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.Tensor,
                             hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor, growth_factor: float,
                             backoff_factor: float, growth_interval: int, hysteresis: int) -> torch.Tensor:
@@ -457,11 +463,15 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
 
     * ``f > 0``: ``hysteresis_tracker -= 1``; while it stays above 0, only ``growth_tracker = 0`` (the scale
       is kept);
-    * otherwise, ``f`` nonzero (a nan too): ``scale *= backoff_factor`` (rounded once to float32; no floor,
-      so repeated backoffs reach 0), ``growth_tracker = 0``;
+    * otherwise, ``f`` nonzero (a nan too): ``scale *= backoff_factor`` (no floor), ``growth_tracker = 0``;
     * ``f`` zero: ``growth_tracker += 1``; when it reaches ``growth_interval``, ``scale *= growth_factor``
       unless that is not finite in float32, and ``growth_tracker = 0``;
     * ``f <= 0``: ``hysteresis_tracker = hysteresis``.
+
+    A new scale is the product in float64 rounded once to float32, with upstream's flush-to-zero float32
+    arithmetic (its kernel is built with fast math): a scale below float32's smallest normal is read as 0,
+    and a product that rounds below it is stored as 0. So backing off from ``2**-126`` by 0.5 gives 0, not a
+    subnormal, and a zero scale stays 0.
 
     ``current_scale`` is a one-element float32 tensor, ``found_inf`` a one-element floating point tensor,
     the trackers one-element integer tensors (``hysteresis`` must fit the tracker's dtype), all on one
@@ -483,15 +493,15 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
     with torch.no_grad():
         f = found.detach().reshape(()).to(torch.float32)
         kept = scale.detach().reshape(()).clone()
-        s = kept.to(torch.float64)  # scale * factor in double, rounded once to float32 (as upstream's kernel)
+        s = _flush_subnormal(kept).to(torch.float64)  # scale * factor in double, rounded once to float32
         g = growth.detach().reshape(()).to(torch.int64)
         over = f > 0
         h = hyst.detach().reshape(()).to(torch.int64) - over.to(torch.int64)
         held = over & (h > 0)                # an overflow the hysteresis absorbs: only the growth count resets
         backoff = ~held & (f != 0)           # nan != 0 too
         due = (f == 0) & (g + 1 == interval)
-        grown = (s * growth_f).to(torch.float32)
-        new_scale = torch.where(backoff, (s * backoff_f).to(torch.float32),
+        grown = _flush_subnormal((s * growth_f).to(torch.float32))
+        new_scale = torch.where(backoff, _flush_subnormal((s * backoff_f).to(torch.float32)),
                                 torch.where(due & torch.isfinite(grown), grown, kept))
         new_growth = torch.where(held | backoff | due, torch.zeros_like(g), g + 1)
         new_hyst = torch.where(f <= 0, torch.full_like(h, hysteresis), h)
