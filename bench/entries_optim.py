@@ -295,7 +295,8 @@ OPTIMS = [
           _timm_ref("rmsprop_tf", "RMSpropTF", lr=1e-3, momentum=0.9, foreach=True),
           "timm.optim.RMSpropTF(foreach=True)", 7, True, timm="rmsprop_tf"),
     # BertAdam clips each grad by its own norm (max_grad_norm=1.0) before the update: 7 + 1
-    Optim("BertAdam", "NpuFusedBertAdam", dict(lr=1e-3), lambda ps: ForeachBertAdam(ps, lr=1e-3),
+    Optim("BertAdam", "NpuFusedBertAdam", dict(lr=1e-3, b2=0.999, max_grad_norm=1.0),
+          lambda ps: ForeachBertAdam(ps, lr=1e-3, b2=0.999, max_grad_norm=1.0),
           "same math in torch _foreach ops", 8, True),
     Optim("LAMB", "NpuFusedLamb", dict(lr=1e-3), lambda ps: ForeachLamb(ps, lr=1e-3),
           "same math in torch _foreach ops", 10, True),

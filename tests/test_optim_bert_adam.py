@@ -113,7 +113,8 @@ def test_schedule_functions():
 def test_warmup_minus_one_is_no_warmup(name, device):
     """warmup=-1 with t_total set: the schedule at warmup 0 (the original's cosine crashed on a float)."""
     p = torch.nn.Parameter(torch.ones(3, device=device))
-    opt = NpuFusedBertAdam([p], lr=0.1, t_total=4, schedule=name, warmup=-1, weight_decay=0.0, max_grad_norm=-1)
+    opt = NpuFusedBertAdam([p], lr=0.1, t_total=4, schedule=name, warmup=-1, b2=0.999, weight_decay=0.0,
+                           max_grad_norm=-1)
     deltas = []
     for _ in range(5):
         before = p.detach().clone()
@@ -166,6 +167,21 @@ def test_past_t_total_logs_once(device, caplog):
             p.grad = torch.randn_like(p)
             opt.step()
     assert sum("past t_total" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_defaults_are_the_npu_patch_signature():
+    """b2=0.99 and no clipping by default, as the patch's code (not its docstring, which lists BertAdam's)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    group = NpuFusedBertAdam([p], lr=0.1).param_groups[0]
+    assert {k: group[k] for k in ("warmup", "t_total", "schedule", "b1", "b2", "e", "weight_decay",
+                                  "max_grad_norm")} == dict(warmup=-1, t_total=-1, schedule="warmup_linear", b1=0.9,
+                                                            b2=0.99, e=1e-6, weight_decay=0.01, max_grad_norm=-1)
+    g = torch.full((4,), 100.0)  # norm 200: the default does not clip it
+    p.grad = g.clone()
+    opt = NpuFusedBertAdam([p], lr=0.1, weight_decay=0.0)
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["exp_avg"], 0.1 * g)
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"], 0.01 * g * g)
 
 
 def test_lr_is_required():

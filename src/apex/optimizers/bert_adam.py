@@ -105,7 +105,10 @@ class NpuFusedBertAdam(CombinedOptimizer):
     """BERT's Adam (pytorch-pretrained-bert ``BertAdam``), fused over combined buffers.
 
     Args: params, lr (required), warmup=-1, t_total=-1, schedule='warmup_linear', b1=0.9,
-    b2=0.999, e=1e-6, weight_decay=0.01, max_grad_norm=1.0 (the NPU patch's signature).
+    b2=0.99, e=1e-6, weight_decay=0.01, max_grad_norm=-1: the NPU patch's signature, defaults
+    included (its docstring lists pytorch-pretrained-bert's b2=0.999 and max_grad_norm=1.0, but
+    its code defaults to b2=0.99 and no clipping; code written for the patch gets what it got
+    there). Pass ``b2=0.999, max_grad_norm=1.0`` for pytorch-pretrained-bert's ``BertAdam``.
 
     Per param, with g its gradient::
 
@@ -130,8 +133,8 @@ class NpuFusedBertAdam(CombinedOptimizer):
       formula ``(x - 1) / (warmup - 1)`` with warmup -1 gives ``(1 - x) / 2``).
     """
 
-    def __init__(self, params, lr=required, warmup=-1, t_total=-1, schedule="warmup_linear", b1=0.9, b2=0.999,
-                 e=1e-6, weight_decay=0.01, max_grad_norm=1.0):
+    def __init__(self, params, lr=required, warmup=-1, t_total=-1, schedule="warmup_linear", b1=0.9, b2=0.99,
+                 e=1e-6, weight_decay=0.01, max_grad_norm=-1):
         defaults = dict(
             lr=lr, schedule=schedule, warmup=warmup, t_total=t_total, b1=b1, b2=b2, e=e,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm,
