@@ -102,6 +102,11 @@ def test_combine_npu_follows_the_ascend_layout(device, dtype):
             assert t.data_ptr() == flat.data_ptr() + start * flat.element_size()
         assert torch.equal(t, v)
         start += size
+    # combined, each tensor still reports its own slot (torch_npu sizes the storage behind a view, which
+    # is now the buffer's), so code written for the patch can step from one tensor to the next
+    assert [get_aligned_storage_size(t) for t in tensors] == sizes
+    for x, y in zip(tensors[:3], tensors[1:4]):
+        assert y.data_ptr() == x.data_ptr() + get_aligned_storage_size(x) * x.element_size()
     assert ct.plan_ascend_layout(tensors) == ([0, 48, 96, 160, 208, 240], 304)
     assert ct.plan_ascend_layout([16, 0, 5]) == ([0, 48, 80], 128)
     # the padding is zero, so whole-buffer reductions see only the tensors

@@ -25,9 +25,16 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _storage_elements(tensor: torch.Tensor) -> int:
-    """Elements of storage behind ``tensor``: on npu what torch_npu reports (its private formats pad the
-    storage), elsewhere the elements the tensor spans from its first one (its numel when dense)."""
-    if tensor.device.type == "npu":
+    """Elements of storage ``tensor`` holds: for an npu tensor in a private format what torch_npu reports
+    (those formats pad the storage), else the elements the tensor spans from its first one (its numel when
+    dense).
+
+    torch_npu sizes the whole storage behind a tensor. The patch's combine kept a storage per tensor and
+    moved its data pointer, so that size stayed the tensor's own; here a combined tensor is a view of the
+    buffer's storage, and torch_npu would report the whole buffer. Base-format storage holds exactly the
+    elements, so the span is that same per-tensor size, before and after combining.
+    """
+    if tensor.device.type == "npu" and _device.any_npu_private_format([tensor]):
         native = _device._torch_npu_attr(("get_storage_size",))
         if native is not None:
             return int(native(tensor))
@@ -40,9 +47,13 @@ def get_aligned_storage_size(tensor: torch.Tensor, align: int = 16, pad: int = 3
     """``ceil(n / align) * align + pad``: the elements the Ascend patch reserved for a tensor whose storage
     holds ``n`` elements (with the defaults: rounded up to 16 elements, plus 32 more).
 
-    ``n`` is torch_npu's storage size on npu (which counts private-format padding), elsewhere the
-    elements the tensor spans (its numel for a dense tensor). This is the patch's rule, not this
-    package's layout: :func:`apex.contrib.plan_layout` gives where ``combine_tensors`` puts each slot.
+    ``n`` is torch_npu's storage size for an npu tensor in a private format (which counts the format's
+    padding), else the elements the tensor spans (its numel for a dense tensor), also after
+    :func:`combine_npu` made it a view of the combined buffer: ``y.data_ptr() == x.data_ptr() +
+    get_aligned_storage_size(x) * x.element_size()`` holds for consecutive ``x, y`` on every device, as
+    with the patch. (For a base-format view such as ``x[1:]`` that is the view's span, where the patch
+    reported the whole storage behind it.) This is the patch's rule, not this package's layout:
+    :func:`apex.contrib.plan_layout` gives where ``combine_tensors`` puts each slot.
 
     Raises TypeError for a non-tensor or non-int ``align``/``pad``, ValueError for ``align < 1`` or
     ``pad < 0``, and RuntimeError (the patch's error type) for dtypes other than float32, float16 and

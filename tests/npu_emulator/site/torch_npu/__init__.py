@@ -89,6 +89,12 @@ def npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
     return out
 
 
+def get_storage_size(tensor: torch.Tensor) -> int:
+    """Elements of the whole storage behind ``tensor`` (torch_npu sizes the storage, not the view)."""
+    _check_npu(tensor, "get_storage_size")
+    return tensor.untyped_storage().nbytes() // tensor.element_size()
+
+
 # -------------------------------------------------------------------------------------------- native combine
 
 
