@@ -184,3 +184,72 @@ def test_upstream_function_classes_apply_the_functional_forms():
     wb = w.detach().bfloat16()
     assert fln.FusedLayerNormAffineMixedDtypesFunction.apply(x, wb, b.bfloat16(), (5,), 1e-5).dtype == torch.bfloat16
     assert fln.FusedRMSNormAffineMixedDtypesFunction.apply(x, wb, (5,), 1e-5).dtype == torch.bfloat16
+
+
+def _autocast_dtype(device):
+    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+
+
+@pytest.mark.parametrize("form", ["layer", "rms"])
+def test_under_autocast_the_norm_runs_in_the_autocast_dtype(form, device):
+    """Upstream's fused forms cast input and weights to the autocast dtype and run with autocast off:
+    the output has that dtype and equals the norm of the cast tensors (F.layer_norm alone would give
+    float32 there, autocast's rule for it)."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    low = _autocast_dtype(device)
+    x = torch.randn(4, 3, 16, device=device)
+    if form == "layer":
+        m = FusedLayerNorm(16).to(device)
+        with torch.no_grad():
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.uniform_(-0.5, 0.5)
+        expect = torch.nn.functional.layer_norm(x.to(low), (16,), m.weight.to(low), m.bias.to(low), 1e-5)
+        calls = [lambda: m(x), lambda: fused_layer_norm_affine(x, m.weight, m.bias, (16,), 1e-5)]
+        plain = [lambda: fused_layer_norm(x, (16,), 1e-5)]
+        plain_expect = torch.nn.functional.layer_norm(x.to(low), (16,), eps=1e-5)
+        mixed = lambda: mixed_dtype_fused_layer_norm_affine(x, m.weight, m.bias, (16,), 1e-5)  # noqa: E731
+    else:
+        m = FusedRMSNorm(16).to(device)
+        with torch.no_grad():
+            m.weight.uniform_(0.5, 1.5)
+        expect = fused_rms_norm_affine(x.to(low), m.weight.to(low), (16,), 1e-5)
+        calls = [lambda: m(x), lambda: fused_rms_norm_affine(x, m.weight, (16,), 1e-5)]
+        plain = [lambda: fused_rms_norm(x, (16,), 1e-5)]
+        plain_expect = fused_rms_norm(x.to(low), (16,), 1e-5)
+        mixed = lambda: mixed_dtype_fused_rms_norm_affine(x, m.weight, (16,), 1e-5)  # noqa: E731
+    with torch.autocast(device.type, dtype=low):
+        outs = [c() for c in calls] + [mixed()]
+        plain_outs = [c() for c in plain]
+    for out in outs:
+        assert out.dtype == low
+        torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    for out in plain_outs:
+        assert out.dtype == low
+        torch.testing.assert_close(out, plain_expect, rtol=0, atol=0)
+    # the cast is differentiable: the fp32 weight gets its grad in fp32
+    with torch.autocast(device.type, dtype=low):
+        m(x).float().sum().backward()
+    assert m.weight.grad is not None and m.weight.grad.dtype == torch.float32
+
+
+def test_under_autocast_function_apply_forms_keep_the_given_dtypes(device):
+    """Upstream's ``*Function.apply`` does not cast: float32 in, float32 out, also under autocast."""
+    device = torch.device(device)
+    low = _autocast_dtype(device)
+    x, w, b = torch.randn(3, 8, device=device), torch.rand(8, device=device), torch.rand(8, device=device)
+    with torch.autocast(device.type, dtype=low):
+        y = fln.FusedLayerNormAffineFunction.apply(x, w, b, (8,), 1e-5)
+        r = fln.FusedRMSNormFunction.apply(x, (8,), 1e-5)
+    assert y.dtype == r.dtype == torch.float32
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5))
+    torch.testing.assert_close(r, fused_rms_norm(x, (8,), 1e-5))
+
+
+def test_under_autocast_float64_is_not_cast(device):
+    device = torch.device(device)
+    if device.type == "npu":
+        pytest.skip("float64 tensors are not used on npu")
+    x = torch.randn(2, 8, dtype=torch.float64, device=device)
+    with torch.autocast(device.type, dtype=_autocast_dtype(device)):
+        assert fused_layer_norm(x, (8,), 1e-5).dtype == torch.float64

@@ -10,6 +10,13 @@ rounded once. Output dtype: the input's for the plain forms, the weight's for th
 ``mixed_dtype_*`` forms and the ``MixedFused*`` modules (upstream's rule: e.g. an fp32 residual
 stream normalised into bf16 activations by bf16 weights).
 
+Under autocast (``torch.autocast`` on the input's device, which amp's O1 uses too) the functional
+forms and the modules work as upstream's fused ones: floating-point tensors on that device (input,
+weight, bias; float64 excepted) are cast to the autocast dtype and the norm runs with autocast off,
+so the output has the autocast dtype (``F.layer_norm`` alone would run in float32 there, autocast's
+rule for it). The ``*Function.apply`` forms do not cast, as upstream's: they run on the dtypes given,
+with autocast off.
+
 Layer norm runs on ``torch.nn.functional.layer_norm``; RMS norm on
 ``torch.nn.functional.rms_norm`` where torch has it (2.4 and later), else on the formula above.
 Autograd is torch's. ``memory_efficient`` (upstream: the backward recomputes from the output
@@ -110,67 +117,94 @@ def _rms_norm(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Te
     return F.rms_norm(x.float(), shape, None if weight is None else weight.float(), eps).to(out_dtype)
 
 
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know: never on there
+        return False
+
+
+def _run(cast: bool, norm, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+         mixed: bool) -> torch.Tensor:
+    """``norm(x, weight, bias, out_dtype)`` with upstream's autocast handling (module docstring); the output
+    dtype is the input's, or the weight's for the mixed forms, after any cast."""
+    device_type = x.device.type
+    if not _autocast_on(device_type):
+        return norm(x, weight, bias, weight.dtype if mixed else x.dtype)
+    if cast:
+        low = torch.get_autocast_dtype(device_type)
+        x, weight, bias = (t.to(low) if t is not None and t.is_floating_point() and t.dtype != torch.float64
+                           and t.device.type == device_type else t for t in (x, weight, bias))
+    with torch.autocast(device_type, enabled=False):
+        return norm(x, weight, bias, weight.dtype if mixed else x.dtype)
+
+
+def _layer_norm_form(where: str, mixed: bool, cast: bool, input: torch.Tensor, weight: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], normalized_shape: ShapeLike, eps: float) -> torch.Tensor:
+    shape = _shape(normalized_shape, where)
+    _check(where, input, shape, eps, [("weight", weight), ("bias", bias)])
+    if mixed and weight is None:
+        raise TypeError(f"{where}: weight is required (it sets the output dtype)")
+    return _run(cast, lambda x, w, b, out: _layer_norm(x, shape, w, b, eps, out), input, weight, bias, mixed)
+
+
+def _rms_norm_form(where: str, mixed: bool, cast: bool, input: torch.Tensor, weight: Optional[torch.Tensor],
+                   normalized_shape: ShapeLike, eps: float) -> torch.Tensor:
+    shape = _shape(normalized_shape, where)
+    _check(where, input, shape, eps, [("weight", weight)])
+    if mixed and weight is None:
+        raise TypeError(f"{where}: weight is required (it sets the output dtype)")
+    return _run(cast, lambda x, w, _, out: _rms_norm(x, shape, w, eps, out), input, weight, None, mixed)
+
+
 # ---------------------------------------------------------------- functional forms (upstream's eps default 1e-6)
 def fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                             normalized_shape: ShapeLike, eps: float = 1e-6,
                             memory_efficient: bool = False) -> torch.Tensor:
-    """Layer norm with ``weight`` and ``bias``; the output has the input's dtype."""
-    shape = _shape(normalized_shape, "fused_layer_norm_affine")
-    _check("fused_layer_norm_affine", input, shape, eps, [("weight", weight), ("bias", bias)])
-    return _layer_norm(input, shape, weight, bias, eps, input.dtype)
+    """Layer norm with ``weight`` and ``bias``; the output has the input's dtype (under autocast: the
+    autocast dtype)."""
+    return _layer_norm_form("fused_layer_norm_affine", False, True, input, weight, bias, normalized_shape, eps)
 
 
 def fused_layer_norm(input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6,
                      memory_efficient: bool = False) -> torch.Tensor:
     """Layer norm without affine parameters."""
-    shape = _shape(normalized_shape, "fused_layer_norm")
-    _check("fused_layer_norm", input, shape, eps, [])
-    return _layer_norm(input, shape, None, None, eps, input.dtype)
+    return _layer_norm_form("fused_layer_norm", False, True, input, None, None, normalized_shape, eps)
 
 
 def mixed_dtype_fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                                         normalized_shape: ShapeLike, eps: float = 1e-6,
                                         memory_efficient: bool = False) -> torch.Tensor:
     """Layer norm whose output has the *weight's* dtype (input and weights may differ in dtype)."""
-    shape = _shape(normalized_shape, "mixed_dtype_fused_layer_norm_affine")
-    _check("mixed_dtype_fused_layer_norm_affine", input, shape, eps, [("weight", weight), ("bias", bias)])
-    if weight is None:
-        raise TypeError("mixed_dtype_fused_layer_norm_affine: weight is required (it sets the output dtype)")
-    return _layer_norm(input, shape, weight, bias, eps, weight.dtype)
+    return _layer_norm_form("mixed_dtype_fused_layer_norm_affine", True, True, input, weight, bias,
+                            normalized_shape, eps)
 
 
 def fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: ShapeLike,
                           eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
-    """RMS norm with ``weight``; the output has the input's dtype."""
-    shape = _shape(normalized_shape, "fused_rms_norm_affine")
-    _check("fused_rms_norm_affine", input, shape, eps, [("weight", weight)])
-    return _rms_norm(input, shape, weight, eps, input.dtype)
+    """RMS norm with ``weight``; the output has the input's dtype (under autocast: the autocast dtype)."""
+    return _rms_norm_form("fused_rms_norm_affine", False, True, input, weight, normalized_shape, eps)
 
 
 def fused_rms_norm(input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6,
                    memory_efficient: bool = False) -> torch.Tensor:
     """RMS norm without a weight."""
-    shape = _shape(normalized_shape, "fused_rms_norm")
-    _check("fused_rms_norm", input, shape, eps, [])
-    return _rms_norm(input, shape, None, eps, input.dtype)
+    return _rms_norm_form("fused_rms_norm", False, True, input, None, normalized_shape, eps)
 
 
 def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor,
                                       normalized_shape: ShapeLike, eps: float = 1e-6,
                                       memory_efficient: bool = False) -> torch.Tensor:
     """RMS norm whose output has the *weight's* dtype."""
-    shape = _shape(normalized_shape, "mixed_dtype_fused_rms_norm_affine")
-    _check("mixed_dtype_fused_rms_norm_affine", input, shape, eps, [("weight", weight)])
-    if weight is None:
-        raise TypeError("mixed_dtype_fused_rms_norm_affine: weight is required (it sets the output dtype)")
-    return _rms_norm(input, shape, weight, eps, weight.dtype)
+    return _rms_norm_form("mixed_dtype_fused_rms_norm_affine", True, True, input, weight, normalized_shape, eps)
 
 
 # ---------------------------------------------------------------- upstream's autograd.Function names
 class _ApplyForm:
     """Upstream exposes its kernels as ``torch.autograd.Function`` classes that code calls as
     ``Cls.apply(input, ..., normalized_shape, eps, memory_efficient=False)`` (Megatron does). Here
-    ``apply`` runs the functional form with the same positional arguments; autograd is torch's."""
+    ``apply`` runs the functional form's math with the same positional arguments, without its autocast
+    casts (upstream's ``apply`` takes the dtypes it is given); autograd is torch's."""
 
     _form = None
 
@@ -181,41 +215,59 @@ class _ApplyForm:
 
 class FusedLayerNormAffineFunction(_ApplyForm):
     """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``:
-    :func:`fused_layer_norm_affine`."""
+    :func:`fused_layer_norm_affine` without its autocast casts."""
 
-    _form = staticmethod(fused_layer_norm_affine)
+    @staticmethod
+    def _form(input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _layer_norm_form("FusedLayerNormAffineFunction", False, False, input, weight, bias,
+                                normalized_shape, eps)
 
 
 class FusedLayerNormFunction(_ApplyForm):
-    """``apply(input, normalized_shape, eps, memory_efficient=False)``: :func:`fused_layer_norm`."""
+    """``apply(input, normalized_shape, eps, memory_efficient=False)``: :func:`fused_layer_norm` without its
+    autocast casts."""
 
-    _form = staticmethod(fused_layer_norm)
+    @staticmethod
+    def _form(input, normalized_shape, eps, memory_efficient=False):
+        return _layer_norm_form("FusedLayerNormFunction", False, False, input, None, None, normalized_shape, eps)
 
 
 class FusedLayerNormAffineMixedDtypesFunction(_ApplyForm):
     """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``:
-    :func:`mixed_dtype_fused_layer_norm_affine`."""
+    :func:`mixed_dtype_fused_layer_norm_affine` without its autocast casts."""
 
-    _form = staticmethod(mixed_dtype_fused_layer_norm_affine)
+    @staticmethod
+    def _form(input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _layer_norm_form("FusedLayerNormAffineMixedDtypesFunction", True, False, input, weight, bias,
+                                normalized_shape, eps)
 
 
 class FusedRMSNormAffineFunction(_ApplyForm):
-    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``: :func:`fused_rms_norm_affine`."""
+    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``: :func:`fused_rms_norm_affine`
+    without its autocast casts."""
 
-    _form = staticmethod(fused_rms_norm_affine)
+    @staticmethod
+    def _form(input, weight, normalized_shape, eps, memory_efficient=False):
+        return _rms_norm_form("FusedRMSNormAffineFunction", False, False, input, weight, normalized_shape, eps)
 
 
 class FusedRMSNormFunction(_ApplyForm):
-    """``apply(input, normalized_shape, eps, memory_efficient=False)``: :func:`fused_rms_norm`."""
+    """``apply(input, normalized_shape, eps, memory_efficient=False)``: :func:`fused_rms_norm` without its
+    autocast casts."""
 
-    _form = staticmethod(fused_rms_norm)
+    @staticmethod
+    def _form(input, normalized_shape, eps, memory_efficient=False):
+        return _rms_norm_form("FusedRMSNormFunction", False, False, input, None, normalized_shape, eps)
 
 
 class FusedRMSNormAffineMixedDtypesFunction(_ApplyForm):
     """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``:
-    :func:`mixed_dtype_fused_rms_norm_affine`."""
+    :func:`mixed_dtype_fused_rms_norm_affine` without its autocast casts."""
 
-    _form = staticmethod(mixed_dtype_fused_rms_norm_affine)
+    @staticmethod
+    def _form(input, weight, normalized_shape, eps, memory_efficient=False):
+        return _rms_norm_form("FusedRMSNormAffineMixedDtypesFunction", True, False, input, weight,
+                              normalized_shape, eps)
 
 
 # ---------------------------------------------------------------- modules (upstream's eps default 1e-5)
