@@ -263,6 +263,27 @@ def test_set_grad_none(device, cls):
     assert all(p.grad is None for p in params)
 
 
+@pytest.mark.parametrize("set_grad_none", [None, False, True])
+def test_fused_sgd_takes_set_grad_none_and_zero_grad_sets_none(device, set_grad_none):
+    """Upstream's FusedSGD signature has set_grad_none=False; its zero_grad() sets None either way on torch >= 2.0
+    (False calls torch's zero_grad(), whose default is set_to_none=True)."""
+    params = make_params([(4,), (2, 3)], device)
+    kwargs = {} if set_grad_none is None else {"set_grad_none": set_grad_none}
+    opt = FusedSGD(params, lr=1e-2, momentum=0.9, **kwargs)
+    assert opt.set_grad_none is bool(set_grad_none)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    grads = [p.grad for p in params]
+    opt.zero_grad(set_to_none=False)  # an explicit argument: zeroed in place
+    assert all(p.grad is g and float(g.abs().sum()) == 0 for p, g in zip(params, grads))
+
+
 def test_set_grad_none_false_low_precision_params(device):
     """FusedAdam's fp16/bf16 params run through fp32 shadows: zero_grad must zero the params' own grads."""
     params = make_params([(4,), (2, 3)], device, dtype=torch.bfloat16)

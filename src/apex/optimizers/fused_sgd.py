@@ -34,16 +34,20 @@ class FusedSGD(NpuFusedSGD):
     """SGD as ``apex.optimizers.FusedSGD``: torch.optim.SGD semantics, fused over combined buffers.
 
     Args: params, lr (required), momentum=0, dampening=0, weight_decay=0, nesterov=False,
-    wd_after_momentum=False, materialize_master_grads=True.
+    wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False.
 
-    NVIDIA's FusedSGD has no ``set_grad_none``: ``zero_grad()`` is torch's (``set_to_none=True``
-    by default since torch 2.0).
+    ``zero_grad()`` without an argument sets grads to None whatever ``set_grad_none`` says, as
+    upstream's does on torch >= 2.0: there ``True`` sets None itself and ``False`` calls torch's
+    ``zero_grad()``, whose default became ``set_to_none=True``. The flag is recorded as
+    ``self.set_grad_none``; ``zero_grad(set_to_none=False)`` zeroes in place. (The other Fused*
+    optimizers document ``set_grad_none=False`` as zeroing in place, and do that.)
     """
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
-                 wd_after_momentum=False, materialize_master_grads=True):
+                 wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False):
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
+        self.set_grad_none = bool(set_grad_none)
         # NVIDIA's amp integration reads these attributes; kept for code that inspects them
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
