@@ -34,7 +34,7 @@ def _storage_elements(tensor: torch.Tensor) -> int:
     buffer's storage, and torch_npu would report the whole buffer. Base-format storage holds exactly the
     elements, so the span is that same per-tensor size, before and after combining.
     """
-    if tensor.device.type == "npu" and _device.any_npu_private_format([tensor]):
+    if tensor.device.type == "npu" and _device.npu_has_private_format(tensor):
         native = _device._torch_npu_attr(("get_storage_size",))
         if native is not None:
             return int(native(tensor))
