@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 SRC = os.path.join("csrc", "combine_tensors")
 
@@ -152,6 +153,20 @@ class BuildSimd(build_ext):
             f.write(recipe)
 
 
+# The start-up hook that makes `import amp_C` find apex's ops before `import apex` (src/_apex_amp_c.py). A .pth
+# file must sit at the top of site-packages, which no package or module option of setuptools places there.
+PTH = "apex-amp_C.pth"
+
+
+class BuildPyWithPth(build_py):
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join("src", PTH), os.path.join(self.build_lib, PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode=True):
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
+
+
 def extension():
     import pybind11
 
@@ -172,4 +187,4 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildSimd})
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildSimd, "build_py": BuildPyWithPth})

@@ -37,8 +37,8 @@ MODULES = [
      "`apex.multi_tensor_apply.amp_C` (or NVIDIA's compiled `amp_C`) with a fixed chunk size.", None),
     ("apex.multi_tensor_apply.amp_C", "NVIDIA's `amp_C` multi-tensor ops with upstream's signatures "
      "`(chunk_size, noop_flag, tensor_lists, *args)`, on CPU (through the C++ core and the optimizers' math), "
-     "CUDA and NPU (torch ops). Not a top-level module: `import amp_C` finds these ops after `import apex` where "
-     "NVIDIA's compiled `amp_C` is not installed (see `register_amp_C`).", None),
+     "CUDA and NPU (torch ops). Not a top-level module: where NVIDIA's compiled `amp_C` is not installed, "
+     "`import amp_C` finds these ops, before or after `import apex` (see `register_amp_C`).", None),
     ("apex.normalization", "NVIDIA Apex's fused layer norm and RMS norm modules, on torch's own kernels on every "
      "device.", None),
     ("apex.normalization.fused_layer_norm", "The functional forms and upstream's `*Function.apply` names (the "
@@ -351,9 +351,10 @@ NOTES = {
         "(no compiled extension is needed). A non-callable op raises TypeError."),
     "apex.multi_tensor_apply.multi_tensor_applier": "NVIDIA: same object, chunk size 2048 * 32.",
     "apex.multi_tensor_apply.register_amp_C": (
-        "New here: this package ships no top-level `amp_C` (it would clash with NVIDIA's compiled one); `import "
-        "apex` installs a last-resort finder so `import amp_C` yields ours where NVIDIA's is absent. This returns "
-        "the `amp_C` in use, replaces a broken one, and binds ours over any with `force=True`."),
+        "New here: this package ships no top-level `amp_C` (it would clash with NVIDIA's compiled one); a "
+        "last-resort finder, installed at interpreter start-up by the wheel's `apex-amp_C.pth` and by `import "
+        "apex`, makes `import amp_C` yield ours where NVIDIA's is absent. This returns the `amp_C` in use, "
+        "replaces a broken one, and binds ours over any with `force=True`."),
     "apex.multi_tensor_apply.amp_C.available": "Always True (upstream's applier tests whether `amp_C` imports).",
     "apex.multi_tensor_apply.amp_C.multi_tensor_scale": (
         "NVIDIA: same signature and flag rule (set on inf/nan in the inputs; runs even when set). Here on every "

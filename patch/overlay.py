@@ -13,6 +13,9 @@ amp, with or without built extensions); nothing is downloaded. The wheel holds:
   device and core bridges, ``python -m apex``) and our torch-free C++ core ``apex_C`` (upstream
   also has an ``apex_C``, a flatten/unflatten helper: ours replaces it, and upstream code falls
   back to torch's flatten as it does when built without ``--cpp_ext``);
+* our ``import amp_C`` start-up hook, the top-level ``_apex_amp_c.py`` and ``apex-amp_C.pth``
+  (taken from beside our package directory): its finder is consulted after every other, so an
+  upstream ``amp_C`` shipped with ``--upstream-ext`` still wins;
 * for a package ``__init__.py`` both sides have: ours, followed by a call that runs upstream's
   (kept as ``_upstream_init.py``) statement by statement, ours winning per name and failing
   statements skipped (see overlay_runtime.py, shipped as ``apex/_overlay.py``);
@@ -57,6 +60,7 @@ SKIP_DIRS = {"__pycache__", ".git", ".mypy_cache", ".pytest_cache", ".ruff_cache
 SKIP_SUFFIXES = (".pyc", ".pyo")
 BINARY_SUFFIXES = (".so", ".pyd", ".dylib")
 UPSTREAM_INIT = "_upstream_init.py"
+HOOK_FILES = ("_apex_amp_c.py", "apex-amp_C.pth")  # top-level, beside our package (src/)
 
 INIT_FOOTER = """
 
@@ -304,7 +308,7 @@ def write_wheel(out_dir: Path, version: str, files: Dict[str, bytes], metadata: 
     contents[f"{dist_info}/WHEEL"] = (
         f"Wheel-Version: 1.0\nGenerator: apex patch/overlay.py\nRoot-Is-Purelib: false\nTag: {tag}\n"
     ).encode()
-    contents[f"{dist_info}/top_level.txt"] = b"apex\napex_C\n"
+    contents[f"{dist_info}/top_level.txt"] = b"_apex_amp_c\napex\napex_C\n"
     if license_text is not None:
         contents[f"{dist_info}/UPSTREAM_LICENSE"] = license_text
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in contents.items())
@@ -371,6 +375,12 @@ def overlay(upstream: str, out: str, ext: Optional[str] = None, ours: Optional[s
     up_files, up_skipped = collect(up_root / "apex", binaries=upstream_ext)
     our_files, _ = collect(ours_dir, binaries=False)
     entries = merge(up_files, our_files, version, up_version)
+    for name in HOOK_FILES:
+        path = ours_dir.parent / name
+        if not path.is_file():
+            raise OverlayError(f"overlay: {str(path)!r} does not exist: the `import amp_C` start-up hook "
+                               f"({', '.join(HOOK_FILES)}) must sit beside our package directory")
+        entries[name] = Entry("ours", path.read_bytes(), note="`import amp_C` start-up hook")
 
     with tempfile.TemporaryDirectory(prefix="apex-overlay-") as work:
         ext_path = check_ext(Path(ext)) if ext else build_our_ext(Path(work))

@@ -1,8 +1,8 @@
 """``python -m apex``: version, build variant, C++ core (SIMD level), torch version, devices.
 
 Checked against the modules themselves (apex.__version__, apex_C, torch), in-process for the
-JSON and text forms, once as a real ``python -m apex`` subprocess, and with the core made
-unimportable (the torch fallback must be reported, not crash the command).
+JSON and text forms, once as a real ``python -m apex`` subprocess, and with the core or ``amp_C``
+made unimportable (reported, never crashing the command).
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ def test_json_matches_the_installed_modules(capsys):
     assert core["simd_level"] in core["supported_simd_levels"]
     assert core["supported_simd_levels"] == list(apex_c.supported_simd_levels())
     assert os.path.samefile(core["path"], apex_c.__file__)
+    import _apex_amp_c
+
+    # no NVIDIA amp_C here: `import amp_C` gives ours; the hook flag is what this interpreter's start-up did
+    assert info["amp_C"] == {"ours": True, "path": None, "start_up_hook": _apex_amp_c.installed_at_start_up}
 
 
 def test_text_form(capsys):
@@ -42,6 +46,16 @@ def test_text_form(capsys):
     assert out.startswith(f"apex {apex.__version__} ")
     assert f"torch {torch.__version__}" in out
     assert "C++ core: loaded, SIMD " in out
+    assert "import amp_C: apex's multi-tensor ops; start-up hook " in out
+
+
+def test_amp_c_failing_to_import_is_reported(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "amp_C", None)  # import amp_C now raises ImportError
+    assert cli.main(["--json"]) == 0
+    error = json.loads(capsys.readouterr().out)["amp_C"]["error"]
+    assert error.startswith("ModuleNotFoundError: import of amp_C halted")
+    assert cli.main([]) == 0
+    assert "import amp_C: fails (ModuleNotFoundError" in capsys.readouterr().out
 
 
 def test_core_missing_is_reported(monkeypatch, capsys):
@@ -70,3 +84,4 @@ def test_python_dash_m_apex_subprocess():
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["apex"] == apex.__version__ and info["torch"] == torch.__version__
+    assert info["amp_C"]["ours"] is True

@@ -6,8 +6,10 @@ upstream's (set on inf/nan by scale / axpby / l2norm / lamb; only sgd skips when
 
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,8 +71,18 @@ def test_broken_amp_c_is_replaced_with_a_warning(monkeypatch):
         assert register_amp_C() is amp_C
 
 
+def _python(script, env_path, *flags):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    if env_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(env_path)
+    done = subprocess.run([sys.executable, *flags, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
 def test_import_amp_c_falls_back_only_without_nvidias(tmp_path):
-    # A fresh interpreter: `import apex` then `import amp_C` gives our ops; a real amp_C on sys.path wins.
+    # A fresh interpreter without .pth processing (-S): `import apex` installs the finder, then `import amp_C` gives
+    # our ops; a real amp_C on sys.path wins.
     (tmp_path / "amp_C.py").write_text("NVIDIA_BUILD = True\n")
     script = (
         "import sys, apex\n"
@@ -83,8 +95,61 @@ def test_import_amp_c_falls_back_only_without_nvidias(tmp_path):
         "import amp_C\n"
         "assert amp_C.NVIDIA_BUILD and not hasattr(amp_C, '__apex_fallback__')\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    _python(script, [p for p in sys.path if p], "-S")
+
+
+def test_start_up_hook_lets_amp_c_come_first(tmp_path):
+    # The .pth line as site runs it: the finder is installed at start-up without importing apex or torch, so
+    # `try: import amp_C; from apex.multi_tensor_apply import multi_tensor_applier` (Megatron-style) finds ours;
+    # an amp_C on sys.path still wins.
+    import _apex_amp_c
+
+    pth = Path(_apex_amp_c.__file__).with_name(_apex_amp_c.PTH_NAME)
+    assert pth.read_text() == _apex_amp_c.PTH_LINE
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(pth, site_dir / pth.name)
+    nvidia = tmp_path / "nvidia"
+    nvidia.mkdir()
+    (nvidia / "amp_C.py").write_text("NVIDIA_BUILD = True\n")
+    script = (
+        "import site, sys\n"
+        f"site.addsitedir({str(site_dir)!r})\n"
+        "assert type(sys.meta_path[-1]).__name__ == 'AmpCFallbackFinder'\n"
+        "assert 'apex' not in sys.modules and 'torch' not in sys.modules\n"
+        f"site.addsitedir({str(site_dir)!r})  # a second run adds no second finder\n"
+        "assert sum(type(f).__name__ == 'AmpCFallbackFinder' for f in sys.meta_path) == 1\n"
+        "import amp_C\n"
+        "from apex.multi_tensor_apply import amp_C as ours, multi_tensor_applier\n"
+        "assert amp_C.multi_tensor_scale is ours.multi_tensor_scale and amp_C.__apex_fallback__\n"
+        "import apex\n"
+        "assert sum(type(f).__name__ == 'AmpCFallbackFinder' for f in sys.meta_path) == 1\n"
+        "del sys.modules['amp_C']\n"
+        f"sys.path.insert(0, {str(nvidia)!r})\n"
+        "import amp_C\n"
+        "assert amp_C.NVIDIA_BUILD\n"
+    )
+    _python(script, [p for p in sys.path if p], "-S")
+
+
+def test_installed_hook_runs_at_start_up():
+    # Where apex is installed (a wheel in site-packages), a fresh interpreter can `import amp_C` first.
+    import site
+
+    import _apex_amp_c
+
+    here = Path(_apex_amp_c.__file__).resolve().parent
+    site_dirs = {Path(d).resolve() for d in [*site.getsitepackages(), site.getusersitepackages()]}
+    if here not in site_dirs:
+        pytest.skip(f"_apex_amp_c is imported from {here}, not from a site-packages directory (a source tree on "
+                    "PYTHONPATH), where .pth files are not processed")
+    script = (
+        "import sys\n"
+        "assert 'apex' not in sys.modules and 'torch' not in sys.modules\n"
+        "import amp_C\n"
+        "assert amp_C.__apex_fallback__ and amp_C.multi_tensor_l2norm.__module__.startswith('apex.')\n"
+    )
+    _python(script, None)
 
 
 # ---------------------------------------------------------------- scale / axpby

@@ -135,6 +135,8 @@ def snapshot_ours(tmp_path: Path) -> Path:
     dst = tmp_path / "ours" / "apex"
     if not dst.exists():
         shutil.copytree(ROOT / "src" / "apex", dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for name in ov.HOOK_FILES:  # the `import amp_C` start-up hook sits beside the package
+            shutil.copy(ROOT / "src" / name, dst.parent / name)
     return dst
 
 
@@ -200,6 +202,10 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
         assert "_run_upstream_init(globals())" in merged
         assert data[kept] == up_init.read_bytes()
     assert data["apex/_overlay.py"] == (ROOT / "patch" / "overlay_runtime.py").read_bytes()
+    # the `import amp_C` start-up hook, top-level as in our own wheel
+    for name in ov.HOOK_FILES:
+        assert data[name] == (ROOT / "src" / name).read_bytes(), name
+    assert data[f"apex-{version}.dist-info/top_level.txt"] == b"_apex_amp_c\napex\napex_C\n"
     # our core; upstream binaries are left out by default
     assert Path(our_ext).name in names and data[Path(our_ext).name] == Path(our_ext).read_bytes()
     assert not any(n.startswith("amp_C") for n in names)
@@ -229,6 +235,7 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
     assert files["apex/amp/frontend.py"]["origin"] == "ours"
     assert files["apex/amp/frontend.py"]["replaces_upstream"] is with_amp
     assert files["apex/_overlay.py"]["origin"] == "overlay"
+    assert files["apex-amp_C.pth"]["origin"] == files["_apex_amp_c.py"]["origin"] == "ours"
     assert set(manifest["replaced"]) >= {"apex/optimizers/fused_adam.py", "apex/parallel/LARC.py", "apex/__init__.py"}
     assert any(n.startswith("amp_C") for n in manifest["left_out"])
     assert manifest["upstream"]["version"] == "0.1"
@@ -351,6 +358,15 @@ def test_bad_extension_and_name_collision(tmp_path, our_ext):
     (upstream / "apex" / "optimizers" / "_upstream_init.py").write_text("")
     with pytest.raises(ov.OverlayError, match=r"cannot keep upstream's apex/optimizers/__init__\.py"):
         ov.overlay(str(upstream), str(tmp_path / "out"), ext=our_ext)
+
+
+def test_missing_start_up_hook(tmp_path, our_ext):
+    upstream = write_upstream(tmp_path / "upstream")
+    ours = snapshot_ours(tmp_path)
+    (ours.parent / "apex-amp_C.pth").unlink()
+    with pytest.raises(ov.OverlayError, match=r"apex-amp_C\.pth' does not exist: the `import amp_C` start-up hook"):
+        ov.overlay(str(upstream), str(tmp_path / "out"), ext=our_ext, ours=str(ours))
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_error_exit_code(tmp_path, capsys):

@@ -3,14 +3,16 @@
 Subpackages load on first use (``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
 ``apex.contrib``, and NVIDIA Apex's ``apex.fp16_utils``, ``apex.normalization`` and
 ``apex.multi_tensor_apply``), so ``import apex`` stays cheap. Where NVIDIA's compiled ``amp_C`` is not
-installed, ``import amp_C`` after ``import apex`` yields apex's multi-tensor ops (``apex._amp_c_finder``).
+installed, ``import amp_C`` yields apex's multi-tensor ops: the wheel's ``apex-amp_C.pth`` installs that
+fallback finder (``_apex_amp_c``) at interpreter start-up, and ``import apex`` installs it where ``.pth`` files
+did not run (``python -S``, a source tree on ``PYTHONPATH``).
 """
 
 import importlib
 
-from apex import _amp_c_finder
+import _apex_amp_c
 
-_amp_c_finder.install()
+_apex_amp_c.install()
 
 __version__ = "0.1.0"
 

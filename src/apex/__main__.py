@@ -1,8 +1,9 @@
 """``python -m apex``: what is installed and what it can use.
 
 Prints the version, the build variant, whether the C++ core loaded (and at
-which SIMD level, with how many threads), the torch version and the devices
-seen. ``--json`` gives the same as one JSON object (for bug reports and CI).
+which SIMD level, with how many threads), the torch version, the devices
+seen, and which ``amp_C`` an ``import amp_C`` gives (and whether the start-up
+hook lets it come before ``import apex``). ``--json`` gives the same as one JSON object (for bug reports and CI).
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def collect() -> dict:
         info["npu"] = _device.npu_status() if hasattr(_device, "npu_status") else None
     except Exception as exc:  # report, never crash an info command
         info["torch_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import amp_C
+
+        import _apex_amp_c
+
+        info["amp_C"] = {
+            "ours": bool(getattr(amp_C, "__apex_fallback__", False)),
+            "path": getattr(amp_C, "__file__", None),
+            "start_up_hook": _apex_amp_c.installed_at_start_up,
+        }
+    except Exception as exc:  # e.g. NVIDIA's amp_C installed without its CUDA libraries
+        info["amp_C"] = {"error": f"{type(exc).__name__}: {exc}"}
     return info
 
 
@@ -74,6 +87,13 @@ def main(argv=None) -> int:
             lines.append(f"NPU: {info['npu']}")
     else:
         lines.append(f"torch: unavailable ({info.get('torch_error')})")
+    amp_c = info["amp_C"]
+    if "error" in amp_c:
+        lines.append(f"import amp_C: fails ({amp_c['error']})")
+    else:
+        lines.append(("import amp_C: apex's multi-tensor ops" if amp_c["ours"] else f"import amp_C: {amp_c['path']}")
+                     + ("; start-up hook active (amp_C may be imported before apex)" if amp_c["start_up_hook"]
+                        else "; start-up hook inactive (import apex before amp_C)"))
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

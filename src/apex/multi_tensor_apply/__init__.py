@@ -6,9 +6,10 @@ default 2048 * 32 elements). ``op`` is one of :mod:`apex.multi_tensor_apply.amp_
 run on CPU, CUDA and NPU, or any callable with that signature (NVIDIA's compiled ``amp_C`` ops
 work too where that extension is installed).
 
-``import amp_C``: this package ships no top-level ``amp_C`` module, so it never hides or
-replaces NVIDIA's compiled extension; ``import apex`` installs a last-resort finder, so that
-``import amp_C`` yields these ops wherever NVIDIA's is not installed (see ``apex._amp_c_finder``).
+``import amp_C``: this distribution ships no top-level ``amp_C`` module, so it never hides or
+replaces NVIDIA's compiled extension; a last-resort finder, installed at interpreter start-up by the
+wheel's ``apex-amp_C.pth`` (and by ``import apex``), makes ``import amp_C`` yield these ops wherever
+NVIDIA's is not installed, whatever was imported before (see ``_apex_amp_c``).
 :func:`register_amp_C` binds ours explicitly, e.g. over a broken or CUDA-only one.
 """
 
