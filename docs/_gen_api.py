@@ -96,7 +96,10 @@ NOTES = {
     "apex.amp.LossScaler": (
         "Dynamic scaler with the NPU patch's tunables (init, growth, backoff, window, min, max). Every value is "
         "checked at construction and at `load` (non-finite or non-positive scales rejected); growth fires when the "
-        "clean-step count reaches or exceeds the window, so a loaded count above it resumes growth."),
+        "clean-step count reaches or exceeds the window, so a loaded count above it resumes growth. Upstream's "
+        "`_overflow_buf` flag works as scripts use it (swap in the flag of your own `amp_C.multi_tensor_scale`, "
+        "then `update_scale()` counts a nonzero flag as an overflow); amp's own unscale does not need it, so the "
+        "flag is only made on first access."),
     "apex.optimizers.CombinedOptimizer": (
         "Base class of every fused optimizer here. Params, grads and per-param states are combined lazily at the "
         "first step, per dtype and param group; `state[p]` entries stay views, so `state_dict()` has "

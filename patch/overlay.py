@@ -11,8 +11,8 @@ amp, with or without built extensions); nothing is downloaded. The wheel holds:
   (a module such as ``apex/optimizers/fused_adam.py`` is replaced as a whole);
 * every file of our ``apex/`` package (amp, parallel, contrib.combine_tensors, optimizers, the
   device and core bridges, ``python -m apex``) and our torch-free C++ core ``apex_C`` (upstream
-  also has an ``apex_C``, a flatten/unflatten helper: ours replaces it, and upstream code falls
-  back to torch's flatten as it does when built without ``--cpp_ext``);
+  also has an ``apex_C``, a flatten/unflatten helper: ours replaces it and has ``flatten`` and
+  ``unflatten`` too, forwarding to torch ops);
 * our ``import amp_C`` start-up hook, the top-level ``_apex_amp_c.py`` and ``apex-amp_C.pth``
   (taken from beside our package directory): its finder is consulted after every other, so an
   upstream ``amp_C`` shipped with ``--upstream-ext`` still wins;

@@ -71,6 +71,31 @@ def test_static_scaler_never_skips():
     assert s.update_scale() is False and s.loss_scale() == 128.0
 
 
+def test_overflow_buf_is_made_on_first_access_and_read_by_update_scale():
+    s = LossScaler("dynamic", init_scale=2.0**10, scale_window=2)
+    assert s._overflow_flag is None  # amp's own unscale does not need it: no tensor, no host sync
+    assert s.update_scale() is False and s._unskipped == 1
+    own = s._overflow_buf
+    assert own.dtype == torch.int32 and own.shape == (1,) and own.item() == 0 and s._overflow_buf is own
+    flag = torch.tensor([3], dtype=torch.int32)  # what amp_C.multi_tensor_scale leaves after an inf/nan
+    s._overflow_buf = flag
+    assert s.update_scale() is True and s.loss_scale() == 2.0**9 and s._unskipped == 0
+    s.clear_overflow_state()
+    assert flag.item() == 0 and not s.has_overflow()  # cleared as upstream's
+    assert s.update_scale() is False and s.update_scale() is False and s.loss_scale() == 2.0**10  # grew
+
+
+def test_overflow_buf_is_ignored_by_a_static_scaler_and_checked_on_assignment():
+    s = LossScaler(128.0)
+    s._overflow_buf = torch.ones(1, dtype=torch.int32)
+    assert s.update_scale() is False and s.loss_scale() == 128.0 and not s.has_overflow()
+    flag = s._overflow_buf
+    for bad in (None, 1, torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.complex64)):
+        with pytest.raises(TypeError, match=r"_overflow_buf must be a one-element real tensor"):
+            s._overflow_buf = bad
+        assert s._overflow_buf is flag  # unchanged
+
+
 # ---------------------------------------------------------------- through amp
 
 
@@ -130,6 +155,68 @@ def test_delay_overflow_check_leaves_scale():
         m[0].weight.grad.view(-1)[0] = float("inf")
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": INIT, "unskipped": 0}
     assert "step" in o.__dict__ and o._amp_stash.skip_pending is None
+
+
+def _post_accumulation_allreduce(o, inject_inf=False):
+    """Scripts' own post-accumulation all-reduce (BERT pretraining): the unscaled master grads are rescaled into
+    views of one flat buffer, the buffer is all-reduced, scaled back with an overflow flag, and the scaler reads
+    that flag through its swapped-in ``_overflow_buf``. Returns update_scale()'s answer."""
+    import amp_C
+    import apex_C
+    import torch.distributed as dist
+
+    from apex.amp import _amp_state
+
+    scaler = _amp_state.loss_scalers[0]
+    loss_scale = scaler.loss_scale()
+    grads = [p.grad for p in amp.master_params(o) if p.grad is not None]
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32)
+    views = apex_C.unflatten(flat, grads)
+    flag = torch.zeros(1, dtype=torch.int32)
+    amp_C.multi_tensor_scale(65536, flag, [grads, views], loss_scale / dist.get_world_size())
+    dist.all_reduce(flat)
+    if inject_inf:
+        flat[3] = float("inf")  # as if another rank had overflowed
+    flag.zero_()
+    amp_C.multi_tensor_scale(65536, flag, [views, grads], 1.0 / loss_scale)
+    old = scaler._overflow_buf
+    scaler._overflow_buf = flag
+    had_overflow = scaler.update_scale()
+    scaler._overflow_buf = old
+    return had_overflow
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_scripts_own_allreduce_through_unflatten_and_overflow_buf(tmp_path, level):
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    from apex.optimizers import FusedLAMB
+
+    m = net()
+    o = FusedLAMB(m.parameters(), lr=0.01)
+    amp.initialize(m, o, opt_level=level, loss_scale="dynamic", verbosity=0)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        x = torch.randn(8, 4)
+        for inject in (False, True, False):
+            o.zero_grad()
+            loss = (m(x).float() - 1).pow(2).mean()
+            with amp.scale_loss(loss, o, delay_overflow_check=True) as scaled:
+                scaled.backward()
+            expect = [p.grad.clone() for p in amp.master_params(o)]  # unscaled at the exit
+            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+            had_overflow = _post_accumulation_allreduce(o, inject_inf=inject)
+            assert had_overflow is inject
+            assert amp.state_dict()["loss_scaler0"]["loss_scale"] == (scale / 2 if inject else scale)
+            if not inject:  # one rank, power-of-two scales: the round trip is exact
+                for g, e in zip((p.grad for p in amp.master_params(o)), expect):
+                    torch.testing.assert_close(g, e, rtol=0, atol=0)
+                w0 = [p.detach().clone() for p in amp.master_params(o)]
+                o.step()
+                assert any(not torch.equal(p, w) for p, w in zip(amp.master_params(o), w0))
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- amp.state_dict / load_state_dict

@@ -362,6 +362,25 @@ PYBIND11_MODULE(apex_C, m) {
         "'auto' (OpenMP when the process has a runtime, else threads; the default, or APEX_THREAD_POOL), 'openmp' "
         "or 'threads'; ValueError if unknown or if 'openmp' has no runtime");
 
+  // NVIDIA's apex_C was a flatten/unflatten helper, and training scripts call it by that name
+  // (`apex_C.unflatten(flat, grads)` in BERT pretraining's post-accumulation all-reduce). Both take torch
+  // tensors, which this torch-free core never touches: they forward to apex._flatten, imported at the first
+  // call (torch with it), so `import apex_C` still needs neither apex nor torch.
+  m.def(
+      "flatten",
+      [](py::object tensors) { return py::module_::import("apex._flatten").attr("flatten")(tensors); },
+      py::arg("tensors"),
+      "one 1-D tensor holding the given dense tensors' elements one after another (NVIDIA apex_C's flatten; "
+      "apex._flatten.flatten)");
+  m.def(
+      "unflatten",
+      [](py::object flat, py::object tensors) {
+        return py::module_::import("apex._flatten").attr("unflatten")(flat, tensors);
+      },
+      py::arg("flat"), py::arg("tensors"),
+      "views of the 1-D tensor flat shaped like tensors, consecutive from element 0 (NVIDIA apex_C's unflatten; "
+      "apex._flatten.unflatten)");
+
   // ---- public typed API: objects carrying dtype, shape, device and lifetime ----------------------------
   const char* objs = " Buffers are objects with the buffer protocol or __dlpack__ (numpy arrays, torch tensors): "
                      "C-contiguous, on the CPU, float32/float16/bfloat16.";

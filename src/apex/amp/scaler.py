@@ -60,6 +60,7 @@ class LossScaler:
 
     Raises TypeError/ValueError for a non-number or a non-finite / non-positive scale or factor,
     ``scale_window`` < 1, ``growth`` < 1, ``backoff`` > 1, or ``min_loss_scale > max_loss_scale``.
+    Upstream's ``_overflow_buf`` flag protocol is kept (see that property).
     """
 
     def __init__(
@@ -101,12 +102,39 @@ class LossScaler:
         self._backoff_factor = backoff
         self._unskipped = 0
         self._has_overflow = False
+        self._overflow_flag: Optional[torch.Tensor] = None
 
     def loss_scale(self) -> float:
         return self._loss_scale
 
+    @property
+    def _overflow_buf(self) -> torch.Tensor:
+        """Upstream's overflow flag: a one-element tensor that multi-tensor ops (``amp_C.multi_tensor_scale``) set
+        nonzero when they meet inf/nan. Scripts that unscale and all-reduce grads themselves swap their own flag in
+        before calling ``update_scale()`` (BERT pretraining's post-accumulation all-reduce).
+
+        amp's own unscale records overflows without it, so the flag is only made on first access (a zero int32
+        tensor on the detected device) or when one is assigned. From then on ``clear_overflow_state()`` zeroes
+        it, and a dynamic ``update_scale()`` reads it (one host sync) and counts a nonzero value as an overflow.
+        """
+        if self._overflow_flag is None:
+            from apex import _device
+
+            self._overflow_flag = torch.zeros(1, dtype=torch.int, device=_device.detect_device())
+        return self._overflow_flag
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, flag: Any) -> None:
+        if not isinstance(flag, torch.Tensor) or flag.numel() != 1 or flag.is_complex() or flag.is_sparse:
+            got = (f"a {flag.dtype} tensor of shape {tuple(flag.shape)}" if isinstance(flag, torch.Tensor)
+                   else f"{flag!r} ({type(flag).__name__})")
+            raise TypeError(f"LossScaler._overflow_buf must be a one-element real tensor (an overflow flag), got {got}")
+        self._overflow_flag = flag
+
     def clear_overflow_state(self) -> None:
         self._has_overflow = False
+        if self._overflow_flag is not None:
+            self._overflow_flag.zero_()
 
     def record_overflow(self, found: bool) -> None:
         if found:
@@ -116,7 +144,12 @@ class LossScaler:
         return self._has_overflow
 
     def update_scale(self) -> bool:
-        """Apply the outcome of one unscale; True means "skip the next step" (dynamic overflow only)."""
+        """Apply the outcome of one unscale; True means "skip the next step" (dynamic overflow only).
+
+        A dynamic scaler whose ``_overflow_buf`` exists also counts a nonzero flag there as an overflow.
+        """
+        if self.dynamic and not self._has_overflow and self._overflow_flag is not None:
+            self._has_overflow = bool(self._overflow_flag.item())
         if self._has_overflow and self.dynamic:
             should_skip = True
             new = self._loss_scale * self._backoff_factor

@@ -51,6 +51,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._flatten import flatten as flatten  # upstream's module-level helpers, kept here
+from .._flatten import unflatten as unflatten
 from ..contrib.combine_tensors import plan_layout
 from ._comm import agree_layout, broadcast_tensors, flat_dist_call, layout_of, require_initialized, world_size
 from .reducer import BucketedAllReduce, GradSlots, Reducer, dense_view, plan_param_buckets
