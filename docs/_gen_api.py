@@ -27,6 +27,8 @@ MODULES = [
      "with `zero_grad(set_to_none=True)`.", None),
     ("apex.contrib", "Combined tensors: many tensors rebound as views into one flat buffer, so one elementwise pass "
      "touches them all.", None),
+    ("apex.contrib.clip_grad", "NVIDIA Apex's `clip_grad_norm_` (`from apex.contrib.clip_grad import "
+     "clip_grad_norm_`), on every device.", None),
     ("apex.parallel", "Distributed data parallel on torch.distributed (gloo / nccl / hccl), LARC and SyncBatchNorm"
      + (" (see [distributed.md](distributed.md))." if (Path(__file__).resolve().parent / "distributed.md").exists()
         else "."), None),
@@ -131,6 +133,11 @@ NOTES = {
     "apex.optimizers.FusedAdam": (
         "NVIDIA's signature and defaults (`adam_w_mode=True`, `set_grad_none=True`); runs on every device "
         "(NVIDIA's needs CUDA). `amsgrad=True` raises as NVIDIA's does."),
+    "apex.contrib.clip_grad.clip_grad_norm_": (
+        "NVIDIA: same signature and result; upstream is torch's `clip_grad_norm_` too, except that it sends the "
+        "2-norm of float32/float16 CUDA grads through its multi-tensor kernels (torch's foreach kernels do that "
+        "work here). New here: a negative or nan `max_norm` and a non-positive `norm_type` raise ValueError, "
+        "non-tensor entries TypeError, before any grad is scaled."),
     "apex.contrib.combine_tensors": (
         "The NPU patch's `combine_npu`, with this package's layout (also exported as torch_npu's "
         "`npu_combine_tensors`; `combine_npu` itself keeps the patch's layout). "

@@ -220,3 +220,58 @@ def test_combined_module_checkpoints_are_compact_and_load_in_place(shape_list, d
     m.load_state_dict({k: torch.ones_like(v) for k, v in sd.items()})
     assert is_combined_tensor_valid(flat, params)
     assert all(bool((p == 1).all()) for p in params)
+
+
+# ---------------------------------------------------------------- upstream helpers scripts call directly
+
+
+@SETTINGS
+@given(shape_list=shapes, max_norm=odd_numbers, norm_type=odd_numbers, seed=st.integers(0, 2**16))
+def test_clip_grad_norm_matches_torch_or_raises_unchanged(shape_list, max_norm, norm_type, seed):
+    from apex.contrib.clip_grad import clip_grad_norm_
+
+    torch.manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shape_list]
+    for p in ps:
+        p.grad = torch.randn(p.shape) * 5
+    before = [p.grad.clone() for p in ps]
+    try:
+        total = clip_grad_norm_(ps, max_norm, norm_type=norm_type)
+    except DOCUMENTED:
+        assert all(torch.equal(p.grad, b) for p, b in zip(ps, before))
+        return
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for r, b in zip(ref, before):
+        r.grad = b.clone()
+    max_norm = float(max_norm.item() if isinstance(max_norm, torch.Tensor) else max_norm)
+    norm_type = float(norm_type.item() if isinstance(norm_type, torch.Tensor) else norm_type)
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type=norm_type)
+    torch.testing.assert_close(total, want, rtol=0, atol=0, equal_nan=True)
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0, equal_nan=True)
+
+
+@SETTINGS
+@given(shape_list=shapes, extra=st.integers(-3, 3), flat_dim=st.integers(0, 2),
+       dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
+def test_unflatten_views_or_raises(shape_list, extra, flat_dim, dtype):
+    import apex_C
+
+    ts = [torch.randn(s) for s in shape_list]
+    need = sum(t.numel() for t in ts)
+    n = max(need + extra, 0)
+    flat = torch.arange(n, dtype=getattr(torch, dtype))
+    if flat_dim == 2:
+        flat = flat.reshape(1, n)
+    elif flat_dim == 0 and n == 1:
+        flat = flat.reshape(())
+    before = flat.clone()
+    try:
+        views = apex_C.unflatten(flat, ts)
+    except DOCUMENTED:
+        assert flat.dim() != 1 or n < need
+        assert torch.equal(flat, before)
+        return
+    assert flat.dim() == 1 and n >= need
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views] + [flat[need:]]), flat)
+    assert [v.shape for v in views] == [t.shape for t in ts]

@@ -1,0 +1,108 @@
+"""apex.contrib.clip_grad.clip_grad_norm_ (NVIDIA Apex's name): torch.nn.utils.clip_grad_norm_ is the reference.
+
+Same inputs on copies, compared bitwise (both sides run torch's math); bad arguments raise before any grad moves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from apex.contrib.clip_grad import clip_grad_norm_
+from apex.contrib.clip_grad import clip_grad_norm_ as via_module
+
+SHAPES = [(3, 4), (1,), (0,), (5, 1, 2), (), (33,)]
+
+
+def _params(dtypes, scale=10.0, none_at=(2,)):
+    g = torch.Generator().manual_seed(1)
+    ps = []
+    for k, s in enumerate(SHAPES):
+        dtype = dtypes[k % len(dtypes)]
+        p = torch.nn.Parameter(torch.randn(s, generator=g).to(dtype))
+        if k not in none_at:
+            p.grad = (torch.randn(s, generator=g) * scale).to(dtype)
+        ps.append(p)
+    return ps
+
+
+def _copies(ps):
+    out = []
+    for p in ps:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = None if p.grad is None else p.grad.clone()
+        out.append(q)
+    return out
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.bfloat16], [torch.float16],
+                                    [torch.float32, torch.float16, torch.bfloat16, torch.float64]], ids=str)
+@pytest.mark.parametrize("norm_type", [2.0, 1, 3.5, math.inf, "inf"])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipped / left alone
+def test_matches_torch(dtypes, norm_type, max_norm):
+    ps = _params(dtypes)
+    ref = _copies(ps)
+    total = clip_grad_norm_(ps, max_norm, norm_type=norm_type)
+    want = torch.nn.utils.clip_grad_norm_([q for q in ref if q.grad is not None], max_norm, norm_type=norm_type)
+    assert total.shape == () and torch.equal(total, want)
+    for p, q in zip(ps, ref):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert p.grad.dtype == q.grad.dtype and torch.equal(p.grad, q.grad)
+
+
+def test_single_tensor_generators_and_no_grads():
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    assert torch.equal(clip_grad_norm_(p, 1.0), torch.tensor(6.0))
+    torch.testing.assert_close(p.grad.norm(), torch.tensor(1.0), rtol=1e-6, atol=0)
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    assert clip_grad_norm_(model.parameters(), 1e9) > 0  # a generator, consumed once
+    assert torch.equal(via_module([torch.nn.Parameter(torch.ones(2))], 1.0), torch.tensor(0.0))
+    assert torch.equal(clip_grad_norm_([], 1.0), torch.tensor(0.0))
+
+
+def test_nonfinite_norm():
+    ps = _params([torch.float32])
+    ps[0].grad[0, 0] = float("nan")
+    before = [None if p.grad is None else p.grad.clone() for p in ps]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
+    for p, b in zip(ps, before):  # raised before scaling
+        if b is not None:
+            torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(clip_grad_norm_(ps, 1.0))  # without the flag: torch's behaviour
+
+
+@pytest.mark.parametrize("args,kwargs,exc,match", [
+    ((5, 1.0), {}, TypeError, "parameters must be a tensor or an iterable of tensors, got int"),
+    (([torch.ones(1), "w"], 1.0), {}, TypeError, r"parameters\[1\] must be a tensor, got str"),
+    ((None, 1.0), {}, TypeError, "got NoneType"),
+    ((..., -1.0), {}, ValueError, "max_norm must be >= 0, got -1.0"),
+    ((..., float("nan")), {}, ValueError, "max_norm must be >= 0"),
+    ((..., None), {}, TypeError, "max_norm must be a number, got None"),
+    ((..., True), {}, TypeError, "max_norm must be a number, got True"),
+    ((..., "big"), {}, ValueError, "max_norm must be a number or 'inf', got 'big'"),
+    ((..., torch.ones(2)), {}, TypeError, r"max_norm must be a number, got a tensor of shape \(2,\)"),
+    ((..., 1.0), {"norm_type": 0}, ValueError, "norm_type must be a positive number or 'inf', got 0.0"),
+    ((..., 1.0), {"norm_type": "two"}, ValueError, "norm_type must be a number or 'inf', got 'two'"),
+    ((..., 1.0), {"error_if_nonfinite": "yes"}, TypeError, "error_if_nonfinite must be a bool"),
+])
+def test_bad_arguments_change_nothing(args, kwargs, exc, match):
+    ps = _params([torch.float32])
+    before = [None if p.grad is None else p.grad.clone() for p in ps]
+    args = tuple(ps if a is ... else a for a in args)
+    with pytest.raises(exc, match=match):
+        clip_grad_norm_(*args, **kwargs)
+    for p, b in zip(ps, before):
+        assert (p.grad is None and b is None) or torch.equal(p.grad, b)
+
+
+def test_tensor_max_norm_is_read_out():
+    ps = _params([torch.float32])
+    ref = _copies(ps)
+    total = clip_grad_norm_(ps, torch.tensor(0.5))
+    assert torch.equal(total, torch.nn.utils.clip_grad_norm_([q for q in ref if q.grad is not None], 0.5))
