@@ -29,6 +29,8 @@ MODULES = [
      "touches them all.", None),
     ("apex.contrib.clip_grad", "NVIDIA Apex's `clip_grad_norm_` (`from apex.contrib.clip_grad import "
      "clip_grad_norm_`), on every device.", None),
+    ("apex.contrib.layer_norm", "NVIDIA Apex's `FastLayerNorm` and `FastLayerNormFN` (its persistent-kernel layer "
+     "norm, which Megatron-core and ColossalAI pick up), on torch's `layer_norm` on every device.", None),
     ("apex.parallel", "Distributed data parallel on torch.distributed (gloo / nccl / hccl), LARC and SyncBatchNorm"
      + (" (see [distributed.md](distributed.md))." if (Path(__file__).resolve().parent / "distributed.md").exists()
         else "."), None),
@@ -138,6 +140,15 @@ NOTES = {
         "2-norm of float32/float16 CUDA grads through its multi-tensor kernels (torch's foreach kernels do that "
         "work here). New here: a negative or nan `max_norm` and a non-positive `norm_type` raise ValueError, "
         "non-tensor entries TypeError, before any grad is scaled."),
+    "apex.contrib.layer_norm.FastLayerNorm": (
+        "NVIDIA: same arguments, parameters (`weight` ones, `bias` zeros), output dtype (the weights') and autocast "
+        "rule. Upstream's kernel exists for a list of hidden sizes on CUDA only; here any size on any device, on "
+        "torch's `layer_norm` computed in float32. `memory_efficient` is recorded only."),
+    "apex.contrib.layer_norm.FastLayerNormFN": (
+        "NVIDIA: a `torch.autograd.Function` over its CUDA kernel; here `forward(ctx, x, gamma, beta, epsilon, "
+        "memory_efficient=False)` with upstream's argument names (Megatron-core inspects them) and `apply(...)` = "
+        "`forward(None, ...)`, autograd by torch. An input whose last dimension is not `gamma.numel()` raises "
+        "ValueError (upstream reshaped it to rows of the hidden size)."),
     "apex.contrib.combine_tensors": (
         "The NPU patch's `combine_npu`, with this package's layout (also exported as torch_npu's "
         "`npu_combine_tensors`; `combine_npu` itself keeps the patch's layout). "
@@ -430,8 +441,9 @@ for _name, _what in (("fused_layer_norm", "layer norm without weights"),
 for _name in ("FusedLayerNormAffineFunction", "FusedLayerNormFunction", "FusedLayerNormAffineMixedDtypesFunction",
               "FusedRMSNormAffineFunction", "FusedRMSNormFunction", "FusedRMSNormAffineMixedDtypesFunction"):
     NOTES["apex.normalization.fused_layer_norm." + _name] = (
-        "NVIDIA: a `torch.autograd.Function` over its CUDA kernels; here only its `apply(...)` entry point, with "
-        "the same positional arguments, running the functional form (code such as Megatron's calls `apply`).")
+        "NVIDIA: a `torch.autograd.Function` over its CUDA kernels; here `forward(ctx, ...)` with upstream's "
+        "argument names (Megatron-core inspects them to decide whether to pass `memory_efficient`) and "
+        "`apply(...)` = `forward(None, ...)`, running the functional form; autograd is torch's.")
 
 
 def _first_paragraph(obj) -> str:

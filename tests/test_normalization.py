@@ -186,6 +186,50 @@ def test_upstream_function_classes_apply_the_functional_forms():
     assert fln.FusedRMSNormAffineMixedDtypesFunction.apply(x, wb, (5,), 1e-5).dtype == torch.bfloat16
 
 
+UPSTREAM_FORWARD_ARGS = {  # NVIDIA Apex's torch.autograd.Function.forward signatures
+    "FusedLayerNormAffineFunction": ["ctx", "input", "weight", "bias", "normalized_shape", "eps", "memory_efficient"],
+    "FusedLayerNormAffineMixedDtypesFunction": ["ctx", "input", "weight", "bias", "normalized_shape", "eps",
+                                                "memory_efficient"],
+    "FusedLayerNormFunction": ["ctx", "input", "normalized_shape", "eps", "memory_efficient"],
+    "FusedRMSNormAffineFunction": ["ctx", "input", "weight", "normalized_shape", "eps", "memory_efficient"],
+    "FusedRMSNormAffineMixedDtypesFunction": ["ctx", "input", "weight", "normalized_shape", "eps", "memory_efficient"],
+    "FusedRMSNormFunction": ["ctx", "input", "normalized_shape", "eps", "memory_efficient"],
+}
+
+
+def test_function_classes_have_upstreams_forward_arguments():
+    import inspect
+
+    for name, args in UPSTREAM_FORWARD_ARGS.items():
+        assert inspect.getfullargspec(getattr(fln, name).forward).args == args, name
+
+
+class _MegatronStyleLayerNorm(nn.Module):
+    """Megatron-core's documented call pattern: pass memory_efficient only when forward's arguments name it."""
+
+    def __init__(self, hidden, fn):
+        super().__init__()
+        self.weight, self.bias, self.hidden, self.fn = nn.Parameter(torch.ones(hidden)), nn.Parameter(
+            torch.zeros(hidden)), hidden, fn
+
+    def forward(self, x):
+        import inspect
+
+        assert "memory_efficient" in inspect.getfullargspec(self.fn.forward).args
+        return self.fn.apply(x, self.weight, self.bias, self.hidden, 1e-5, False)
+
+
+def test_megatron_style_introspection_and_training_step():
+    torch.manual_seed(0)
+    ours = _MegatronStyleLayerNorm(8, fln.FusedLayerNormAffineFunction)
+    ref = nn.LayerNorm(8, eps=1e-5)
+    x = torch.randn(4, 3, 8)
+    (ours(x) * x).sum().backward()
+    (ref(x) * x).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad, rtol=0, atol=0)
+
+
 def _autocast_dtype(device):
     return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
 

@@ -202,15 +202,15 @@ def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor,
 # ---------------------------------------------------------------- upstream's autograd.Function names
 class _ApplyForm:
     """Upstream exposes its kernels as ``torch.autograd.Function`` classes that code calls as
-    ``Cls.apply(input, ..., normalized_shape, eps, memory_efficient=False)`` (Megatron does). Here
-    ``apply`` runs the functional form's math with the same positional arguments, without its autocast
-    casts (upstream's ``apply`` takes the dtypes it is given); autograd is torch's."""
-
-    _form = None
+    ``Cls.apply(input, ..., normalized_shape, eps, memory_efficient=False)`` and inspects
+    (Megatron-core checks ``'memory_efficient' in inspect.getfullargspec(Cls.forward).args``). Here
+    ``forward(ctx, ...)`` has upstream's argument names and runs the functional form's math without its
+    autocast casts (upstream's ``apply`` takes the dtypes it is given); ``apply(...)`` is ``forward(None,
+    ...)``, and autograd is torch's, through the ops ``forward`` runs (``ctx`` is not used)."""
 
     @classmethod
     def apply(cls, *args, **kwargs) -> torch.Tensor:
-        return cls._form(*args, **kwargs)
+        return cls.forward(None, *args, **kwargs)  # every subclass defines forward
 
 
 class FusedLayerNormAffineFunction(_ApplyForm):
@@ -218,7 +218,7 @@ class FusedLayerNormAffineFunction(_ApplyForm):
     :func:`fused_layer_norm_affine` without its autocast casts."""
 
     @staticmethod
-    def _form(input, weight, bias, normalized_shape, eps, memory_efficient=False):
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
         return _layer_norm_form("FusedLayerNormAffineFunction", False, False, input, weight, bias,
                                 normalized_shape, eps)
 
@@ -228,7 +228,7 @@ class FusedLayerNormFunction(_ApplyForm):
     autocast casts."""
 
     @staticmethod
-    def _form(input, normalized_shape, eps, memory_efficient=False):
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
         return _layer_norm_form("FusedLayerNormFunction", False, False, input, None, None, normalized_shape, eps)
 
 
@@ -237,7 +237,7 @@ class FusedLayerNormAffineMixedDtypesFunction(_ApplyForm):
     :func:`mixed_dtype_fused_layer_norm_affine` without its autocast casts."""
 
     @staticmethod
-    def _form(input, weight, bias, normalized_shape, eps, memory_efficient=False):
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
         return _layer_norm_form("FusedLayerNormAffineMixedDtypesFunction", True, False, input, weight, bias,
                                 normalized_shape, eps)
 
@@ -247,7 +247,7 @@ class FusedRMSNormAffineFunction(_ApplyForm):
     without its autocast casts."""
 
     @staticmethod
-    def _form(input, weight, normalized_shape, eps, memory_efficient=False):
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
         return _rms_norm_form("FusedRMSNormAffineFunction", False, False, input, weight, normalized_shape, eps)
 
 
@@ -256,7 +256,7 @@ class FusedRMSNormFunction(_ApplyForm):
     autocast casts."""
 
     @staticmethod
-    def _form(input, normalized_shape, eps, memory_efficient=False):
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
         return _rms_norm_form("FusedRMSNormFunction", False, False, input, None, normalized_shape, eps)
 
 
@@ -265,7 +265,7 @@ class FusedRMSNormAffineMixedDtypesFunction(_ApplyForm):
     :func:`mixed_dtype_fused_rms_norm_affine` without its autocast casts."""
 
     @staticmethod
-    def _form(input, weight, normalized_shape, eps, memory_efficient=False):
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
         return _rms_norm_form("FusedRMSNormAffineMixedDtypesFunction", True, False, input, weight,
                               normalized_shape, eps)
 
