@@ -43,6 +43,8 @@ MODULES = [
      "`(chunk_size, noop_flag, tensor_lists, *args)`, on CPU (through the C++ core and the optimizers' math), "
      "CUDA and NPU (torch ops). Not a top-level module: where NVIDIA's compiled `amp_C` is not installed, "
      "`import amp_C` finds these ops, before or after `import apex` (see `register_amp_C`).", None),
+    ("apex.mlp", "NVIDIA Apex's `MLP`: linear layers each followed by one activation, on torch's ops on every "
+     "device.", None),
     ("apex.normalization", "NVIDIA Apex's fused layer norm and RMS norm modules, on torch's own kernels on every "
      "device.", None),
     ("apex.normalization.fused_layer_norm", "The functional forms and upstream's `*Function.apply` names (the "
@@ -149,6 +151,16 @@ NOTES = {
         "memory_efficient=False)` with upstream's argument names (Megatron-core inspects them) and `apply(...)` = "
         "`forward(None, ...)`, autograd by torch. An input whose last dimension is not `gamma.numel()` raises "
         "ValueError (upstream reshaped it to rows of the hidden size)."),
+    "apex.mlp.MLP": (
+        "NVIDIA: same arguments, attributes (`weights`, `biases`, `weight_<i>` / `bias_<i>`, `num_layers`, "
+        "`mlp_sizes`, integer `bias` / `activation` codes), initialisation, activation after every layer and "
+        "autocast rule; upstream runs one CUDA extension call, here `F.linear` per layer on any device and dtype. "
+        "Input feature counts are checked (ValueError); `.to()` keeps `weights` / `biases` pointing at the "
+        "registered parameters."),
+    "apex.mlp.MlpFunction": (
+        "NVIDIA: a `torch.autograd.Function` over its CUDA extension; here `forward(ctx, bias, activation, *args)` "
+        "with upstream's arguments and `apply(...)` = `forward(None, ...)`, autograd by torch."),
+    "apex.mlp.mlp_function": "NVIDIA: same arguments; arguments checked (shapes, codes) before anything runs.",
     "apex.contrib.combine_tensors": (
         "The NPU patch's `combine_npu`, with this package's layout (also exported as torch_npu's "
         "`npu_combine_tensors`; `combine_npu` itself keeps the patch's layout). "
