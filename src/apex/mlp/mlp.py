@@ -23,16 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from apex._autocast import autocast_on, cast_to_autocast_dtype
+
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
 _ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2}
-
-
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know
-        return False
 
 
 def _layers(bias: int, activation: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -62,10 +57,8 @@ def _layers(bias: int, activation: int, tensors: Sequence[torch.Tensor]) -> torc
             raise ValueError(f"{where}: bias {i} has shape {tuple(b.shape)}; expected ({w.shape[0]},)")
         features = w.shape[0]
     device_type = x.device.type
-    if _autocast_on(device_type):
-        low = torch.get_autocast_dtype(device_type)
-        cast = [t.to(low) if t is not None and t.dtype != torch.float64 and t.device.type == device_type else t
-                for t in (x, *weights, *biases)]
+    if autocast_on(device_type):
+        cast = cast_to_autocast_dtype(device_type, (x, *weights, *biases))
         x, weights, biases = cast[0], cast[1:1 + n], cast[1 + n:]
         with torch.autocast(device_type, enabled=False):
             return _run(x, weights, biases, activation)

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from apex._autocast import autocast_on, cast_to_autocast_dtype
+
 __all__ = [
     "FusedLayerNorm",
     "FusedLayerNormAffineFunction",
@@ -117,24 +119,15 @@ def _rms_norm(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Te
     return F.rms_norm(x.float(), shape, None if weight is None else weight.float(), eps).to(out_dtype)
 
 
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know: never on there
-        return False
-
-
 def _run(cast: bool, norm, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
          mixed: bool) -> torch.Tensor:
     """``norm(x, weight, bias, out_dtype)`` with upstream's autocast handling (module docstring); the output
     dtype is the input's, or the weight's for the mixed forms, after any cast."""
     device_type = x.device.type
-    if not _autocast_on(device_type):
+    if not autocast_on(device_type):
         return norm(x, weight, bias, weight.dtype if mixed else x.dtype)
     if cast:
-        low = torch.get_autocast_dtype(device_type)
-        x, weight, bias = (t.to(low) if t is not None and t.is_floating_point() and t.dtype != torch.float64
-                           and t.device.type == device_type else t for t in (x, weight, bias))
+        x, weight, bias = cast_to_autocast_dtype(device_type, (x, weight, bias))
     with torch.autocast(device_type, enabled=False):
         return norm(x, weight, bias, weight.dtype if mixed else x.dtype)
 
