@@ -36,9 +36,14 @@ def main(argv: list) -> int:
                         "missing from site-packages or failed")
     import apex_C
 
-    import _apex_amp_c
+    modules = [apex_C]
+    try:
+        import _apex_amp_c
 
-    modules = [_apex_amp_c, apex_C]
+        modules.insert(0, _apex_amp_c)
+    except ImportError as err:
+        problems.append(f"_apex_amp_c does not import ({err}): the installed apex is older than the source tree or "
+                        "incomplete; reinstall it")
     if "--no-torch" not in argv:
         import apex
 

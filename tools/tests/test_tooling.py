@@ -65,6 +65,18 @@ def test_container_scripts_run_as_files_and_import_the_shared_helpers():
     assert "--suite" in out.stdout
 
 
+def test_check_install_names_a_missing_start_up_hook(tmp_path):
+    # an environment whose apex predates the `import amp_C` hook (or lost its .pth): reported, not a traceback
+    (tmp_path / "apex_C.py").write_text("def supported_simd_levels():\n    return ('baseline',)\n"
+                                        "def simd_level():\n    return 'baseline'\n")
+    done = subprocess.run([sys.executable, "-S", str(ROOT / "tools" / "check_install.py"), str(tmp_path / "src"),
+                           "--no-torch"], capture_output=True, text=True, cwd=tmp_path, check=False,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 1, done.stderr
+    assert "fallback finder is not on sys.meta_path at start-up" in done.stderr
+    assert "_apex_amp_c does not import" in done.stderr and "Traceback" not in done.stderr
+
+
 # ------------------------------------------------------------------------------- one file for every version
 def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
