@@ -12,8 +12,9 @@ Two places install the finder: ``import apex``, and at interpreter start-up the 
 that the wheel puts beside this module in site-packages (``site`` runs its one ``import`` line). So the
 order of the imports does not matter. This module is a top-level one with no dependency beyond the
 standard library, so start-up imports neither ``apex`` nor ``torch``: both load only when ``amp_C`` is
-imported and no other finder has it (the start-up cost is this module alone, about 0.1 ms; importlib too
-is imported only then). ``python -S`` skips ``.pth`` files; there ``import apex`` installs it.
+imported and no other finder has it (the start-up cost is this module alone: about 0.3 ms of import time
+measured with ``-X importtime``; importlib too is imported only then). ``python -S`` skips ``.pth`` files;
+there ``import apex`` installs it.
 """
 
 import sys

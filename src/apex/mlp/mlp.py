@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apex._autocast import autocast_on, cast_to_autocast_dtype
+from apex._upstream_forms import FunctionForm, run_as_fused
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
@@ -56,13 +56,7 @@ def _layers(bias: int, activation: int, tensors: Sequence[torch.Tensor]) -> torc
         if b is not None and tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"{where}: bias {i} has shape {tuple(b.shape)}; expected ({w.shape[0]},)")
         features = w.shape[0]
-    device_type = x.device.type
-    if autocast_on(device_type):
-        cast = cast_to_autocast_dtype(device_type, (x, *weights, *biases))
-        x, weights, biases = cast[0], cast[1:1 + n], cast[1 + n:]
-        with torch.autocast(device_type, enabled=False):
-            return _run(x, weights, biases, activation)
-    return _run(x, weights, biases, activation)
+    return run_as_fused(x.device.type, lambda x, *ps: _run(x, ps[:n], ps[n:], activation), (x, *weights, *biases))
 
 
 def _run(x, weights, biases, activation) -> torch.Tensor:
@@ -81,18 +75,13 @@ def mlp_function(bias: int, activation: int, *args: torch.Tensor) -> torch.Tenso
     return _layers(bias, activation, args)
 
 
-class MlpFunction:
+class MlpFunction(FunctionForm):
     """Upstream's ``torch.autograd.Function`` name: ``MlpFunction.apply(bias, activation, input, *weights,
-    *biases)``; ``forward(ctx, bias, activation, *args)`` has upstream's arguments and ``apply`` is
-    ``forward(None, ...)``, autograd through torch's ops."""
+    *biases)``; ``forward(ctx, bias, activation, *args)`` has upstream's arguments."""
 
     @staticmethod
     def forward(ctx, bias, activation, *args) -> torch.Tensor:
         return _layers(bias, activation, args)
-
-    @classmethod
-    def apply(cls, *args) -> torch.Tensor:
-        return cls.forward(None, *args)
 
 
 class MLP(nn.Module):

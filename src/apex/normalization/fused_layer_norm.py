@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apex._autocast import autocast_on, cast_to_autocast_dtype
+from apex._upstream_forms import FunctionForm, run_as_fused
 
 __all__ = [
     "FusedLayerNorm",
@@ -123,13 +123,8 @@ def _run(cast: bool, norm, x: torch.Tensor, weight: Optional[torch.Tensor], bias
          mixed: bool) -> torch.Tensor:
     """``norm(x, weight, bias, out_dtype)`` with upstream's autocast handling (module docstring); the output
     dtype is the input's, or the weight's for the mixed forms, after any cast."""
-    device_type = x.device.type
-    if not autocast_on(device_type):
-        return norm(x, weight, bias, weight.dtype if mixed else x.dtype)
-    if cast:
-        x, weight, bias = cast_to_autocast_dtype(device_type, (x, weight, bias))
-    with torch.autocast(device_type, enabled=False):
-        return norm(x, weight, bias, weight.dtype if mixed else x.dtype)
+    return run_as_fused(x.device.type, lambda x, w, b: norm(x, w, b, w.dtype if mixed else x.dtype),
+                        (x, weight, bias), cast)
 
 
 def _layer_norm_form(where: str, mixed: bool, cast: bool, input: torch.Tensor, weight: Optional[torch.Tensor],
@@ -193,17 +188,10 @@ def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor,
 
 
 # ---------------------------------------------------------------- upstream's autograd.Function names
-class _ApplyForm:
-    """Upstream exposes its kernels as ``torch.autograd.Function`` classes that code calls as
-    ``Cls.apply(input, ..., normalized_shape, eps, memory_efficient=False)`` and inspects
-    (Megatron-core checks ``'memory_efficient' in inspect.getfullargspec(Cls.forward).args``). Here
-    ``forward(ctx, ...)`` has upstream's argument names and runs the functional form's math without its
-    autocast casts (upstream's ``apply`` takes the dtypes it is given); ``apply(...)`` is ``forward(None,
-    ...)``, and autograd is torch's, through the ops ``forward`` runs (``ctx`` is not used)."""
-
-    @classmethod
-    def apply(cls, *args, **kwargs) -> torch.Tensor:
-        return cls.forward(None, *args, **kwargs)  # every subclass defines forward
+class _ApplyForm(FunctionForm):
+    """Upstream's layer / RMS norm ``Function`` names: ``Cls.apply(input, ..., normalized_shape, eps,
+    memory_efficient=False)`` runs the functional form's math without its autocast casts (upstream's ``apply``
+    takes the dtypes it is given)."""
 
 
 class FusedLayerNormAffineFunction(_ApplyForm):

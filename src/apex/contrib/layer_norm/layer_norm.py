@@ -19,6 +19,7 @@ import numbers
 import torch
 from torch import nn
 
+from apex._upstream_forms import FunctionForm
 from apex.normalization.fused_layer_norm import _layer_norm_form
 
 __all__ = ["FastLayerNorm", "FastLayerNormFN"]
@@ -38,7 +39,7 @@ def _fast_layer_norm(where: str, cast: bool, x, gamma, beta, epsilon) -> torch.T
     return _layer_norm_form(where, True, cast, x, gamma.reshape(hidden), beta.reshape(hidden), (hidden,), epsilon)
 
 
-class FastLayerNormFN:
+class FastLayerNormFN(FunctionForm):
     """Upstream's ``torch.autograd.Function`` name: ``FastLayerNormFN.apply(x, gamma, beta, epsilon,
     memory_efficient=False)`` normalises the last dimension of ``x`` (whose size must be ``gamma.numel()``).
 
@@ -50,10 +51,6 @@ class FastLayerNormFN:
     @staticmethod
     def forward(ctx, x, gamma, beta, epsilon, memory_efficient=False) -> torch.Tensor:
         return _fast_layer_norm("FastLayerNormFN", False, x, gamma, beta, epsilon)
-
-    @classmethod
-    def apply(cls, *args, **kwargs) -> torch.Tensor:
-        return cls.forward(None, *args, **kwargs)
 
 
 class FastLayerNorm(nn.Module):
