@@ -341,6 +341,19 @@ def _rss_note(st: Dict[str, Any]) -> str:
             "(equal = no lasting copy of params or grads)")
 
 
+def _grad_buffer_note(st: Dict[str, Any]) -> str:
+    """How much flat grad buffer our optimizer holds after the timed steps. With fresh grads every step it makes
+    none (the grads are read where autograd left them); with kept grads the buffer is where the grads live."""
+    opt = st.get("ours")
+    groups = getattr(opt, "_groups", None)
+    if not groups or not st.get("first_done"):
+        return ""
+    held = sum(s.flat_g.numel() * s.flat_g.element_size() for c in groups.values() for s in c.sets
+               if s.has_grad_buffer)
+    params = sum(p.numel() * p.element_size() for p in st["ours_p"])
+    return f"flat grad buffers held after the run: {held / 2 ** 20:.0f} MiB (params: {params / 2 ** 20:.0f} MiB)"
+
+
 def _setup(ctx: Context, opt: Optim, regime: str, dtype: torch.dtype, fresh: bool,
            ref: Callable[[List[torch.Tensor]], Any]) -> Dict[str, Any]:
     import apex.optimizers as ao
@@ -465,7 +478,7 @@ def _make_entry(opt: Optim, regime: str, dtype: torch.dtype, fresh: bool) -> Ent
         return st
 
     def teardown(st):
-        note = "; ".join(n for n in (why, st.get("fault"), _rss_note(st)) if n)
+        note = "; ".join(n for n in (why, st.get("fault"), _rss_note(st), _grad_buffer_note(st)) if n)
         if note:
             holder["entry"].notes = note
 

@@ -37,9 +37,11 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import tempfile
+import time
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +184,67 @@ VARIANTS = {
 }
 
 
+PHASES = ("forward+backward", "clip", "optimizer.step", "scheduler+zero_grad")
+
+
+def _phase_timer(tf):
+    """A TrainerCallback that stamps each step's phases (perf_counter at the Trainer's own callback points, plus
+    the training_step wrapped by `_build_trainer`): a few function calls per step on both sides alike."""
+
+    class PhaseTimer(tf.TrainerCallback):
+        def __init__(self):
+            self.marks: List[Tuple[str, float]] = []
+
+        def mark(self, name: str) -> None:
+            self.marks.append((name, time.perf_counter()))
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            self.mark("pre_opt")
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            self.mark("post_opt")
+
+        def on_step_end(self, args, state, control, **kw):
+            self.mark("step_end")
+
+        def per_step(self) -> Dict[str, List[float]]:
+            """Seconds per phase, one value per optimizer step (a step is ts_begin .. step_end)."""
+            out: Dict[str, List[float]] = {k: [] for k in PHASES}
+            t: Dict[str, float] = {}
+            for name, at in self.marks:
+                t[name] = at
+                if name == "step_end" and len(t) == 5:
+                    out["forward+backward"].append(t["ts_end"] - t["ts_begin"])
+                    out["clip"].append(t["pre_opt"] - t["ts_end"])
+                    out["optimizer.step"].append(t["post_opt"] - t["pre_opt"])
+                    out["scheduler+zero_grad"].append(t["step_end"] - t["post_opt"])
+                    t = {}
+            return out
+
+    return PhaseTimer()
+
+
+def _phase_note(st: Dict[str, Any]) -> str:
+    """Per-step phase medians of both sides over all timed runs, and what the optimizer step allows: the whole
+    run's ratio cannot go below 1 - (the reference's step share), whatever our step costs."""
+    runs = st["phases"]
+    if not runs["ours"] or not runs["ref"]:
+        return ""
+    med = {}
+    for side in ("ours", "ref"):
+        per = {k: [v for run in runs[side] for v in run[k][1:]] for k in PHASES}  # steps after the first
+        med[side] = {k: statistics.median(v) * 1e3 for k, v in per.items() if v}
+        med[side]["first"] = statistics.median(run["optimizer.step"][0] for run in runs[side]) * 1e3
+    if set(PHASES) - set(med["ref"]) or set(PHASES) - set(med["ours"]):
+        return ""
+    parts = [f"{k} {med['ours'][k]:.2f} / {med['ref'][k]:.2f}" for k in PHASES]
+    whole = sum(med["ref"][k] for k in PHASES)
+    share = med["ref"]["optimizer.step"] / whole
+    return (f"per-step medians, ms ours / ref: {', '.join(parts)}; first optimizer.step {med['ours']['first']:.1f} / "
+            f"{med['ref']['first']:.1f}; the reference's optimizer.step is {100 * share:.1f}% of its step, so a "
+            f"free optimizer step would give {1 - share:.3f}")
+
+
 def _trainer_setup(ctx: Context, variant: str) -> Dict[str, Any]:
     _offline_env()
     import transformers
@@ -208,6 +271,8 @@ def _trainer_setup(ctx: Context, variant: str) -> Dict[str, Any]:
         "trainer": {},
         "record": {"steps": size["steps"], "ours_args": _args_label(ours_kw), "ref_args": _args_label(ref_kw)},
         "apex_amp": ours_kw.get("half_precision_backend") == "apex",
+        "phases": {"ours": [], "ref": []},
+        "timers": {},
     }
     del probe
     return st
@@ -238,7 +303,19 @@ def _build_trainer(st: Dict[str, Any], side: str) -> None:
         learning_rate=1e-4, weight_decay=1e-2, lr_scheduler_type="constant", seed=ctx.seed, data_seed=ctx.seed,
         use_cpu=ctx.device == "cpu", report_to=[], save_strategy="no", eval_strategy="no",
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **st["kw"][side])
-    st["trainer"][side] = tf.Trainer(model=model, args=args, train_dataset=st["data"])
+    timer = _phase_timer(tf)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=st["data"], callbacks=[timer])
+    training_step = trainer.training_step
+
+    def timed_training_step(*a, **kw):
+        timer.mark("ts_begin")
+        out = training_step(*a, **kw)
+        timer.mark("ts_end")
+        return out
+
+    trainer.training_step = timed_training_step
+    st["trainer"][side] = trainer
+    st["timers"][side] = timer
 
 
 def _train(side: str):
@@ -260,6 +337,7 @@ def _train(side: str):
             if side == "ours":
                 _deinit_amp(st)  # amp patches torch globally: never leave it on for the reference's run
         st["record"][f"{side}_training_loss"] = float(out.training_loss)
+        st["phases"][side].append(st["timers"].pop(side).per_step())
         if not math.isfinite(out.training_loss):
             raise AssertionError(f"Trainer ({side}): training loss is {out.training_loss}")
         return float(out.metrics["train_runtime"])
@@ -270,6 +348,9 @@ def _train(side: str):
 def _trainer_teardown(st) -> None:
     _deinit_amp(st)
     shutil.rmtree(st["out_dir"], ignore_errors=True)
+    note = _phase_note(st)
+    if note:
+        st["entry"].notes = f"{st['entry'].notes}; {note}"
 
 
 def _apex_distribution() -> bool:
@@ -309,10 +390,17 @@ def register(reg: Registry) -> None:
             log.info("apex is not installed as a distribution (transformers' is_apex_available() reads its "
                      "package metadata): no %s entry; `pip install .` or `nox -s bench` runs it", label)
             continue
-        reg.add(Entry(
+        holder: Dict[str, Entry] = {}
+
+        def setup(ctx, variant=variant, holder=holder):
+            st = _trainer_setup(ctx, variant)
+            st["entry"] = holder["entry"]  # the teardown adds the phase split to its notes
+            return st
+
+        holder["entry"] = entry = Entry(
             name=label,
             regime=f"gpt2-4x256 {variant}",
-            setup=lambda ctx, variant=variant: _trainer_setup(ctx, variant),
+            setup=setup,
             ours=_train("ours"),
             torch_ref=_train("ref"),
             before_ours=lambda st: _build_trainer(st, "ours"),
@@ -332,4 +420,5 @@ def register(reg: Registry) -> None:
             zero_grad="set_to_none",
             notes="train_runtime of Trainer.train(), medians over whole training runs",
             devices=("cpu", "cuda", "npu"),
-        ))
+        )
+        reg.add(entry)

@@ -107,9 +107,12 @@ NOTES = {
         "then `update_scale()` counts a nonzero flag as an overflow); amp's own unscale does not need it, so the "
         "flag is only made on first access."),
     "apex.optimizers.CombinedOptimizer": (
-        "Base class of every fused optimizer here. Params, grads and per-param states are combined lazily at the "
+        "Base class of every fused optimizer here. Params and per-param states are combined lazily at the "
         "first step, per dtype and param group; `state[p]` entries stay views, so `state_dict()` has "
-        "torch.optim's layout. Sharing broken by user code (`p.data = ...`, a new `p.grad`, `model.to(...)`) is "
+        "torch.optim's layout. Grads are read where autograd left them; a flat grad buffer is made only when "
+        "grads are kept between steps (`zero_grad(set_to_none=False)`: adopted at the second step) or amp or "
+        "clipping need one, so with torch's default `zero_grad()` the optimizer holds no copy of the grads. "
+        "Sharing broken by user code (`p.data = ...`, a new `p.grad`, `model.to(...)`) is "
         "detected before the update and healed by re-combining. Stricter than torch: a param listed twice (in one "
         "group or two), infinite hyperparameters, and checkpoint states a step could not use (non-tensors, wrong "
         "shapes or dtypes, steps that are not finite counts >= 0, incomplete entries) raise TypeError/ValueError "

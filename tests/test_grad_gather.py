@@ -5,6 +5,11 @@ tensors every step. The kernel-backed optimizers then read them through a per-sl
 instead of copying them into the flat grad buffer: ``p.grad`` stays the caller's tensor, nothing is
 re-combined, and the update is bitwise the update of the combined path (same kernel arithmetic).
 amp unscales and checks such grads in place, one apex_C call per buffer.
+
+The flat grad buffer is made on demand: in the default pattern (first step included) it never exists, so the
+optimizer holds no second copy of the grads. Grads that a step read in place and that are still the params'
+grads at the next step (kept: ``zero_grad(set_to_none=False)``) are adopted into it then, once, and later
+steps read the buffer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from apex.optimizers import (
     NpuFusedRMSpropTF,
     NpuFusedSGD,
 )
+from apex.optimizers._nvidia import ShadowSet
 
 pytestmark = pytest.mark.skipif(_core.ext is None, reason="the gather path is the apex_C kernel's")
 
@@ -151,6 +157,108 @@ def test_gather_bitwise_equals_combined(name, cls, kw, dtype):
             assert ob.last_executor == "apex_C"
             for p, g in zip(pb, fresh):
                 assert p.grad is g, "p.grad must stay the caller's tensor"
+
+
+def _grad_buffers(opt):
+    return [s.has_grad_buffer for s in _sets(opt)]
+
+
+def _paired_steps(make, seed, steps, set_a, set_b, dtype=torch.float32):
+    """Twin params and optimizers (``make(params)``) fed the same drawn grads, `set_a` / `set_b` binding them;
+    yields (step, oa, pa, ob, pb) after both stepped."""
+    pa, pb = _params(dtype, seed), _params(dtype, seed)
+    oa, ob = make(pa), make(pb)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for p, q, g in zip(pa, pb, _draw(gen, pa, step, dtype)):
+            set_a(p, g)
+            set_b(q, g)
+        oa.step()
+        ob.step()
+        yield step, oa, pa, ob, pb
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,cls,kw", GATHER, ids=IDS)
+def test_default_zero_grad_never_makes_a_flat_grad_buffer(name, cls, kw, dtype):
+    """torch's default pattern from the first step on: grads read in place, no flat grad buffer made (no second
+    copy of the grads held), nothing counted as re-combined after the first step; bitwise the kept-grads run."""
+    for step, oa, pa, ob, pb in _paired_steps(lambda ps: cls(_groups(ps, cls), **kw), 4, 5, _fresh, _kept, dtype):
+        _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
+        if any(isinstance(s, ShadowSet) for s in _sets(oa)):
+            continue  # fp32 shadows of low-precision params: their grads are the buffer's views (amp's masters)
+        assert _grad_buffers(oa) == [False] * len(_sets(oa)), f"step {step}: a flat grad buffer was made"
+        assert oa.recombine_count == 1
+        oa.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in pa)
+
+
+@pytest.mark.parametrize("name,cls,kw", GATHER, ids=IDS)
+def test_kept_grads_are_adopted_once_at_the_second_step(name, cls, kw):
+    """zero_grad(set_to_none=False) + in-place accumulation: the first step reads the grads in place, the second
+    sees the same tensors again and adopts them (one copy, not counted as a re-combine), later steps read the flat
+    buffer through the slot views, and every step is bitwise the fresh-grads run."""
+    pa, pb = _params(torch.float32, 5), _params(torch.float32, 5)
+    oa, ob = cls(_groups(pa, cls), **kw), cls(_groups(pb, cls), **kw)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in pa]
+        oa.zero_grad(set_to_none=False)
+        for p, q, g in zip(pa, pb, grads):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.add_(g)  # backward accumulating into the kept grad
+            _fresh(q, g)
+        kept = [p.grad for p in pa]
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
+        assert oa.recombine_count == 1
+        sets = [s for s in _sets(oa) if s.nseg]
+        if step == 0:
+            assert all(s.gathered for s in sets if s.total), "the first step reads the grads in place"
+            assert all(p.grad is g for p, g in zip(pa, kept))
+        else:
+            bound = {id(v) for s in sets for v in s.grad_views}
+            assert all(id(p.grad) in bound for p in pa), f"step {step}: grads are not the flat buffer's views"
+            assert not any(s.gathered for s in sets), f"step {step}: kept grads still read in place"
+            if step == 1:
+                # the adopted values are the caller's grads of this step (copied, then rebound)
+                assert all(torch.equal(p.grad, g) for p, g in zip(pa, kept))
+
+
+def test_kept_grads_of_a_mark_from_another_optimizer_are_read_in_place():
+    """The mark is per flat set: grads read in place by one optimizer and then handed to another's params are
+    not taken for kept grads by the second."""
+    pa, pb = _params(torch.float32, 6), _params(torch.float32, 6)
+    oa, ob = NpuFusedAdam(pa, lr=1e-2), NpuFusedAdam(pb, lr=1e-2)
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(p.shape, generator=gen) for p in pa]
+    for p, g in zip(pa, grads):
+        p.grad = g.clone()
+    oa.step()
+    for p, q in zip(pa, pb):
+        q.grad, p.grad = p.grad, None
+    ob.step()  # grads marked by oa: read in place by ob, not adopted
+    assert all(s.gathered for s in _sets(ob) if s.total)
+    assert not any(s.has_grad_buffer for s in _sets(ob))
+    ob.step()  # the same tensors again, now marked by ob at its last step: kept, adopted
+    assert any(s.has_grad_buffer for s in _sets(ob))
+    assert not any(s.gathered for s in _sets(ob))
+
+
+@pytest.mark.parametrize("cls,kw", [(NpuFusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+                                    (NpuFusedAdam, dict(lr=1e-2, weight_decay=0.1))], ids=["sgd", "adam"])
+def test_torch_executor_fresh_and_kept_grads_are_bitwise_equal(cls, kw, monkeypatch):
+    """The torch executor's fused op runs once per slot whether it reads fresh grads in place or the slot views:
+    torch's CPU fused kernels round a slot differently as its own tensor (vector tail) than inside a flat run, so
+    calls over flat runs would make the kept-grads run differ from the fresh-grads run in the last bit."""
+    monkeypatch.setattr(_core, "uses_kernel", lambda *tensors: False)
+    for step, oa, pa, ob, pb in _paired_steps(lambda ps: cls(_groups(ps, cls), **kw), 9, 6, _fresh, _kept):
+        assert oa.last_executor == ob.last_executor == "torch"
+        assert all(s.gathered for s in _sets(oa) if s.total)
+        assert not any(s.has_grad_buffer for s in _sets(oa))
+        _assert_bitwise(oa, pa, ob, pb, f"step {step}")
 
 
 @pytest.mark.parametrize("name,cls,kw", GATHER, ids=IDS)
@@ -487,19 +595,17 @@ def test_no_reference_to_fresh_grads_is_kept():
 @pytest.mark.parametrize("executor", ["torch", "torch_ops"])
 def test_torch_executors_with_fresh_grads(executor, monkeypatch):
     """Executors other than the kernel still give the kernel's results with fresh grads (copied in)."""
-    pa, pb = _params(torch.float32, 8), _params(torch.float32, 8)
-    oa, ob = NpuFusedAdam(pa, lr=1e-2), NpuFusedAdam(pb, lr=1e-2)
-    ob.executor = executor
-    gen = torch.Generator().manual_seed(8)
-    for step in range(4):
-        grads = _draw(gen, pa, step, torch.float32)
-        for p, q, g in zip(pa, pb, grads):
-            _fresh(p, g)
-            _fresh(q, g)
-        oa.step()
-        ob.step()
+    executors = iter(["auto", executor])
+
+    def make(ps):
+        opt = NpuFusedAdam(ps, lr=1e-2)
+        opt.executor = next(executors)
+        return opt
+
+    for _, _, pa, ob, pb in _paired_steps(make, 8, 4, _fresh, _fresh):
         assert ob.last_executor == "torch"
-    for k, (x, y) in enumerate(zip(pa, pb)):
+        last = pa, pb
+    for k, (x, y) in enumerate(zip(*last)):
         assert_close_rel(x, y, 4.0, f"param {k}")
 
 

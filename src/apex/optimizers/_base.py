@@ -8,7 +8,8 @@ Subclasses describe one optimizer's math once and provide two executors:
 * ``_torch_step``: the same math as torch ops on flat slices (any device, and
   the fallback without the extension).
 
-Params are combined lazily at the first ``step()``, per param group and dtype.
+Params and states are combined lazily at the first ``step()``, per param group and dtype; the flat grad buffer
+only when grads must live in it (kept between steps, amp, clipping; see `_flat`).
 Each step first checks that params and grads still share the flat buffers and
 heals what user code broke (see `_flat.FlatSet`), so no update is ever silently
 applied to a stale buffer. Grads that are not the flat buffer's views (fresh
@@ -167,7 +168,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         recombine_count: how many steps (or ``combined_grad_buffers`` calls) had to
             (re)build flat buffers or copy grads into them: 1 after the first step, then +1 per
             step that found sharing broken by user code. Fresh grads (after
-            ``zero_grad(set_to_none=True)``) that the update reads where they are do not count.
+            ``zero_grad(set_to_none=True)``) that the update reads where they are do not count, nor does
+            adopting grads that a step read in place and the user kept for the next one.
         last_executor: what ran the last update: ``"apex_C"`` (C++ kernel, CPU) or ``"torch"``
             (torch on the flat buffers: torch's fused op where it has one for the optimizer and
             device, else plain torch ops).
@@ -334,32 +336,38 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 self._check_rebuild(group)
                 plans.append((gi, group, None, ()))
                 continue
-            stale = []
-            for s in sets:
-                gs, ptrs = s.scan_grads()
-                if s.scanned_intact(gs, ptrs):
-                    stale.append((s, None, None))
-                elif gather and self._gathers(s, group):
-                    stale.append((s, gs, s.plan_gather(gs, ptrs)))  # validates
-                else:
-                    stale.append((s, None, s.pending_grads()))  # validates
-            plans.append((gi, group, sets, stale))
+            plans.append((gi, group, sets, [self._plan_grads(s, group, gather) for s in sets]))
         healed = False
         for gi, group, sets, stale in plans:
             if sets is None:
-                self._build_group(gi, group)  # grads present now are copied in once
-                continue
-            for s, gs, todo in stale:
+                # grads were validated by _check_rebuild; the new sets read them in place or adopt them, as below
+                stale = [self._plan_grads(s, group, gather) for s in self._build_group(gi, group)]
+            for s, gs, todo, counts in stale:
                 if todo is None:
                     s.use_flat()
                 elif gs is not None:
                     s.use_gather(gs, todo)
                     healed |= bool(todo[1])
                 else:
-                    healed |= s.sync_grads(todo) > 0
+                    healed |= s.sync_grads(todo) > 0 and counts
         self._force_rebuild = False
         self._count_event(healed)
         return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
+
+    def _plan_grads(self, s: FlatSet, group: dict, gather: bool):
+        """How this step's update of `s` gets its grads, as (s, grads, todo, counts): they are the slot views
+        already (todo None); read where they are (grads, and todo = `FlatSet.plan_gather`'s plan); adopted into
+        the flat buffer (grads None, todo = `FlatSet.pending_grads`), also when the grads the last step read in
+        place were kept (then ``counts`` is False: no sharing was broken, see ``recombine_count``). Validates;
+        changes nothing."""
+        gs, ptrs = s.scan_grads()
+        if s.scanned_intact(gs, ptrs):
+            return s, None, None, False
+        if gather and self._gathers(s, group):
+            if not s.kept_since_gather(gs):
+                return s, gs, s.plan_gather(gs, ptrs), True
+            return s, None, s.pending_grads(), False
+        return s, None, s.pending_grads(), True
 
     def _gathers(self, s: FlatSet, group: dict) -> bool:
         """Whether this step's update of `s` can read grads where they are (kernel or torch executor)."""
@@ -368,7 +376,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return self._torch_gather_ok(s, group)
 
     def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
-        """Whether `_torch_gather_step` applies to `s` (torch executors; default: no, grads are copied in)."""
+        """Whether `_torch_gather_step` applies to `s` (torch executors; default: no, grads are copied in). Where
+        it does, it is also the update of steps whose grads are the slot views, so both ways of reading grads
+        make the same calls (see `_update`)."""
         return False
 
     def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
@@ -432,7 +442,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
                     s.copy_out()
                 else:
                     self.last_executor = "torch"
-                    if s.gathered:
+                    # one torch call per slot whether the grads are read in place or are the slot views: torch's
+                    # CPU fused kernels round a tensor's vector body and its scalar tail differently (fused
+                    # multiply-add against multiply then add), so a call over a flat run of slots and calls per
+                    # slot can differ in the last bit (seen: SGD's momentum, 1 ulp)
+                    if s.gathered or self._torch_gather_ok(s, group):
                         self._torch_gather_step(s, group)
                     else:
                         self._torch_step(s, group)

@@ -6,6 +6,14 @@ entries are rebound as views into those buffers, so a kernel can update every
 tensor of the group in one pass while user code and ``state_dict`` keep seeing
 ordinary per-parameter tensors.
 
+The flat grad buffer is made on demand. A step whose grads autograd just made (after
+``zero_grad(set_to_none=True)``, torch's default) reads them where they are, so in that pattern no flat grad
+buffer exists and the optimizer holds no second copy of the grads. The buffer appears when grads must live in it:
+the grads a step read in place are still the params' grads at the next step (they were kept:
+``zero_grad(set_to_none=False)``, or no zero_grad), which the set sees from a mark on one of them
+(`kept_since_gather`); amp, clipping and global norms, which work on the flat buffer (`sync_grads`); executors
+that cannot read grads in place. From then on a step whose grads are still the slot views reads the buffer.
+
 Sharing can be broken from outside (``p.data = ...``, ``p.grad = new``,
 ``model.to(...)``, ``zero_grad(set_to_none=True)`` followed by backward,
 ``p.grad.data = ...`` or ``p.grad.set_(...)``). The optimizer checks, before
@@ -45,6 +53,13 @@ _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _is_contiguous = torch.Tensor.is_contiguous
 _is = operator.is_
+
+# `expected_grads` entry of a slot whose grad the last step read where autograd left it: that grad is not kept
+# (no reference to a fresh grad outlives the step), only the fact that there was one
+_GATHERED = object()
+# attribute set on one grad a step read in place (its value: the set's own token), so that the next step can
+# tell that the same tensor is still the param's grad (a tensor made since cannot carry it)
+_MARK = "_apex_read_in_place_by"
 
 
 def view_like(flat: torch.Tensor, offset: int, ref: torch.Tensor) -> torch.Tensor:
@@ -131,12 +146,15 @@ class FlatSet:
         # params: rebound in place, values kept
         self.flat_p = combine_tensors(self.params, require_copy_value=True)
 
-        # grads: params without a grad keep `grad is None` (torch's skip rule)
-        self.flat_g = torch.zeros(self.total, dtype=self.dtype, device=self.device)
-        self.grad_views = [view_like(self.flat_g, off, p) for p, off in zip(self.params, self.offsets)]
-        self.grad_ptrs = list(map(_data_ptr, self.grad_views))
-        self.expected_grads: List[Optional[torch.Tensor]] = [None] * self.nseg
-        self._adopt([(k, g) for k, g in enumerate(grads0) if g is not None])
+        # grads: left where they are; the optimizer's first step reads them in place or adopts them (`use_gather`,
+        # `sync_grads`), and the flat grad buffer is made when a grad is first adopted (`flat_g`)
+        self._flat_g: Optional[torch.Tensor] = None
+        self._grad_views: Optional[List[torch.Tensor]] = None
+        self._grad_ptrs: Optional[List[int]] = None
+        self.expected_grads: List[object] = [None] * self.nseg
+        self._token = object()  # what `_MARK` holds on a grad this set read in place
+        self._probe: Optional[int] = None  # the slot whose grad carries the mark, if any
+        self._all_gathered = [_GATHERED] * self.nseg  # `expected_grads` when every slot's grad was read in place
 
         # states: values of existing entries (from earlier steps or a loaded state_dict) are kept
         self.flat_s: Dict[str, torch.Tensor] = {}
@@ -198,6 +216,42 @@ class FlatSet:
         self.flat_out: Optional[torch.Tensor] = None
         self.out_ptrs: Optional[List[int]] = None
 
+    # -- the flat grad buffer, made on demand ------------------------------------
+    @property
+    def has_grad_buffer(self) -> bool:
+        return self._flat_g is not None
+
+    @property
+    def flat_g(self) -> torch.Tensor:
+        """The flat grad buffer (zeros where no grad was adopted), made at the first use."""
+        if self._flat_g is None:
+            self._make_grad_buffer()
+        return self._flat_g
+
+    @property
+    def grad_views(self) -> List[torch.Tensor]:
+        """One view of `flat_g` per slot, with its param's shape and strides (what adopted grads are bound to)."""
+        if self._grad_views is None:
+            self._make_grad_buffer()
+        return self._grad_views
+
+    @property
+    def grad_ptrs(self) -> List[int]:
+        if self._grad_ptrs is None:
+            self._make_grad_buffer()
+        return self._grad_ptrs
+
+    def _make_grad_buffer(self) -> None:
+        # zeros: the gaps between slots must read zero (norms and checks run over whole buffers), and so must
+        # the slots of params that never had a grad
+        flat = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+        self._grad_views = [view_like(flat, off, p) for p, off in zip(self.params, self.offsets)]
+        self._grad_ptrs = list(map(_data_ptr, self._grad_views))
+        self._flat_g = flat
+        args = getattr(self, "args", None)
+        if args is not None:
+            args.g = flat.data_ptr()
+
     # -- construction helpers -------------------------------------------------
     def zero_padding(self, flats: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Re-zeroes the gaps between slots in `flats` (default: the param and state buffers).
@@ -236,7 +290,8 @@ class FlatSet:
     def _make_args(self):
         a = _core.ext.OptArgs()
         code = _core.DTYPE_CODES[self.dtype]
-        a.p, a.g = self.flat_p.data_ptr(), self.flat_g.data_ptr()
+        a.p = self.flat_p.data_ptr()
+        a.g = self._flat_g.data_ptr() if self._flat_g is not None else 0  # set when the buffer is made
         a.pdt = a.gdt = a.sdt = code
         names = self.state_names
         a.s0 = self.flat_s[names[0]].data_ptr() if len(names) > 0 else 0
@@ -250,9 +305,15 @@ class FlatSet:
         return a
 
     def _refresh_skip(self) -> None:
-        """After `expected_grads` changed: skip flags, and the bound grads with their slot addresses."""
+        """After `expected_grads` changed: skip flags, and the bound grads with their slot addresses (None when a
+        slot's grad was read in place: the set's grads cannot be intact then)."""
         self._bound = [g for g in self.expected_grads if g is not None]
-        self._bound_ptrs = [ptr for ptr, g in zip(self.grad_ptrs, self.expected_grads) if g is not None]
+        if any(map(_is, self._bound, _repeat(_GATHERED))):
+            self._bound_ptrs = None
+        elif self._bound:
+            self._bound_ptrs = [ptr for ptr, g in zip(self.grad_ptrs, self.expected_grads) if g is not None]
+        else:
+            self._bound_ptrs = []
         skipped = [g is None for g in self.expected_grads]
         self.n_skipped = sum(skipped)
         if self.n_skipped:
@@ -270,11 +331,13 @@ class FlatSet:
     def grads_intact(self) -> bool:
         """Every ``p.grad`` still lives at its slot (None where it was None at the last sync)."""
         if not self.n_skipped:
+            if self._grad_ptrs is None:
+                return False
             try:
-                return list(map(_data_ptr, map(_get_grad, self.params))) == self.grad_ptrs
+                return list(map(_data_ptr, map(_get_grad, self.params))) == self._grad_ptrs
             except (TypeError, RuntimeError):  # a grad became None (or sparse): data_ptr does not apply
                 return False
-        if not all(map(_is, map(_get_grad, self.params), self.expected_grads)):
+        if self._bound_ptrs is None or not all(map(_is, map(_get_grad, self.params), self.expected_grads)):
             return False
         return list(map(_data_ptr, self._bound)) == self._bound_ptrs
 
@@ -308,10 +371,20 @@ class FlatSet:
     def scanned_intact(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]]) -> bool:
         """`grads_intact()` from a `scan_grads()` result (no second walk over the params)."""
         if not self.n_skipped:
-            return ptrs is not None and ptrs == self.grad_ptrs
-        if not all(map(_is, gs, self.expected_grads)):
+            return ptrs is not None and self._grad_ptrs is not None and ptrs == self._grad_ptrs
+        if self._bound_ptrs is None or not all(map(_is, gs, self.expected_grads)):
             return False
         return list(map(_data_ptr, self._bound)) == self._bound_ptrs
+
+    def kept_since_gather(self, gs: List[Optional[torch.Tensor]]) -> bool:
+        """Whether the grad the last in-place read marked is still its param's grad (in ``gs``): grads are kept
+        between steps, so they are worth adopting into the flat buffer once instead of being read in place
+        (and checked) at every step."""
+        k = self._probe
+        if k is None:
+            return False
+        g = gs[k]
+        return g is not None and getattr(g, _MARK, None) is self._token
 
     def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]],
                     of: Optional[Sequence[torch.Tensor]] = None):
@@ -401,31 +474,46 @@ class FlatSet:
             hit |= h
         if bool(hit.any()):
             idx.update(hit.nonzero().flatten().tolist())
-        if idx:
+        if idx and self._flat_g is not None:
             # a copy into a slot would change what a grad viewing that slot reads: copy those too
-            glo = self.flat_g.data_ptr()
-            in_g = (table >= glo) & (table < glo + self.flat_g.numel() * self.flat_g.element_size())
+            glo = self._flat_g.data_ptr()
+            in_g = (table >= glo) & (table < glo + self._flat_g.numel() * self._flat_g.element_size())
             idx.update(in_g.nonzero().flatten().tolist())
         return sorted(idx) if live is None else [live[j] for j in sorted(idx)]
 
     def use_gather(self, gs: List[Optional[torch.Tensor]], plan) -> None:
         """Makes the next kernel call read grads through `table` (from `plan_gather`); ``p.grad`` is kept.
 
-        The slots' bookkeeping (`expected_grads`) records which slots have a grad this step, as
-        slot views: no reference to a fresh grad is kept beyond the step.
+        The slots' bookkeeping (`expected_grads`) records which slots have a grad this step (`_GATHERED`): no
+        reference to a fresh grad is kept beyond the step. One grad read in place gets the set's mark
+        (`kept_since_gather`).
         """
         table, todo, has_none = plan
         self._adopt(todo)
         self.gtab = table
         if self.args is not None:
             self.args.gtab = table.data_ptr()
+        self._mark_probe(gs, todo)
         if not has_none:
-            if self.n_skipped or self.expected_grads is not self.grad_views:
-                self.expected_grads = self.grad_views
+            if self.n_skipped or self.expected_grads is not self._all_gathered:
+                self.expected_grads = self._all_gathered
                 self._refresh_skip()
             return
-        self.expected_grads = [None if g is None else v for g, v in zip(gs, self.grad_views)]
+        self.expected_grads = [None if g is None else _GATHERED for g in gs]
         self._refresh_skip()
+
+    def _mark_probe(self, gs: List[Optional[torch.Tensor]], todo: List[Tuple[int, torch.Tensor]]) -> None:
+        """Marks the first grad read in place (adopted ones are copies: not what the next step will see)."""
+        adopted = {k for k, _ in todo}
+        self._probe = None
+        for k, g in enumerate(gs):
+            if g is not None and k not in adopted:
+                try:
+                    setattr(g, _MARK, self._token)
+                except (AttributeError, TypeError, RuntimeError):  # a tensor type refusing attributes: no probe
+                    return
+                self._probe = k
+                return
 
     @property
     def gathered(self) -> bool:

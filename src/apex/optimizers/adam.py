@@ -68,9 +68,7 @@ class NpuFusedAdam(CombinedOptimizer):
         _core.ext.adam_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
-        if self._torch_fused_ok(s):
-            self._torch_fused_step(s, group)
-            return
+        # (where torch has a fused Adam for the set, `_update` runs `_torch_gather_step` instead)
         b1, b2 = group["betas"]
         amsgrad = group["amsgrad"]
         lr = float(group["lr"])
@@ -89,7 +87,8 @@ class NpuFusedAdam(CombinedOptimizer):
         return self._torch_fused_ok(s)
 
     def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
-        """torch's fused Adam(W) over the updated slots: param/state views, each grad where it is."""
+        """torch's fused Adam(W) over the updated slots: param/state views, each grad where it is (read in place
+        or the slot view)."""
         b1, b2 = group["betas"]
         ks = s.updated_slots()
         views = s.state_views
@@ -100,21 +99,6 @@ class NpuFusedAdam(CombinedOptimizer):
             [s.params[k] for k in ks], [s.params[k].grad for k in ks], [views["exp_avg"][k] for k in ks],
             [views["exp_avg_sq"][k] for k in ks], vmax, steps, lr=float(group["lr"]), beta1=b1, beta2=b2,
             weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"], maximize=False,
-        )
-
-    def _torch_fused_step(self, s: FlatSet, group: dict) -> None:
-        """torch's fused Adam(W) over each run of segments that share a step count."""
-        b1, b2 = group["betas"]
-        amsgrad = group["amsgrad"]
-        op = getattr(torch, "_fused_adamw_" if self._decoupled else "_fused_adam_")
-        runs = s.active_runs()
-        sl = [slice(lo, hi) for lo, hi, _, _, _ in runs]
-        vmax = [s.flat_s["max_exp_avg_sq"][x] for x in sl] if amsgrad else []
-        steps = [torch.full((), step, dtype=torch.float32, device=s.device) for _, _, step, _, _ in runs]
-        op(
-            [s.flat_p[x] for x in sl], [s.flat_g[x] for x in sl], [s.flat_s["exp_avg"][x] for x in sl],
-            [s.flat_s["exp_avg_sq"][x] for x in sl], vmax, steps, lr=float(group["lr"]), beta1=b1, beta2=b2,
-            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=amsgrad, maximize=False,
         )
 
 

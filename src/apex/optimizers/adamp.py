@@ -98,7 +98,7 @@ class _RowPlan:
             eligible.append(proj)
         self.seg = torch.cat([*starts, torch.tensor([s.total], dtype=torch.int64)])
         # gather mode: row r's grad starts this many bytes into its param's grad (see `bind_grads`)
-        self.row_byte_offset = torch.cat(within) * s.flat_g.element_size()
+        self.row_byte_offset = torch.cat(within) * s.flat_p.element_size()  # grads have the params' dtype
         self.gtab = torch.zeros(len(self.row_byte_offset), dtype=torch.int64)
         self.row_param = torch.cat(row_param)
         self.nrows = len(self.row_param)
@@ -134,6 +134,7 @@ class _RowPlan:
             torch.add(s.gtab[self.row_param], self.row_byte_offset, out=self.gtab)
             self.args.gtab = self.gtab.data_ptr()
         else:
+            self.args.g = s.flat_g.data_ptr()  # the set makes its flat grad buffer on demand
             self.args.gtab = 0
 
     def refresh_skip(self, s: FlatSet) -> None:

@@ -170,6 +170,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         a.seg_mul = 0
         kernel_wd = wd
         l2_grad = None
+        g0 = a.g  # the flat grad buffer's address, or 0 while the set has none (grads read in place)
         if wd != 0 and not self.adam_w_mode:
             # L2 mode: the moments see g/c + wd*p, and the update has no decay term
             l2_grad = torch.empty_like(s.flat_g)
@@ -191,7 +192,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         finally:
             a.seg_out = 0
             a.seg_mul = 0
-            a.g = s.flat_g.data_ptr()
+            a.g = g0
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         step = self._use_group_step(s, group)

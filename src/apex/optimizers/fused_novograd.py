@@ -54,10 +54,11 @@ __all__ = ["FusedNovoGrad"]
 
 def _current_grads(s: FlatSet) -> List[torch.Tensor]:
     """Each slot's grad where the update reads it: the param's grad (a slot view, or a fresh tensor read in
-    place), or the slot view for params without a grad (skipped; their norm is not used)."""
+    place), or for params without a grad (skipped; their norm is not used) the param itself, a tensor of the
+    slot's shape that needs no flat grad buffer."""
     if not s.gathered:
         return s.grad_views
-    return [v if p.grad is None else p.grad for p, v in zip(s.params, s.grad_views)]
+    return [p if p.grad is None else p.grad for p in s.params]
 
 
 class _Norms:

@@ -202,9 +202,9 @@ class NpuFusedLamb(CombinedOptimizer):
             plan.gtab[0::2].copy_(s.gtab)
             a.gtab = plan.gtab.data_ptr()
         else:
+            a.g = s.flat_g.data_ptr()  # the set makes its flat grad buffer on demand
             a.gtab = 0
-        _core.ext.lamb_stage1(a)
-        a.gtab = 0
+        _core.ext.lamb_stage1(a)  # stage 2 reads no grads; the table (or g) only satisfies the argument check
         if group["adam"]:
             a.seg_mul = 0  # the kernel's default multiplier is 1
         else:

@@ -97,8 +97,8 @@ class NpuFusedSGD(CombinedOptimizer):
         return self._torch_fused_ok(s)
 
     def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
-        """torch's fused SGD over the updated slots (param/buffer views, each grad where it is), one call per
-        value of the first-update flag."""
+        """torch's fused SGD over the updated slots (param/buffer views, each grad where it is: read in place or
+        the slot view), one call per value of the first-update flag."""
         lr, momentum, dampening, weight_decay = self._hp(group)
         bufs = s.state_views.get("momentum_buffer")
         ks = s.updated_slots()
@@ -116,17 +116,7 @@ class NpuFusedSGD(CombinedOptimizer):
         lr, momentum, dampening, weight_decay = self._hp(group)
         flat_buf: Optional[torch.Tensor] = s.flat_s.get("momentum_buffer")
         parts = [part for _, _, _, k, j in s.active_runs() for part in split_by_first(s, k, j)]
-        if self._torch_fused_ok(s):
-            # torch's fused SGD over the flat slices, one call per value of the first-update flag
-            for first in sorted({f for _, _, f in parts}):
-                sl = [slice(lo, hi) for lo, hi, f in parts if f == first]
-                _FUSED_SGD(
-                    [s.flat_p[x] for x in sl], [s.flat_g[x] for x in sl],
-                    [] if flat_buf is None else [flat_buf[x] for x in sl],
-                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-                    nesterov=bool(group["nesterov"]), maximize=False, is_first_step=first and flat_buf is not None,
-                )
-            return
+        # (where torch has a fused SGD for the set, `_update` runs `_torch_gather_step` instead)
         settle = settler(s.dtype)
         for lo, hi, first in parts:
             p = self._f32(s.flat_p[lo:hi])
