@@ -480,7 +480,6 @@ def _check_bad_last_grad_changes_nothing(cls, kw, dtype, bad_dtype, seed):
 
 
 SHADOWED = [
-    ("fused_adam", FusedAdam, {}),
     ("fused_adam_master", FusedAdam, dict(capturable=True, master_weights=True)),
     ("fused_mp_lamb", FusedMixedPrecisionLamb, dict(max_grad_norm=0.5)),
 ]
@@ -489,11 +488,9 @@ SHADOWED = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name,cls,kw", SHADOWED, ids=[t[0] for t in SHADOWED])
 def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeypatch):
-    """fp16/bf16 params updated through fp32 shadows: the kernel reads the model grads where they are, in the
-    model dtype (no converted copy), and FusedAdam's shadows that are not master weights are skipped (the
-    params updated in their dtype with fp32 moments); bitwise the update from converted copies into re-read
-    shadows (`mirror_grads`, forced here); a model grad that cannot be read in place (transposed) sends its set
-    back to the copies for that step."""
+    """fp16/bf16 params updated through fp32 master weights: the kernel reads the model grads where they are, in
+    the model dtype (no converted copy); bitwise the update from converted copies (`mirror_grads`, forced here); a
+    model grad that cannot be read in place (transposed) sends its set back to the copies for that step."""
     from apex.optimizers._nvidia import ShadowSet
 
     if cls is FusedMixedPrecisionLamb:
@@ -511,7 +508,7 @@ def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeyp
         fresh = [None if g is None else g.clone() for g in grads]
         for p, g in zip(pb, fresh):
             p.grad = g
-        monkeypatch.setattr(ShadowSet, "bind_model_grads", lambda self, direct=False: False)
+        monkeypatch.setattr(ShadowSet, "bind_model_grads", lambda self: False)
         oa.step()
         monkeypatch.setattr(ShadowSet, "bind_model_grads", mirror_only)
         ob.step()
@@ -519,16 +516,42 @@ def test_shadowed_params_read_model_grads_in_place(name, cls, kw, dtype, monkeyp
         gathered = [s.gathered for s in _sets(ob) if isinstance(s, ShadowSet)]
         assert len(gathered) == 3 and not any(s.gathered for s in _sets(oa))
         assert gathered == ([False, True, True] if step == 4 else [True] * 3), gathered
-        # FusedAdam without master weights: a set whose grads are read in place updates the model params directly
-        direct = [s.direct for s in _sets(ob) if isinstance(s, ShadowSet)]
-        assert direct == ([g and name == "fused_adam" for g in gathered]), direct
         assert ob.last_executor == "apex_C" and ob.recombine_count == 1
         for p, g in zip(pb, fresh):
             assert p.grad is g, "p.grad must stay the caller's tensor"
 
 
-@pytest.mark.parametrize("name,cls,kw", SHADOWED, ids=[t[0] for t in SHADOWED])
-def test_bad_model_grad_of_a_shadowed_param_raises_before_any_change(name, cls, kw):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_adam_low_precision_params_hold_only_fp32_moments(dtype):
+    """NVIDIA's FusedAdam layout for fp16/bf16 params without master weights: the params are updated in place, in
+    their dtype (the set's flat buffer is the params' own memory, no fp32 copy of them), the moments are fp32, and
+    with torch's default zero_grad() no grad buffer is made: the optimizer holds 8 bytes per param, as NVIDIA's."""
+    from apex.optimizers._nvidia import ShadowSet
+
+    ps = _params(dtype, 21)
+    opt = FusedAdam(_groups(ps, FusedAdam), lr=1e-2)
+    gen = torch.Generator().manual_seed(22)
+    for step in range(4):
+        for p, g in zip(ps, _draw(gen, ps, step, dtype)):
+            _fresh(p, g)
+        opt.step()
+        opt.zero_grad()
+    sets = _sets(opt)
+    assert sets and not any(isinstance(s, ShadowSet) for s in sets)
+    for s in sets:
+        assert s.dtype == dtype and s.state_dtype == torch.float32 and not s.has_grad_buffer
+        assert [p.data_ptr() for p in s.params] == s.param_ptrs  # the params live in the set's buffer
+        assert all(flat.dtype == torch.float32 for flat in s.flat_s.values())
+    held = sum(f.numel() * f.element_size() for s in sets for f in s.flat_s.values())
+    assert held == 8 * sum(s.total for s in sets)
+    assert {v.dtype for st in opt.state.values() for v in st.values()} == {torch.float32}
+
+
+LOW_PRECISION_UPDATES = [("fused_adam", FusedAdam, {}), *SHADOWED]
+
+
+@pytest.mark.parametrize("name,cls,kw", LOW_PRECISION_UPDATES, ids=[t[0] for t in LOW_PRECISION_UPDATES])
+def test_bad_model_grad_of_a_low_precision_param_raises_before_any_change(name, cls, kw):
     if cls is FusedMixedPrecisionLamb:
         kw = dict(kw, reduced_precision_dtype=torch.bfloat16)
     _check_bad_last_grad_changes_nothing(cls, kw, torch.bfloat16, torch.float32, seed=15)

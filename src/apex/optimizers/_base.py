@@ -310,7 +310,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         # combining a set hooks the modules holding its params (compact state dicts): one walk over the objects
         # for every group's params here, instead of one per group and dtype
         _hook_owning_modules(p for g in self.param_groups for p in g["params"])
-        sets = [FlatSet(ps, self.state, names, self._state_fill, self._has_step) for ps in by_kind.values()]
+        sets = [FlatSet(ps, self.state, names, self._state_fill, self._has_step, self._state_dtype_for(dtype))
+                for (dtype, _), ps in by_kind.items()]
         if self._model_pairs is not None:
             for s in sets:
                 models = [self._model_pairs.get(id(p)) for p in s.params]
@@ -457,7 +458,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _grad_scale(self) -> float:
         return 1.0 if self.apex_grad_scale is None else float(self.apex_grad_scale)
 
+    def _state_dtype_for(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The storage dtype of the states of params of ``dtype`` (None: the params' own, torch's layout)."""
+        return None
+
     def _prepare_args(self, s: FlatSet, hp: List[float], flags: int = 0):
+        if s.state_dtype != s.dtype:  # fp32 states of fp16/bf16 params (`_state_dtype_for`)
+            flags |= _core.ext.FLAG_F32_STATES
         a = s.args
         a.hp = hp
         a.flags = flags

@@ -113,7 +113,9 @@ class FlatSet:
     """Flat buffers and per-segment bookkeeping for the params of one group/dtype/device.
 
     Construction validates grads and existing states first and raises before
-    any param is rebound.
+    any param is rebound. ``state_dtype``: the storage dtype of the state buffers (default: the params';
+    float32 for fp16/bf16 params whose states are kept in fp32, NVIDIA FusedAdam's layout, which the Adam
+    kernel updates under ``FLAG_F32_STATES``).
     """
 
     def __init__(
@@ -123,10 +125,12 @@ class FlatSet:
         state_names: Sequence[str],
         state_fill: Dict[str, float],
         has_step: bool,
+        state_dtype: Optional[torch.dtype] = None,
     ):
         self.params: List[torch.Tensor] = list(params)
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
+        self.state_dtype = self.dtype if state_dtype is None else state_dtype
         self.state_names = list(state_names)
         grads0 = list(map(_get_grad, self.params))
         for k, (p, g) in enumerate(zip(self.params, grads0)):
@@ -163,7 +167,7 @@ class FlatSet:
         first = [0] * self.nseg
         for name in self.state_names:
             fill = state_fill.get(name, 0.0)
-            flat = torch.full((self.total,), fill, dtype=self.dtype, device=self.device)
+            flat = torch.full((self.total,), fill, dtype=self.state_dtype, device=self.device)
             if fill != 0.0:
                 self.zero_padding((flat,))
             self.flat_s[name] = flat
@@ -292,7 +296,8 @@ class FlatSet:
         code = _core.DTYPE_CODES[self.dtype]
         a.p = self.flat_p.data_ptr()
         a.g = self._flat_g.data_ptr() if self._flat_g is not None else 0  # set when the buffer is made
-        a.pdt = a.gdt = a.sdt = code
+        a.pdt = a.gdt = code
+        a.sdt = _core.DTYPE_CODES[self.state_dtype]
         names = self.state_names
         a.s0 = self.flat_s[names[0]].data_ptr() if len(names) > 0 else 0
         a.s1 = self.flat_s[names[1]].data_ptr() if len(names) > 1 else 0

@@ -192,7 +192,7 @@ class _StateByModel:
 
 
 class ShadowSet(FlatSet):
-    """Flat buffers over fp32 shadows of low-precision model params.
+    """Flat buffers over fp32 master weights (shadows) of low-precision model params.
 
     The kernels update the shadows with fp32 states and write the rounded result into the model
     params in the same pass (the model params are the set's ``out`` copies). States are keyed by
@@ -206,31 +206,21 @@ class ShadowSet(FlatSet):
     flat fp32 grad buffer (`mirror_grads`). Either way the shadows' ``grad`` is their slot view
     where the model param has a grad and None elsewhere, so the base class sees which slots to
     update; in the first case those views' values are stale and nothing reads them.
-
-    ``direct`` (this step's update, FusedAdam's shadows that are not master weights, with the model
-    grads read in place): the kernel updates the model params themselves, in their dtype, with the
-    fp32 states (``FLAG_F32_STATES``), so the shadows are neither re-read nor written: the same bits
-    as updating a fresh fp32 copy and rounding it, without the copy.
     """
 
     def __init__(self, shadows: List[torch.Tensor], models: List[torch.Tensor], state, names, fill, has_step):
         self._keyed = _StateByModel(state, {id(s): m for s, m in zip(shadows, models)})
         super().__init__(shadows, self._keyed, names, fill, has_step)
         self.attach_out(models)
-        # (address table, direct) bound by `bind_model_grads` for the next update; None: this step mirrors
-        self._model_plan: Optional[Tuple[torch.Tensor, bool]] = None
-        self.direct = False
+        # the address table bound by `bind_model_grads` for the next update; None: this step mirrors
+        self._model_table: Optional[torch.Tensor] = None
 
     def expose_new_states(self, state) -> None:
         super().expose_new_states(self._keyed)
 
-    def refresh_from_models(self) -> None:
-        """Shadows = the model params' current values (one converting copy over the flat buffers)."""
-        self.flat_p.copy_(self.flat_out)
-
     def mirror_grads(self) -> None:
         """Shadow grads = model grads, converted to fp32 in the flat grad buffer; None where the model has none."""
-        self._model_plan = None
+        self._model_table = None
         dst, src = [], []
         for k, (shadow, model) in enumerate(zip(self.params, self.out_params)):
             g = model.grad
@@ -245,15 +235,10 @@ class ShadowSet(FlatSet):
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def copy_out(self, fused: bool = True) -> None:
-        if not self.direct:  # a direct update wrote the model params themselves (the shadows are stale)
-            super().copy_out(fused)
-
-    def bind_model_grads(self, direct: bool = False) -> bool:
+    def bind_model_grads(self) -> bool:
         """The next kernel update reads the model grads in place, in the model dtype; returns False, with
         nothing changed, when one of them cannot be read in place (layout, alignment, or memory the update
-        writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed.
-        ``direct``: that update is to write the model params themselves (see the class docstring)."""
+        writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed."""
         gs, ptrs = self.scan_grads(self.out_params)
         table, todo, _ = self.plan_gather(gs, ptrs, of=self.out_params)
         if todo:
@@ -262,23 +247,17 @@ class ShadowSet(FlatSet):
             want = None if g is None else view
             if shadow.grad is not want:
                 shadow.grad = want
-        self._model_plan = (table, direct)
+        self._model_table = table
         return True
 
     def apply_model_grads(self) -> None:
         """After the step's checks: the kernel arguments read the table `bind_model_grads` planned (model dtype),
         or the flat fp32 grad buffer when this step mirrored. The plan holds for this one update."""
-        plan, self._model_plan = self._model_plan, None
-        table, self.direct = plan if plan is not None else (None, False)
+        table, self._model_table = self._model_table, None
         a = self.args
         if a is None:
             return
         model_code = _core.DTYPE_CODES[self.out_params[0].dtype]
-        if self.direct:  # the model params in their dtype, no second copy to write
-            a.p, a.pdt, a.out = self.flat_out.data_ptr(), model_code, 0
-        else:  # the fp32 shadows, the rounded result written into the model params in the same pass
-            a.p, a.pdt = self.flat_p.data_ptr(), _core.DTYPE_CODES[self.dtype]
-            a.out, a.odt = self.flat_out.data_ptr(), model_code
         if table is None:  # mirrored: the flat buffer holds every grad (the shadows' grads are its views)
             self.use_flat()
             a.gdt = _core.DTYPE_CODES[self.dtype]
@@ -289,21 +268,16 @@ class ShadowSet(FlatSet):
 
 
 class ShadowParamsMixin:
-    """Optimizes params of `_shadow_dtypes()` through fp32 shadows (list it before CombinedOptimizer).
-
-    ``_refresh_shadows = True``: the shadows are re-read from the model params before every step,
-    so the result is the model param updated in fp32 and rounded once (NVIDIA FusedAdam with fp16
-    or bf16 params: fp32 moments, no master weights). ``False``: the shadows are master weights,
-    made once from the model params (NVIDIA FusedMixedPrecisionLamb).
-    """
-
-    _refresh_shadows = True
-    # the optimizer's kernel step can update fp16/bf16 params directly with fp32 states (FLAG_F32_STATES), so
-    # shadows that are re-read every step need not be: the update writes the model params (ShadowSet.direct)
-    _direct_low_precision = False
+    """Optimizes params of `_shadow_dtypes()` through fp32 master weights (shadows), made once from the model
+    params and never re-read from them (NVIDIA FusedMixedPrecisionLamb, FusedAdam with ``master_weights``);
+    list it before CombinedOptimizer. Their states are fp32, keyed by the model params."""
 
     def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
         return (torch.float16, torch.bfloat16)
+
+    def _f32_states(self, dtype: torch.dtype) -> bool:
+        """Whether params of ``dtype`` keep fp32 states: shadowed ones, and those `_state_dtype_for` says so of."""
+        return dtype in self._shadow_dtypes() or self._state_dtype_for(dtype) == torch.float32
 
     def _init_shadows(self) -> None:
         # id(model param) -> (model param, fp32 shadow, model data_ptr when the shadow was made)
@@ -328,7 +302,8 @@ class ShadowParamsMixin:
         sets: List[FlatSet] = []
         for (dtype, _), ps in by_kind.items():
             if dtype not in low:
-                sets.append(FlatSet(ps, self.state, names, self._state_fill, self._has_step))
+                sets.append(FlatSet(ps, self.state, names, self._state_fill, self._has_step,
+                                    self._state_dtype_for(dtype)))
                 continue
             s = ShadowSet([self._shadow_for(p) for p in ps], ps, self.state, names, self._state_fill,
                           self._has_step)
@@ -365,25 +340,19 @@ class ShadowParamsMixin:
         return [{"params": [master(p) for p in group["params"]]} for group in self.param_groups]
 
     def _sync_shadows(self) -> None:
-        """Before a step: shadows refreshed (unless they are masters); the model grads bound for the kernel to read
-        in place where this step's update of the set can (`_gathers`), else converted into the shadows' grads."""
+        """Before a step: the model grads bound for the kernel to read in place where this step's update of the
+        set can (`_gathers`), else converted into the shadows' grads. Nothing to do (not even a walk over the
+        params) where no dtype is shadowed."""
+        if not self._shadow_dtypes():
+            return
         self._all_sets()  # re-combines what moved, so the sets below are the ones the step updates
         for gi, group in enumerate(self.param_groups):
             for s in self._groups[gi].sets:
                 if not isinstance(s, ShadowSet):
                     continue
                 gather = self._executor == "auto" and s.args is not None and self._gathers(s, group)
-                direct = self._refresh_shadows and self._direct_low_precision
-                bound = gather and s.bind_model_grads(direct)
-                if self._refresh_shadows and not (bound and direct):  # a direct update never reads the shadows
-                    s.refresh_from_models()
-                if not bound:
+                if not (gather and s.bind_model_grads()):
                     s.mirror_grads()
-
-    def _prepare_args(self, s: FlatSet, hp: List[float], flags: int = 0):
-        if isinstance(s, ShadowSet) and s.direct:
-            flags |= _core.ext.FLAG_F32_STATES
-        return super()._prepare_args(s, hp, flags)
 
     def _prepare_step(self):
         prepared = super()._prepare_step()
@@ -413,16 +382,15 @@ class ShadowParamsMixin:
         return super().combined_grad_buffers()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts loaded states to the param dtype; the states of shadowed params stay fp32."""
+        """torch casts loaded states to the param dtype; fp32 states (`_f32_states`) stay fp32."""
         self._check_loaded(state_dict)  # before this method reads the state_dict itself
         saved_state = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict.get("param_groups", [])))
         super().load_state_dict(state_dict)
-        low = self._shadow_dtypes()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for old_id, p in zip(saved_ids, params):
             entry = saved_state.get(old_id)
-            if p.dtype not in low or not entry:
+            if not entry or not self._f32_states(p.dtype):
                 continue
             for name, value in entry.items():
                 if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():

@@ -16,10 +16,10 @@ per group x dtype), NpuFusedAdam's torch ops on flat slices elsewhere; both shri
 up to rounding.
 
 fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
-and rounded once. This runs on fp32 shadows of those params (`ShadowParamsMixin`),
-re-read from the params before every step, or, on the CPU kernel with the grads read
-where they are, not at all: the kernel then updates the params in their dtype with the
-fp32 moments (the same bits). States stay keyed by the params.
+and rounded once, in place: the params' own flat buffer with fp32 state buffers beside it
+(the CPU kernel converts on the fly; the torch executor works on fp32 copies of each run of
+slots), so the optimizer holds no fp32 copy of the params and, with torch's default
+``zero_grad()``, none of the grads.
 
 ``capturable=True`` is NVIDIA's GradScaler-aware form: ``group["lr"]`` is a float32 tensor
 and ``group["step"]`` an int32 tensor ``[t]`` on the params' device, and torch's
@@ -35,7 +35,7 @@ do not give is CUDA-graph capture of ``step()``, which reads the scaler's flags 
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -46,6 +46,8 @@ from ._functional import adam_math, settler
 from ._nvidia import GradScalerMixin, NvidiaCompatMixin, ShadowParamsMixin, group_device, tensor_lr_and_step
 
 __all__ = ["FusedAdam"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 _LEGACY_STEP_ARGS_MSG = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and call step() "
@@ -74,8 +76,6 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
 
     _unscale_grads_after = True  # capturable + GradScaler: NVIDIA's kernel leaves the grads unscaled
 
-    _direct_low_precision = True  # adam_step updates fp16/bf16 params with fp32 moments (FLAG_F32_STATES)
-
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
         if amsgrad:
@@ -91,7 +91,6 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
         # GradScaler hands over its scale and flags only in the capturable form, as NVIDIA's class: otherwise
         # it unscales the grads in place before step(), which user code may rely on when it reads them
         self._step_supports_amp_scaling = self.capturable
-        self._refresh_shadows = not self.master_weights
         self._init_shadows()
         super().__init__(params, defaults)
 
@@ -118,6 +117,13 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
+
+    def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
+        return _LOW_PRECISION if self.master_weights else ()
+
+    def _state_dtype_for(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        # NVIDIA's fp32 moments; without master weights the kernel updates the fp16/bf16 params in place
+        return torch.float32 if dtype in _LOW_PRECISION else None
 
     def _state_names(self, group: dict) -> List[str]:
         return ["exp_avg", "exp_avg_sq"]
@@ -150,7 +156,7 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         step = self._use_group_step(s, group)
         b1, b2 = group["betas"]
-        settle = settler(s.dtype)
+        settle = settler(s.state_dtype)
         lr = float(group["lr"])
 
         def update(p, g, states, _):  # `step` is the group's (NVIDIA's bias correction)

@@ -53,7 +53,6 @@ class FusedMixedPrecisionLamb(GradScalerMixin, ShadowParamsMixin, FusedLAMB):
     """
 
     _step_supports_amp_scaling = True
-    _refresh_shadows = False  # the shadows are master weights
 
     def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
