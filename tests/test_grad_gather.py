@@ -185,9 +185,9 @@ def test_default_zero_grad_never_makes_a_flat_grad_buffer(name, cls, kw, dtype):
     copy of the grads held), nothing counted as re-combined after the first step; bitwise the kept-grads run."""
     for step, oa, pa, ob, pb in _paired_steps(lambda ps: cls(_groups(ps, cls), **kw), 4, 5, _fresh, _kept, dtype):
         _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
-        if any(isinstance(s, ShadowSet) for s in _sets(oa)):
-            continue  # fp32 shadows of low-precision params: their grads are the buffer's views (amp's masters)
         assert _grad_buffers(oa) == [False] * len(_sets(oa)), f"step {step}: a flat grad buffer was made"
+        masters = [m for s in _sets(oa) if isinstance(s, ShadowSet) for m in s.params]
+        assert all(m.grad is None for m in masters), "master weights read the model grads: no grads of their own"
         assert oa.recombine_count == 1
         oa.zero_grad(set_to_none=True)
         assert all(p.grad is None for p in pa)

@@ -359,8 +359,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """How this step's update of `s` gets its grads, as (s, grads, todo, counts): they are the slot views
         already (todo None); read where they are (grads, and todo = `FlatSet.plan_gather`'s plan); adopted into
         the flat buffer (grads None, todo = `FlatSet.pending_grads`), also when the grads the last step read in
-        place were kept (then ``counts`` is False: no sharing was broken, see ``recombine_count``). Validates;
-        changes nothing."""
+        place were kept (then ``counts`` is False: no sharing was broken, see ``recombine_count``); or as planned
+        by the set's owner before this step's checks (`FlatSet.planned_grads`: the master weights' model grads).
+        Validates; changes nothing else."""
+        planned = s.planned_grads()
+        if planned is not None:
+            return (s, *planned, True)
         gs, ptrs = s.scan_grads()
         if s.scanned_intact(gs, ptrs):
             return s, None, None, False

@@ -381,6 +381,11 @@ class FlatSet:
             return False
         return list(map(_data_ptr, self._bound)) == self._bound_ptrs
 
+    def planned_grads(self):
+        """This step's grads and their `plan_gather` plan when the set's owner planned them before the step's checks
+        (`ShadowSet`: the model params' grads), else None."""
+        return None
+
     def kept_since_gather(self, gs: List[Optional[torch.Tensor]]) -> bool:
         """Whether the grad the last in-place read marked is still its param's grad (in ``gs``): grads are kept
         between steps, so they are worth adopting into the flat buffer once instead of being read in place

@@ -201,26 +201,26 @@ class ShadowSet(FlatSet):
 
     Grads, per step, one of two ways: the kernel reads the model grads where autograd left them,
     in the model dtype (`bind_model_grads`: a per-slot address table, ``gdt`` = the model dtype,
-    which the kernels take beside fp32 params), or, for the torch executors, the optimizers that
-    need the flat grad buffer and grads that cannot be read in place, they are converted into the
-    flat fp32 grad buffer (`mirror_grads`). Either way the shadows' ``grad`` is their slot view
-    where the model param has a grad and None elsewhere, so the base class sees which slots to
-    update; in the first case those views' values are stale and nothing reads them.
+    which the kernels take beside fp32 params; the shadows have no grad then, as NVIDIA's masters,
+    and no fp32 grad buffer is made), or, for the torch executors, the optimizers that need the flat
+    grad buffer and grads that cannot be read in place, they are converted into the flat fp32 grad
+    buffer, whose slot views become the shadows' grads (`mirror_grads`).
     """
 
     def __init__(self, shadows: List[torch.Tensor], models: List[torch.Tensor], state, names, fill, has_step):
         self._keyed = _StateByModel(state, {id(s): m for s, m in zip(shadows, models)})
         super().__init__(shadows, self._keyed, names, fill, has_step)
         self.attach_out(models)
-        # the address table bound by `bind_model_grads` for the next update; None: this step mirrors
-        self._model_table: Optional[torch.Tensor] = None
+        # (model grads, `plan_gather` plan) bound by `bind_model_grads` for the next update; None: this step mirrors
+        self._model_plan: Optional[tuple] = None
+        self._reads_models = False  # this step's update reads the model grads (the plan was taken)
 
     def expose_new_states(self, state) -> None:
         super().expose_new_states(self._keyed)
 
     def mirror_grads(self) -> None:
         """Shadow grads = model grads, converted to fp32 in the flat grad buffer; None where the model has none."""
-        self._model_table = None
+        self._model_plan = None
         dst, src = [], []
         for k, (shadow, model) in enumerate(zip(self.params, self.out_params)):
             g = model.grad
@@ -240,31 +240,28 @@ class ShadowSet(FlatSet):
         nothing changed, when one of them cannot be read in place (layout, alignment, or memory the update
         writes): `mirror_grads` then. Raises (sparse, dtype, device or shape) before anything is changed."""
         gs, ptrs = self.scan_grads(self.out_params)
-        table, todo, _ = self.plan_gather(gs, ptrs, of=self.out_params)
-        if todo:
+        plan = self.plan_gather(gs, ptrs, of=self.out_params)
+        if plan[1]:
             return False
-        for shadow, view, g in zip(self.params, self.grad_views, gs):
-            want = None if g is None else view
-            if shadow.grad is not want:
-                shadow.grad = want
-        self._model_table = table
+        for shadow in self.params:
+            if shadow.grad is not None:  # views a mirroring step bound; the model grads are what this step reads
+                shadow.grad = None
+        self._model_plan = (gs, plan)
         return True
 
+    def planned_grads(self):
+        """The model grads and their plan from `bind_model_grads` (read once: the step's grad plan), or None."""
+        plan, self._model_plan = self._model_plan, None
+        self._reads_models = plan is not None
+        return plan
+
     def apply_model_grads(self) -> None:
-        """After the step's checks: the kernel arguments read the table `bind_model_grads` planned (model dtype),
-        or the flat fp32 grad buffer when this step mirrored. The plan holds for this one update."""
-        table, self._model_table = self._model_table, None
-        a = self.args
-        if a is None:
-            return
-        model_code = _core.DTYPE_CODES[self.out_params[0].dtype]
-        if table is None:  # mirrored: the flat buffer holds every grad (the shadows' grads are its views)
+        """After the step's checks: the kernel reads the model grads (model dtype) where the plan read them in
+        place, or the flat fp32 grad buffer when this step mirrored."""
+        if not self._reads_models:  # mirrored: the flat buffer holds every grad (the shadows' grads are its views)
             self.use_flat()
-            a.gdt = _core.DTYPE_CODES[self.dtype]
-            return
-        self.gtab = table
-        a.gtab = table.data_ptr()
-        a.gdt = model_code
+        if self.args is not None:
+            self.args.gdt = _core.DTYPE_CODES[self.out_params[0].dtype if self._reads_models else self.dtype]
 
 
 class ShadowParamsMixin:
