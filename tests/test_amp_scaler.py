@@ -55,6 +55,22 @@ def test_scaler_backoff_growth_bounds():
     assert s.loss_scale() == 2.0**18  # capped at max
 
 
+def test_dynamic_backoff_without_a_floor_stops_at_the_smallest_normal_float32():
+    """Overflow after overflow (inf loss every step) without min_loss_scale: the scale halves down to 2**-126 and
+    stays there (halving on would reach 0, whose reciprocal the unscale cannot take), each step skipped."""
+    s = LossScaler("dynamic", init_scale=2.0**-120)
+    for _ in range(20):
+        s.clear_overflow_state()
+        s.record_overflow(True)
+        assert s.update_scale() is True
+    assert s.loss_scale() == 2.0**-126
+    s.load(1e-320, 0)  # a subnormal scale from a checkpoint: the next backoff brings it up to the floor
+    s.clear_overflow_state()
+    s.record_overflow(True)
+    s.update_scale()
+    assert s.loss_scale() == 2.0**-126
+
+
 def test_scaler_custom_factors():
     s = LossScaler("dynamic", init_scale=64.0, scale_factor=4.0, backoff_factor=0.25, scale_window=1)
     s.record_overflow(True)

@@ -414,6 +414,20 @@ def test_bad_inputs_raise_and_change_nothing(device, case):
     _assert_unchanged(snap)
 
 
+def test_inference_tensors_combine_only_inside_inference_mode():
+    """Outside inference mode, rebinding an inference tensor would leave one torch refuses to use (its version
+    counter is gone): TypeError, the tensor unchanged. Inside inference mode they combine like any tensor."""
+    with torch.inference_mode():
+        a, b = torch.ones(3), torch.full((2,), 2.0)
+    with pytest.raises(TypeError, match="entry 1: expected a normal tensor, got an inference tensor"):
+        combine_tensors([torch.zeros(4), a])
+    assert torch.equal(a, torch.ones(3)) and a.is_inference()
+    with torch.inference_mode():
+        flat = combine_tensors([a, b])
+        assert is_combined_tensor_valid(flat, [a, b])
+        assert torch.equal(a, torch.ones(3)) and torch.equal(b, torch.full((2,), 2.0))
+
+
 def test_not_a_list():
     with pytest.raises(TypeError, match="a single tensor of shape"):
         combine_tensors(torch.zeros(3))

@@ -137,6 +137,26 @@ def test_public_api_torch_checks():
     assert not p.any()
 
 
+def test_lazily_negated_tensors_are_read_by_value():
+    """``x.conj().imag`` keeps the negated values in memory behind torch's negation bit. apex_C's public functions
+    refuse such a tensor (DLPack cannot carry the bit); the package's own calls (`_core`) give its values, as
+    torch's ops do, in place or not."""
+    z = torch.tensor([1 + 2j, 3 - 4j]).conj().imag  # values -2, 4
+    assert z.is_neg()
+    out = torch.zeros(2)
+    with pytest.raises(ValueError, match="negation bit"):
+        apex_C.copy_(z, out)
+    with pytest.raises(ValueError, match="negation bit"):
+        apex_C.scale_(z, out, 1.0)
+    assert not out.any()
+    _core.scale_(z, 2.0, out=out)
+    assert out.tolist() == [-4.0, 8.0]
+    _core.copy_(z, out)
+    assert out.tolist() == [-2.0, 4.0]
+    w = torch.tensor([1 + 2j, 3 - 4j]).conj().imag
+    assert _core.scale_many_([w], 0.5) is False and w.tolist() == [-1.0, 2.0]
+
+
 def test_core_uses_the_raw_fast_path(monkeypatch):
     called = []
 

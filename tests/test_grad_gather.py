@@ -557,6 +557,40 @@ def test_bad_model_grad_of_a_low_precision_param_raises_before_any_change(name, 
     _check_bad_last_grad_changes_nothing(cls, kw, torch.bfloat16, torch.float32, seed=15)
 
 
+def test_a_grad_view_whose_storage_was_swapped_is_not_written_through():
+    """Kept grads live in the flat buffer as slot views; ``p.grad.data = x`` makes that view object view ``x``.
+    When a later grad cannot be read in place (expanded here) and is copied into its slot, the copy goes into the
+    flat buffer through a new view: the update uses the new grad, and the caller's ``x`` is not written."""
+    a, t = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    ours, ref = NpuFusedSGD([a], lr=1.0), torch.optim.SGD([t], lr=1.0)
+    a.grad, t.grad = torch.ones(4), torch.ones(4)
+    for _ in range(2):  # kept: adopted into the flat grad buffer at the second step
+        ours.step()
+        ref.step()
+    x = torch.full((4,), 5.0)
+    a.grad.data = x
+    a.grad = torch.tensor(-2.0).expand(4)
+    t.grad = torch.tensor(-2.0).expand(4)
+    ours.step()
+    ref.step()
+    assert torch.equal(a.detach(), t.detach())
+    assert torch.equal(x, torch.full((4,), 5.0)), "the caller's tensor was written"
+
+
+@pytest.mark.parametrize("name,cls,kw", [("sgd", NpuFusedSGD, dict(lr=1.0)), ("fused_adam", FusedAdam, dict(lr=0.1))],
+                         ids=["sgd", "fused_adam"])
+def test_a_grad_with_the_negation_bit_is_read_by_value(name, cls, kw):
+    """A grad whose memory holds the negated values behind torch's lazy negation bit (``x.conj().imag``) is
+    copied (which resolves it) instead of read in place: the update is that of its values."""
+    z = torch.tensor([1 + 2j, 3 - 4j, 0.5 + 0j]).conj().imag
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    oa, ob = cls([a], **kw), cls([b], **kw)
+    a.grad, b.grad = z, z.resolve_neg()
+    oa.step()
+    ob.step()
+    assert torch.equal(a.detach(), b.detach()) and torch.equal(a.grad, z.resolve_neg())
+
+
 def test_grad_overlapping_the_param_buffer_is_copied_first():
     p = torch.nn.Parameter(torch.randn(6, 4))
     q = torch.nn.Parameter(p.detach().clone())

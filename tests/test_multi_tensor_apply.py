@@ -583,6 +583,40 @@ def test_bad_arguments_raise_before_writing():
     assert all(not o.any() for o in outs)
 
 
+def test_tensors_pair_in_memory_order_whatever_their_shapes():
+    """Upstream's kernels index each tensor's memory linearly: tensor i of every list needs the same element count,
+    not the same shape, and a channels_last tensor is read in its memory order."""
+    x = torch.randn(2, 3, dtype=torch.float64)
+    out = torch.zeros(3, 2, dtype=torch.float64)  # same count, other shape (the torch-ops path: float64)
+    amp_C.multi_tensor_scale(2048, _flag(), [[torch.ones(4), x], [torch.zeros(4), out]], 2.0)
+    assert torch.equal(out.reshape(-1), x.reshape(-1) * 2)
+    cl = torch.randn(1, 3, 2, 2).to(memory_format=torch.channels_last)
+    flat = torch.zeros(12)
+    amp_C.multi_tensor_axpby(2048, _flag(), [[cl], [torch.ones(12)], [flat]], 2.0, 1.0, -1)
+    memory_order = cl.permute(0, 2, 3, 1).reshape(-1)
+    assert torch.equal(flat, memory_order * 2 + 1)
+
+
+@pytest.mark.parametrize("op", ["scale", "sgd", "adam", "adagrad"])
+def test_a_tensor_that_is_not_dense_is_rejected_before_anything_is_written(op):
+    """An expanded (stride 0) or strided tensor anywhere in the lists: ValueError naming it, and tensor 0 of every
+    list, which an op working tensor by tensor would have written first, unchanged (upstream: "A tensor was not
+    contiguous")."""
+    bad = torch.zeros(1).expand(3)
+    ones = [torch.ones(3), torch.ones(3)]
+    p0 = torch.ones(3)
+    lists = {
+        "scale": ([ones, [p0, bad]], (2.0,)),
+        "sgd": ([ones, [p0, torch.ones(3)], [torch.zeros(3), bad]], (0.0, 0.9, 0.0, 0.1, False, True, False, 1.0)),
+        "adam": ([ones, [p0, torch.ones(3)], [torch.zeros(3)] * 2, [torch.zeros(3), bad]],
+                 (1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)),
+        "adagrad": ([ones, [p0, torch.ones(6)[::2]], [torch.zeros(3), torch.zeros(3)]], (0.1, 1e-10, 0, 0.0)),
+    }[op]
+    with pytest.raises(ValueError, match=r"tensor_lists\[\d\]\[1\] must be contiguous"):
+        getattr(amp_C, f"multi_tensor_{op}")(2048, _flag(), lists[0], *lists[1])
+    assert torch.equal(p0, torch.ones(3))
+
+
 def test_ops_run_on_the_test_device(device):
     xs = _tensors(device=device)
     flag = _flag(device)

@@ -639,6 +639,25 @@ def test_fused_novograd_errors_and_state_dict(device):
     check_resume_matches_twin(lambda ps: FusedNovoGrad(ps, lr=1e-2), params, seq, 3, check_saved)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedMixedPrecisionLamb], ids=["fused_lamb", "fused_mp_lamb"])
+def test_lamb_max_grad_norm_zero_clips_every_grad_to_zero(device, executor, cls):
+    """max_grad_norm=0: the global clip divides the grads by infinity (NVIDIA's kernel: norm / 0), so the update
+    is the one of zero grads; max_grad_norm=None turns clipping off instead."""
+    params, zeros = make_params([(4,), (2, 3)], device, seed=7), make_params([(4,), (2, 3)], device, seed=7)
+    clipped = cls(params, lr=1e-2, max_grad_norm=0)
+    ref = cls(zeros, lr=1e-2, max_grad_norm=None)
+    clipped.executor = ref.executor = executor
+    gen = torch.Generator().manual_seed(8)
+    for p, q in zip(params, zeros):
+        set_grad(p, torch.randn(p.shape, generator=gen).to(device))
+        set_grad(q, torch.zeros_like(q))
+    clipped.step()
+    ref.step()
+    for p, q in zip(params, zeros):
+        assert torch.equal(p.detach(), q.detach())
+
+
 # ------------------------------------------------------------------ FusedMixedPrecisionLamb
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

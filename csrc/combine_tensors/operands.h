@@ -219,6 +219,16 @@ class Operand {
         fail<py::value_error>("expected a CPU tensor (DLPack device type 1), got device type " +
                               std::to_string(type) + "; move it to the CPU first");
     }
+    // torch's lazy negation (x.conj().imag, torch._neg_view): the memory holds the negated values, which DLPack
+    // cannot say, so such a tensor would be read (or written) with the wrong sign
+    if (py::hasattr(obj, "is_neg")) {
+      py::object neg = obj.attr("is_neg")();
+      const int set = PyObject_IsTrue(neg.ptr());
+      if (set < 0) throw py::error_already_set();
+      if (set)
+        fail<py::value_error>("a tensor with torch's lazy negation bit (e.g. from .conj().imag) holds the negated "
+                              "values in memory; pass t.resolve_neg()");
+    }
     py::object cap;
     try {
       cap = obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(kMajorVersion, 0));

@@ -96,12 +96,13 @@ def kernel_dtype(dtype: torch.dtype) -> Optional[int]:
 
 
 def uses_kernel(*tensors: torch.Tensor) -> bool:
-    """True when every tensor can go through apex_C (CPU, contiguous, fp32/fp16/bf16)."""
+    """True when every tensor can go through apex_C (CPU, contiguous, fp32/fp16/bf16, no lazy negation: the
+    memory of ``x.conj().imag`` holds the negated values, which only torch's ops read right)."""
     if ext is None:
         _require_or_warn()
         return False
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or not t.is_contiguous():
+        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or not t.is_contiguous() or t.is_neg():
             return False
     return True
 
@@ -199,6 +200,7 @@ def max_abs(src: torch.Tensor) -> float:
 
 
 _is_contiguous = torch.Tensor.is_contiguous
+_is_neg = torch.Tensor.is_neg
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _get_dtype = operator.attrgetter("dtype")
@@ -219,7 +221,8 @@ def int_table(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.
 
 
 def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when `scale_many_` runs as one apex_C call: contiguous CPU tensors of one kernel dtype."""
+    """True when `scale_many_` runs as one apex_C call: contiguous CPU tensors of one kernel dtype, none with
+    torch's lazy negation bit (see `uses_kernel`)."""
     if ext is None or not tensors:
         return False
     dtypes = set(map(_get_dtype, tensors))
@@ -228,6 +231,7 @@ def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
         and next(iter(dtypes)) in DTYPE_CODES
         and set(map(_get_device_type, tensors)) == {"cpu"}
         and all(map(_is_contiguous, tensors))
+        and not any(map(_is_neg, tensors))
     )
 
 

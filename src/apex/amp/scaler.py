@@ -1,8 +1,10 @@
 """Loss scaler: static or dynamic, with the Ascend patch's tunables (growth/backoff factors, window, min/max scale).
 
 Dynamic scaling: an overflow (inf/nan in the gradients) multiplies the scale by
-``backoff_factor`` (never below ``min_loss_scale``) and resets the count of clean
-steps; ``scale_window`` clean steps in a row multiply it by ``growth_factor``
+``backoff_factor`` (never below ``min_loss_scale``, and without one never below 2**-126,
+the smallest normal float32: a float32 loss times a smaller scale is zero or subnormal,
+and halving on would reach 0, whose reciprocal the unscale cannot take) and resets the
+count of clean steps; ``scale_window`` clean steps in a row multiply it by ``growth_factor``
 (never above ``max_loss_scale``). A static scale never changes and never asks
 for a step to be skipped.
 
@@ -20,6 +22,8 @@ import math
 from typing import Any, Optional, Union
 
 import torch
+
+_SMALLEST_SCALE = 2.0 ** -126  # the smallest normal float32: the floor of a dynamic backoff without min_loss_scale
 
 
 def _number(where: str, name: str, value: Any) -> float:
@@ -153,9 +157,7 @@ class LossScaler:
         if self._has_overflow and self.dynamic:
             should_skip = True
             new = self._loss_scale * self._backoff_factor
-            if self._min_loss_scale is not None:
-                new = max(self._min_loss_scale, new)
-            self._loss_scale = new
+            self._loss_scale = max(_SMALLEST_SCALE if self._min_loss_scale is None else self._min_loss_scale, new)
             self._unskipped = 0
         else:
             should_skip = False

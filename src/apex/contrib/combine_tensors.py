@@ -196,6 +196,10 @@ def _check_entry(i: int, t: Any, where: str) -> None:
         raise TypeError(f"{where}: entry {i}: expected a dense (strided) tensor, got layout {t.layout}")
     if t.is_complex() or not t.is_floating_point():
         raise TypeError(f"{where}: entry {i}: expected a floating-point tensor, got {t.dtype}")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        # rebinding it to a buffer made outside inference mode would leave a tensor torch can no longer use
+        raise TypeError(f"{where}: entry {i}: expected a normal tensor, got an inference tensor (made under "
+                        "torch.inference_mode()); combine it inside inference mode or pass a normal tensor")
 
 
 def _validate(tensors: list, where: str) -> None:

@@ -2,8 +2,10 @@
 
 Each op has NVIDIA's signature: ``op(chunk_size, noop_flag, tensor_lists, *args)``, where
 ``noop_flag`` is a one-element integer tensor (``torch.zeros(1, dtype=torch.int)``) and
-``tensor_lists`` a list of equally long lists of tensors (tensor ``i`` of every list has one
-element count). Call them directly or through
+``tensor_lists`` a list of equally long lists of dense tensors (contiguous or channels_last, as
+upstream requires; tensor ``i`` of every list has one element count, and the ops pair elements in
+memory order whatever the shapes, as upstream's kernels do). Every argument is checked before
+anything is written. Call them directly or through
 :data:`apex.multi_tensor_apply.multi_tensor_applier`, which supplies ``chunk_size``.
 
 The flag, as upstream:
@@ -91,7 +93,28 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
             if t.device != ref.device:
                 raise ValueError(f"{op}: tensor_lists[{li}][{ti}] is on {t.device}, tensor_lists[0][{ti}] on "
                                  f"{ref.device}")
-    return lists
+            if not _dense(t):
+                raise ValueError(f"{op}: tensor_lists[{li}][{ti}] must be contiguous (or channels_last), got "
+                                 f"shape {tuple(t.shape)} with strides {tuple(t.stride())}")
+    # one memory-order 1-D view per tensor: the ops then pair elements as upstream's kernels do (by position in
+    # memory), and no shape difference between lists can fail halfway through, after earlier tensors were written
+    return [[_memory_order(t) for t in tl] for tl in lists]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Upstream's rule: contiguous, or channels_last (3d) contiguous."""
+    if t.is_contiguous():
+        return True
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements as a 1-D view, in memory order (the tensor itself when it is one already)."""
+    if t.dim() == 1 and t.is_contiguous():
+        return t
+    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
 
 
 def _flag_is_set(noop_flag: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ for code that needs every set before a step (global norms): ``_all_sets()``,
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import math
@@ -94,6 +95,22 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
 
 
+# group options read as booleans by the updates (NVIDIA's and torch's names)
+_FLAG_OPTIONS = ("amsgrad", "bias_correction", "centered", "grad_averaging", "init_zero", "nesterov")
+
+
+def check_flags(group: dict) -> None:
+    """Boolean group options must have a truth value (a multi-element tensor, for one, has none: it would fail
+    the update halfway through)."""
+    for key in _FLAG_OPTIONS:
+        if key in group:
+            try:
+                bool(group[key])
+            except Exception as exc:  # whatever __bool__ raises, the option is unusable
+                raise TypeError(f"Invalid {key}: expected a bool, got {type(group[key]).__name__} "
+                                f"({exc})") from exc
+
+
 def check_betas(betas) -> None:
     """Adam-style ``betas``: a pair, each in [0, 1)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -159,6 +176,20 @@ def check_param_kind(owner: str, i: int, p) -> None:
         )
     if not p.is_floating_point():
         raise TypeError(f"{owner} can only optimize floating point params; param {i} has dtype {p.dtype}")
+    if p.is_inference():
+        raise TypeError(f"{owner} cannot optimize param {i}: it is an inference tensor (made under "
+                        "torch.inference_mode()), which cannot be updated in place outside it")
+
+
+_OPTION_TYPES = (type(None), bool, int, float, str, torch.dtype)
+
+
+@functools.cache
+def _cache_names(cls: type) -> frozenset:
+    """The attributes `_init_combined` sets on an instance of ``cls`` (its caches), the executor choice excepted."""
+    probe = cls.__new__(cls)
+    probe._init_combined()
+    return frozenset(probe.__dict__) - {"_executor"}
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -189,6 +220,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
     #: whether `_kernel_step` reads grads only through ``s.args`` (then the base `step()` lets the
     #: kernel read grads where autograd left them, through a grad address table, instead of copying)
     _gather_grads = False
+    # the update reads grad values on the host (norms, trust ratios): not possible for meta params
+    _reads_values = False
 
     def __init__(self, params: Iterable, defaults: dict):
         self._init_combined()
@@ -206,11 +239,24 @@ class CombinedOptimizer(torch.optim.Optimizer):
         # fp32 masters of an amp O2 checkpoint loaded before amp.initialize (taken by its master creation)
         self.loaded_amp_masters: Optional[List[Optional[torch.Tensor]]] = None
 
+    def __getstate__(self) -> dict:
+        """torch's fields plus the optimizer's own options: NVIDIA's classes keep constructor options as
+        attributes (``adam_w_mode``, ``set_grad_none``, ...), which torch's ``__getstate__`` drops. Plain values
+        only; what `_init_combined` sets (caches of the combined layout) is left out, the executor choice kept."""
+        state = super().__getstate__()
+        caches = _cache_names(type(self))
+        state["_apex_options"] = {k: v for k, v in self.__dict__.items()
+                                  if k not in state and k not in caches and isinstance(v, _OPTION_TYPES)}
+        return state
+
     def __setstate__(self, state: dict) -> None:
-        # unpickling / deepcopy restore torch's fields only: flat buffers are rebuilt at the next step
+        # unpickling / deepcopy restore torch's fields and the options: flat buffers are rebuilt at the next step
+        state = dict(state)
+        options = state.pop("_apex_options", {})
         if "_groups" not in self.__dict__:
             self._init_combined()
         super().__setstate__(state)
+        self.__dict__.update(options)
 
     @property
     def executor(self) -> str:
@@ -259,6 +305,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
             self._check_torch_options(probe)
+            check_flags(probe)
             self._validate_group(probe)
         super().add_param_group(param_group)
 
@@ -332,6 +379,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """
         plans = []
         for gi, group in enumerate(self.param_groups):
+            self._check_step_group(gi, group)
+        for gi, group in enumerate(self.param_groups):
             sets = self._intact_sets(gi, group)
             if sets is None:
                 self._check_rebuild(group)
@@ -354,6 +403,22 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._force_rebuild = False
         self._count_event(healed)
         return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
+
+    def _check_step_group(self, gi: int, group: dict) -> None:
+        """A group as the step finds it: hyperparameters that user code or a scheduler rewrote since
+        `add_param_group` are checked again (they would otherwise fail halfway through the update, or be
+        rejected by the kernel binding without a name), and optimizers whose update reads grad values on the
+        host (`_reads_values`) refuse meta params, which hold none. Raises before anything is changed."""
+        name = type(self).__name__
+        ps = group["params"]
+        if self._reads_values and ps and ps[0].device.type == "meta":
+            raise RuntimeError(f"{name}: param group {gi} is on the meta device, which holds no values; this "
+                               "optimizer's update reads grad norms on the host: materialize the params first "
+                               "(e.g. module.to_empty(device=...))")
+        with naming(f"{name}: param group {gi}"):
+            self._check_torch_options(group)
+            check_flags(group)
+            self._validate_group(group)
 
     def _plan_grads(self, s: FlatSet, group: dict, gather: bool):
         """How this step's update of `s` gets its grads, as (s, grads, todo, counts): they are the slot views
@@ -547,6 +612,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             probe.update({k: v for k, v in g.items() if k != "params"})
             with naming(f"{name}.load_state_dict: param group {gi}"):
                 self._check_torch_options(g)
+                check_flags(probe)
                 self._validate_group(probe)
             probes.append(probe)
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: self._loaded_state_spec(probes[gi]))

@@ -52,6 +52,7 @@ _eq = operator.eq
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _is_contiguous = torch.Tensor.is_contiguous
+_is_neg = torch.Tensor.is_neg
 _is = operator.is_
 
 # `expected_grads` entry of a slot whose grad the last step read where autograd left it: that grad is not kept
@@ -283,7 +284,10 @@ class FlatSet:
         # a grad that is itself (a view of) one of our slots may be overwritten by another copy: read it first
         src = [g.clone() if lo <= g.data_ptr() < hi else g for _, g in todo]
         for k, g in todo:
-            if g is self.grad_views[k]:  # our view object, whose storage was swapped (p.grad.data = ...)
+            v = self.grad_views[k]
+            # our view object whose storage was swapped (p.grad.data = ...): it views the caller's memory now,
+            # whether it is still p.grad or was replaced since, so the slot gets a new view
+            if g is v or v.data_ptr() != self._grad_ptrs[k]:
                 self.grad_views[k] = view_like(self.flat_g, self.offsets[k], self.params[k])
         _copy_many([self.grad_views[k] for k, _ in todo], src)
         for k, _ in todo:
@@ -424,6 +428,8 @@ class FlatSet:
             bad_layout = not all(map(_is_contiguous, lgs))
         else:
             bad_layout = list(map(_stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
+        # a grad with torch's lazy negation bit (x.conj().imag) holds the negated values: copied, which resolves it
+        bad_layout = bad_layout or any(map(_is_neg, lgs))
         table = _core.int_table(lptrs)
         todo_idx = self._not_readable(table, live, lgs, bad_layout, of[0].element_size() if of else 1)
         if live is not None:
@@ -458,8 +464,8 @@ class FlatSet:
                 check_grad(k, of[k], g)
 
     def _layout_ok(self, k: int, g: torch.Tensor) -> bool:
-        """Whether grad `g` has the element layout of slot `k` (see ``_dense``)."""
-        return g.is_contiguous() if self._dense else g.stride() == self.strides[k]
+        """Whether grad `g` has the element layout of slot `k` (see ``_dense``), its values as stored."""
+        return not g.is_neg() and (g.is_contiguous() if self._dense else g.stride() == self.strides[k])
 
     def _not_readable(self, table: torch.Tensor, live: Optional[List[int]], lgs: List[torch.Tensor],
                       bad_layout: bool, elem: int) -> List[int]:

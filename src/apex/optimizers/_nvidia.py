@@ -276,7 +276,10 @@ class ShadowParamsMixin:
         """Whether params of ``dtype`` keep fp32 states: shadowed ones, and those `_state_dtype_for` says so of."""
         return dtype in self._shadow_dtypes() or self._state_dtype_for(dtype) == torch.float32
 
-    def _init_shadows(self) -> None:
+    def _init_combined(self) -> None:
+        # also run when a copy (deepcopy / unpickle) restores only torch's fields: masters are made again from the
+        # model params at the next step (they are not part of state_dict either)
+        super()._init_combined()
         # id(model param) -> (model param, fp32 shadow, model data_ptr when the shadow was made)
         self._shadows: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
 

@@ -91,7 +91,6 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
         # GradScaler hands over its scale and flags only in the capturable form, as NVIDIA's class: otherwise
         # it unscales the grads in place before step(), which user code may rely on when it reads them
         self._step_supports_amp_scaling = self.capturable
-        self._init_shadows()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:

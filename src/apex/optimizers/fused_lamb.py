@@ -30,6 +30,7 @@ bf16 params work, and ``max_grad_norm=None`` disables the clipping.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import List, Optional, Union
 
@@ -47,12 +48,15 @@ __all__ = ["FusedLAMB", "lamb_clip_divisor"]
 
 
 def lamb_clip_divisor(norm: Union[float, torch.Tensor], max_grad_norm: Optional[float]):
-    """NVIDIA's global clipping: the grads are divided by norm/max_grad_norm when the norm exceeds it."""
+    """NVIDIA's global clipping: the grads are divided by norm/max_grad_norm when the norm exceeds it
+    (``max_grad_norm=0``: by infinity, so every grad becomes 0, as NVIDIA's kernel gives)."""
     if max_grad_norm is None:
         return 1.0
     if isinstance(norm, torch.Tensor):
         return torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
-    return norm / max_grad_norm if norm > max_grad_norm else 1.0
+    if norm > max_grad_norm:
+        return norm / max_grad_norm if max_grad_norm else math.inf
+    return 1.0
 
 
 def _nvidia_trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
@@ -93,9 +97,13 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0  # NVIDIA's int flag
         self.set_grad_none = bool(set_grad_none)
         self.use_nvlamb = bool(use_nvlamb)
+        super().__init__(params, defaults)
+
+    def _init_combined(self) -> None:
+        # also run when a copy (deepcopy / unpickle) restores only torch's fields
+        super()._init_combined()
         self._scratch: weakref.WeakKeyDictionary[FlatSet, _Scratch] = weakref.WeakKeyDictionary()
         self._clip: Union[float, torch.Tensor] = 1.0
-        super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
@@ -132,6 +140,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         self._update(prepared)
 
     _gather_grads = True  # lamb_stage1 reads grads only through OptArgs (lamb_stage2 reads none)
+    _reads_values = True  # the global grad norm (max_grad_norm clipping) is read on the host
 
     def _gathers(self, s: FlatSet, group: dict) -> bool:
         # the L2 mode forms g/c + wd*p in a scratch buffer from the flat grad buffer (see _kernel_step)

@@ -68,7 +68,6 @@ class FusedMixedPrecisionLamb(GradScalerMixin, ShadowParamsMixin, FusedLAMB):
             raise ValueError(f"FusedMixedPrecisionLamb: expected an int step >= 0, got {step!r}")
         self.reduced_precision_dtype = reduced_precision_dtype
         self._initial_step = step
-        self._init_shadows()
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=False, adam_w_mode=adam_w_mode,
                          grad_averaging=grad_averaging, set_grad_none=True, max_grad_norm=max_grad_norm,

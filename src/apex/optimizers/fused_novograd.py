@@ -92,6 +92,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
 
     _has_step = False
     _gather_grads = True  # the norm pass and the SGD kernel read grads only through OptArgs
+    _reads_values = True  # per-tensor grad norms, blended on the host
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, reg_inside_moment=False, grad_averaging=True, norm_type=2, init_zero=False,
@@ -103,9 +104,13 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
         self._validate_group(defaults)
         self.moment_mode = 0 if reg_inside_moment else 1  # NVIDIA's attribute
         self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, defaults)
+
+    def _init_combined(self) -> None:
+        # also run when a copy (deepcopy / unpickle) restores only torch's fields
+        super()._init_combined()
         self._norms: weakref.WeakKeyDictionary[FlatSet, _Norms] = weakref.WeakKeyDictionary()
         self._fell_back = False
-        super().__init__(params, defaults)
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)

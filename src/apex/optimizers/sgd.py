@@ -8,7 +8,7 @@ import torch
 from torch.optim.optimizer import required
 
 from .. import _core
-from ._base import CombinedOptimizer, _check_range
+from ._base import CombinedOptimizer, _check_range, check_flags
 from ._flat import FlatSet
 from ._functional import l2_grad, settler
 
@@ -74,6 +74,7 @@ class NpuFusedSGD(CombinedOptimizer):
         _check_range("momentum value", group["momentum"], 0.0)
         _check_range("dampening value", group["dampening"], float("-inf"))
         _check_range("weight_decay value", group["weight_decay"], 0.0)
+        check_flags(group)  # nesterov is read just below
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
                 "Nesterov momentum requires a momentum and zero dampening: expected momentum > 0 and "
