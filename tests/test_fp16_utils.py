@@ -69,7 +69,7 @@ def test_static_scaler_backward_scales_grads():
 
 
 @pytest.mark.parametrize("kwargs", [dict(init_scale=0), dict(scale_factor=-2.0), dict(scale_window=0),
-                                    dict(init_scale=float("inf"))])
+                                    dict(init_scale=float("inf")), dict(scale_factor=0.5), dict(scale_factor=1.0)])
 def test_dynamic_scaler_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         DynamicLossScaler(**kwargs)

@@ -55,6 +55,12 @@ def test_synchronized_output_takes_an_inplace_relu(channel_last):
         assert r == {"same_y": True, "same_grad": True, "positive": True, "grad_nonzero": True}
 
 
+@pytest.mark.parametrize("bad", [3, None, [torch.nn.BatchNorm1d(2)]])
+def test_convert_syncbn_model_needs_a_module(bad):
+    with pytest.raises(TypeError, match=r"expected an nn\.Module"):
+        convert_syncbn_model(bad)
+
+
 def test_without_process_group_is_torch_batchnorm():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm2d(3)

@@ -87,7 +87,7 @@ class DynamicLossScaler(LossScaler):
 
     Args:
         init_scale: the first scale tried (default 2**32).
-        scale_factor: divisor on overflow, multiplier on growth (default 2).
+        scale_factor: divisor on overflow, multiplier on growth (default 2; must be > 1).
         scale_window: clean iterations between growths (default 1000).
     """
 
@@ -95,6 +95,8 @@ class DynamicLossScaler(LossScaler):
         where = "DynamicLossScaler"
         self.cur_scale = _check_positive(init_scale, "init_scale", where)
         self.scale_factor = _check_positive(scale_factor, "scale_factor", where)
+        if self.scale_factor <= 1.0:  # a divisor on overflow that does not shrink the scale would grow it
+            raise ValueError(f"{where}: scale_factor must be > 1, got {scale_factor!r}")
         if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
             raise ValueError(f"{where}: scale_window must be an int >= 1, got {scale_window!r}")
         self.scale_window = scale_window

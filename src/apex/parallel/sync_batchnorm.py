@@ -216,8 +216,10 @@ def convert_syncbn_model(module: torch.nn.Module, process_group: Any = None, cha
     """Replace every BatchNorm*d in ``module`` (recursively) by an equivalent :class:`SyncBatchNorm`.
 
     Parameters, buffers, their dtype/device and ``requires_grad`` are carried over;
-    the (possibly new) root module is returned.
+    the (possibly new) root module is returned. TypeError for anything but an ``nn.Module``.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"convert_syncbn_model: expected an nn.Module, got {type(module).__name__}")
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         ref = module.weight if module.weight is not None else module.running_mean
         kwargs = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
