@@ -52,7 +52,13 @@ def _amp_step_setup(ctx: Context, regime: str, fold: bool):
     amp.initialize(_Holder(ours), opt, opt_level="O1", combine_grad=True, fold_unscale=fold or None, verbosity=0)
     stash = opt._amp_stash
     scaler = amp._amp_state.loss_scalers[0]
-    stash.post_backward(SCALES[0], check=True, fold=True)  # the first exit combines the grads
+    stash.post_backward(SCALES[0], check=True, fold=True)  # the first exit reads the grads where they are
+    values = [p.grad.clone() for p in ours]
+    opt.zero_grad(set_to_none=False)  # kept grads are combined before the next backward ...
+    stash.prepare_backward(SCALES[0])
+    with torch.no_grad():
+        for p, v in zip(ours, values):  # ... and these rounds reuse them: one pass over the buffer per exit
+            p.grad.copy_(v)
     ref_opt = torch.optim.AdamW(ref, lr=1e-4, fused=True)
     gs = torch.amp.GradScaler(ctx.device, init_scale=SCALES[0])
     gs.scale(torch.ones((), device=ctx.device))  # creates its scale tensor

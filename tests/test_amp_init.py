@@ -100,6 +100,25 @@ def test_scale_loss_unscales_and_accumulates():
     handle._deactivate()
 
 
+def test_scale_loss_unscales_uncoalesced_sparse_grads():
+    """An Embedding(sparse=True) grad is uncoalesced (one row entry per lookup): it is unscaled as it is, not
+    through a coalesced copy that would leave the grad itself scaled."""
+    handle = amp.init(loss_scale=1024.0)
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.0)
+    idx = torch.tensor([1, 1, 2])
+    for k in range(2):  # the second backward accumulates onto the first's (unscaled) sparse grad
+        with handle.scale_loss(emb(idx).sum(), opt) as scaled:
+            scaled.backward()
+        g = emb.weight.grad
+        assert g.is_sparse
+        dense = g.to_dense()
+        torch.testing.assert_close(dense[1], torch.full((3,), 2.0 * (k + 1)), rtol=0, atol=0)
+        torch.testing.assert_close(dense[2], torch.full((3,), 1.0 * (k + 1)), rtol=0, atol=0)
+        assert dense[0].abs().sum() == 0
+    handle._deactivate()
+
+
 def test_dynamic_overflow_skips_one_step_and_backs_off():
     handle = amp.init()
     w = nn.Parameter(torch.ones(2))

@@ -732,7 +732,7 @@ def test_amp_combined_unscales_fresh_grads_in_place(amp_env, amp_models):
 
 
 def test_amp_unscale_many_matches_torch_foreach():
-    from apex.amp._optimizer import unscale_
+    from apex.amp._unscale import unscale_
 
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:

@@ -4,9 +4,13 @@ Who owns the buffers: an apex optimizer (``combined_grad_buffers()`` of the
 optimizer <-> amp protocol, docs/DESIGN-NOTES.md) owns its grad buffers and amp
 only reads their layout; for torch.optim optimizers amp combines the grads
 itself (one buffer per param group x dtype x device, layout of
-``apex.contrib.combine_tensors.plan_layout``). Buffers are built at the first
-``scale_loss`` exit that has gradients, and rebuilt when the optimizer
-re-combines (``recombine_count``), gains a param group or loads a state_dict.
+``apex.contrib.combine_tensors.plan_layout``). Buffers are built when the grads
+need their flat form: at a ``scale_loss`` exit whose grads cannot be read where
+they are (O2 twins, combine_ddp, ``check_combined_tensors``, sparse grads), or
+before a backward onto grads that are present (kept between steps, or fp16
+grads being accumulated); they are rebuilt when the optimizer re-combines
+(``recombine_count``), gains a param group or loads a state_dict. With torch's
+default ``zero_grad()`` (grads set to None) no buffer is ever made.
 
 Gradient accumulation without a stash: upstream amp moves existing grads aside
 before each backward and adds them back, unscaled, at exit. Here the grads stay
@@ -30,12 +34,13 @@ master gradient rather than None.
 Grads left where autograd put them (``zero_grad(set_to_none=True)`` /
 ``model.zero_grad()`` before the backward): when no buffer needs its flat form
 at this exit (no O2 twin, no fp32 stash, no combine_ddp hook, no
-``check_combined_tensors``), the exit unscales and checks the grads in place,
-one apex_C call over their address table per buffer (`_core.scale_many_`), and
-copies nothing; the optimizer then reads them in place too. Such a buffer is
-"detached" (``gathered``): its flat form is stale until the grads are copied
-back into their slots, which happens only when a later backward needs it
-(a rescale for accumulation, or discarding the grads of a skipped step).
+``check_combined_tensors``), the exit unscales and checks the grads where they
+are (`_unscale.unscale_`: one apex_C call over their address table on CPU,
+torch's fused unscale elsewhere) and copies nothing; the optimizer then reads
+them in place too. Existing buffers are then "detached" (``gathered``): their
+flat form is stale until grads present before a later backward are copied back
+into their slots. Accumulating onto detached grads rescales them where they
+are (`_prepare_in_place`).
 
 Sharing checks otherwise: grads that are not the expected view objects (``p.grad = None``
 then backward, ``p.grad = t``) are adopted at exit; with
@@ -53,6 +58,7 @@ import torch
 from .. import _core
 from ..contrib.combine_tensors import plan_layout
 from . import _ddp
+from ._unscale import unscale_
 
 _get_grad = operator.attrgetter("grad")
 
@@ -147,7 +153,12 @@ class CombinedGrads:
         self.folded = False  # last exit left the grads scaled for the optimizer to unscale
         self.low_dirty = False  # O2: model grads were consumed by an exit; zero them before the next backward
         self.low_pending: Optional[float] = None  # O2: scale the model grads carry
-        self.ever_built = False
+        self.exited = False  # a scale_loss exit has unscaled (or folded) grads: ``pending`` means something
+        # zero_grad(set_to_none=False) while there are no buffers: which grads are known to be zero (all, or
+        # the params of the modules zeroed), so that the buffers built before the next backward skip the
+        # rescale pass over them
+        self.zeroed_all = False
+        self.zeroed_ids: set = set()
         self.gathered = False  # the main grads were unscaled where they are: the flat buffers are stale
 
     # ------------------------------------------------------------ structure
@@ -180,7 +191,6 @@ class CombinedGrads:
         if self.low_pending is None:
             self.low_pending = scale  # first build: the model grads are this backward's
         self.buffers = buffers
-        self.ever_built = True
         self.gathered = False
 
     def _adopt_optimizer_buffers(self, model_of) -> List[_Buffer]:
@@ -356,17 +366,24 @@ class CombinedGrads:
     # ------------------------------------------------------------ per step
     def prepare(self, scale: float) -> None:
         """Before a backward whose loss is multiplied by ``scale``."""
-        if self.buffers is None and not self.ever_built:
-            return  # the first backward's fresh grads are combined at its exit
+        discard = self.discard or self.stash.skip_pending is not None
+        if self.buffers is None and (self.stash.pairs or not self.exited):
+            return  # O2 masters, or the first backward: its grads are combined (or read in place) at exit
+        if self.gathered or self.buffers is None:
+            with torch.no_grad():
+                if self._prepare_in_place(scale, discard):
+                    self._after_prepare(scale, discard)
+                    return
         with torch.no_grad():
             if self.buffers is None or (self.stash.ours and self.optimizer.recombine_count != self.recombine_seen):
                 # New param group, loaded state_dict, or the optimizer re-combined: map the grads again now,
                 # so grads accumulated so far keep their known scale.
                 self._build(scale)
-            discard = self.discard or self.stash.skip_pending is not None
+                for b in self.buffers:
+                    b.known_zero = self.zeroed_all or b.main_ids <= self.zeroed_ids
             low_dirty = self.low_dirty or discard
             if self.gathered:
-                self._reattach(scale, discard)
+                self._reattach(scale)
             for b in self.buffers:
                 if self.check_full and not self._views_valid(b):
                     self._heal_pointers(b)
@@ -384,6 +401,11 @@ class CombinedGrads:
                     if any(b.params[i].grad is not None for i in b.main_idx):
                         self._rescale_main(b, scale)
                 b.known_zero = False
+        self._after_prepare(scale, discard)
+
+    def _after_prepare(self, scale: float, discard: bool) -> None:
+        self.zeroed_all = False
+        self.zeroed_ids = set()
         if discard:
             self.masters_have_grads = False
             self.discard = False
@@ -391,17 +413,45 @@ class CombinedGrads:
         self.low_pending = scale
         self.pending = scale
 
-    def _reattach(self, scale: float, discard: bool) -> None:
-        """Before a backward onto grads that were unscaled in place: back into the flat buffers, if needed.
+    def _prepare_in_place(self, scale: float, discard: bool) -> bool:
+        """Grads no buffer holds (unscaled where autograd left them, or no buffers since a re-layout): prepare
+        them for this backward where they are, if that needs no flat form; False if they are to be combined.
 
-        Needed only when the grads are present and this backward's bookkeeping works on the flat
-        form (a rescale to the new scale, or zeroing a skipped step's grads); grads set to None, or
-        known to be zero, can stay where they are.
+        None present (torch's default ``zero_grad()``): nothing to do, and no buffer is ever made. Present and
+        known to be zero (``zero_grad(set_to_none=False)``: kept between steps): False, they are combined once, as
+        an apex optimizer adopts kept grads, and later exits find them bound. Otherwise they are being
+        accumulated: a skipped step's are zeroed, and grads that carry another scale are multiplied by
+        ``scale / pending`` in place (powers of two: exact, the bits of the flat pass), except fp16 ones
+        growing, which could overflow and keep their old values in the buffers' fp32 stash instead.
         """
-        present = any(g is not None for b in self.buffers for g in map(_get_grad, b.params))
+        params = ([p for group in self.optimizer.param_groups for p in group["params"]] if self.buffers is None
+                  else [p for b in self.buffers for p in b.params])
+        present = [p for p in params if p.grad is not None]
         if not present:
-            return
-        if not discard and (self.pending == scale or all(b.known_zero for b in self.buffers)):
+            return True
+        if self.zeroed_all or self.zeroed_ids.issuperset(map(id, present)):
+            return False
+        gs = [p.grad for p in present]
+        if any(g.layout != torch.strided for g in gs):
+            return False  # the buffers' build refuses them, with its message
+        if discard:
+            torch._foreach_zero_(gs)
+            return True
+        factor = scale / self.pending
+        if factor == 1.0:
+            return True
+        if factor > 1.0 and any(g.dtype == torch.float16 for g in gs):
+            return False
+        unscale_(gs, factor, check=False)
+        return True
+
+    def _reattach(self, scale: float) -> None:
+        """Before a backward onto grads that were unscaled where they are: present ones (kept by
+        ``zero_grad(set_to_none=False)``, or being accumulated) go back into the flat buffers, where this
+        backward's bookkeeping (rescale, zeroing a skipped step's grads) works and later exits find them bound;
+        grads set to None stay unbuffered (see `_prepare_in_place`).
+        """
+        if not any(g is not None for b in self.buffers for g in map(_get_grad, b.params)):
             return
         if self.stash.ours:
             flats = self.optimizer.combined_grad_buffers()  # the optimizer copies them into its slots
@@ -413,34 +463,33 @@ class CombinedGrads:
         self.gathered = False
 
     def _gather_ready(self) -> bool:
-        """This exit may unscale the grads where they are (see the module docstring)."""
-        return (
-            not self.check_full
-            and self.stash.session.ddp is None
-            and all(not b.lows and b.stash is None for b in self.buffers)
-        )
+        """This exit may unscale the grads where they are (see the module docstring); before any buffer exists,
+        only without O2 masters (whose grads are written from the model's, through the buffers)."""
+        if self.check_full or self.stash.session.ddp is not None:
+            return False
+        if self.buffers is None:
+            return not self.stash.pairs
+        return all(not b.lows and b.stash is None for b in self.buffers)
 
     def _unscale_gathered(self, scale: float, check: bool, fold: bool) -> Optional[bool]:
-        """Unscale + non-finite check over the grads where they are; None if they cannot be used so."""
-        per_buffer = []
-        for b in self.buffers:
-            gs = [g for g in map(_get_grad, b.params) if g is not None]
-            if gs and not _core.kernel_many(gs):
-                return None
-            per_buffer.append(gs)
-        ptrs = [g.data_ptr() for gs in per_buffer for g in gs]
+        """Unscale + non-finite check over the grads where they are; None if they cannot be used so (a sparse
+        grad, which the buffers' build refuses with its message, or one tensor bound as the grad of two params,
+        which a second scale would corrupt)."""
+        if self.buffers is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        else:
+            params = [p for b in self.buffers for p in b.params]
+        gs = [g for g in map(_get_grad, params) if g is not None]
+        if any(g.layout != torch.strided for g in gs):
+            return None
+        ptrs = [g.data_ptr() for g in gs if g.numel()]
         if len(set(ptrs)) != len(ptrs):
-            return None  # one tensor bound as the grad of two params: a second scale would be wrong
-        found = False
-        for gs in per_buffer:
-            if fold:
-                found |= check and _core.scale_many_(gs, 1.0, check=True)
-            else:
-                found |= _core.scale_many_(gs, 1.0 / scale, check=check)
+            return None
+        found = unscale_(gs, 1.0 if fold else 1.0 / scale, check)
         self.pending = scale if fold else 1.0
         self.folded = fold
         self.gathered = True
-        for b in self.buffers:
+        for b in self.buffers or ():
             b.known_zero = False
         return bool(found)
 
@@ -461,8 +510,14 @@ class CombinedGrads:
 
     def unscale(self, scale: float, check: bool, fold: bool) -> bool:
         """At scale_loss exit: unscale (unless folded) and report whether any grad is inf/nan."""
+        self.exited = True
+        self.zeroed_all = False
+        self.zeroed_ids = set()
         with torch.no_grad():
             if self.buffers is None:
+                found = self._unscale_gathered(scale, check, fold) if self._gather_ready() else None
+                if found is not None:
+                    return found
                 self._build(scale)
             else:
                 in_place = self.stash.ours and self._optimizer_grads_in_place()
@@ -524,6 +579,10 @@ class CombinedGrads:
     # ------------------------------------------------------------ zeroing, steps
     def mark_zeroed(self, param_ids=None) -> None:
         """All models-are-masters grads (or those of the given params) were zeroed in place."""
+        if param_ids is None:
+            self.zeroed_all = True
+        else:
+            self.zeroed_ids |= param_ids
         if self.buffers is None:
             return
         for b in self.buffers:
@@ -552,7 +611,7 @@ class CombinedGrads:
 
     def folded_scale(self) -> Optional[float]:
         """The scale the grads still carry for the optimizer to divide out, or None."""
-        if self.buffers is None or not self.folded or self.pending == 1.0:
+        if not self.folded or self.pending == 1.0:
             return None
         return self.pending
 

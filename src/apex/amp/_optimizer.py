@@ -17,71 +17,18 @@ into the master grads (created, or added to).
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .. import _core
 from .._tensor_utils import zero_grad_
 from ._amp_state import logger, maybe_log
 from ._combined import CombinedGrads
 from ._model import InstancePatch
+from ._unscale import unscale_
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 MASTER_KEY = "apex_amp_master_params"
-
-
-# ---------------------------------------------------------------- unscale helpers
-
-
-def _unscale_fallback(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
-    found = False
-    for t in tensors:
-        if check:
-            values = t.coalesce().values() if t.is_sparse else t
-            found = found or (bool(values.numel()) and not bool(torch.isfinite(values).all()))
-        t.mul_(inv)
-    return found
-
-
-def unscale_(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
-    """Multiply in place by ``inv``; True if any input value was inf/nan (only looked at when ``check``)."""
-    if not tensors:
-        return False
-    if not check:
-        if inv != 1.0:
-            torch._foreach_mul_(tensors, inv)
-        return False
-    found = False
-    by_device: Dict[torch.device, List[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    for device, ts in by_device.items():
-        if device.type == "cpu":
-            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for t in ts:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            rest = []
-            for group in by_dtype.values():
-                if _core.kernel_many(group):  # one apex_C pass over the grads where they are
-                    found |= _core.scale_many_(group, inv, check=True)
-                else:
-                    rest += group
-            if not rest:
-                continue
-            ts = rest
-        if any(t.is_sparse for t in ts):
-            found |= _unscale_fallback(ts, inv, check)
-            continue
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        inv_t = torch.full((1,), inv, dtype=torch.float32, device=device)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, inv_t)
-        except (NotImplementedError, RuntimeError):  # a backend without the fused op
-            found |= _unscale_fallback(ts, inv, check)
-            continue
-        found |= bool(found_inf.item())
-    return found
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:
@@ -237,11 +184,9 @@ class AmpStash:
         """Before a scaled backward (not called while grads are already scaled from delay_unscale)."""
         if self.master_weights:
             self.sync_masters_once()
-        if self.combined is not None and self.combined.built:
-            self.combined.prepare(scale)
-            return
         if self.combined is not None:
-            return  # combine mode before the first build: the fresh grads are combined at exit
+            self.combined.prepare(scale)  # before the first exit: nothing (the fresh grads are combined there)
+            return
         params = self.plain_params()
         self._stash_params = params
         self._grad_stash = [p.grad for p in params]

@@ -12,6 +12,7 @@ from .. import _device
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
 from ._casts import disable_casts
+from ._unscale import unscale_
 from .scaler import LossScaler
 
 
@@ -152,7 +153,7 @@ class _GradStash:
     def after_backward(self, scale: float) -> bool:
         """Unscale the new grads, add the set-aside ones back; True when a new grad held inf/nan."""
         new = [p.grad for p in self.params if p.grad is not None]
-        overflow = _unscale_(new, 1.0 / scale)
+        overflow = unscale_(new, 1.0 / scale, check=True)
         for p, old in zip(self.params, self.saved):
             if old is None:
                 continue
@@ -179,31 +180,6 @@ def _scaled_backward(loss: torch.Tensor, scaler: LossScaler, optimizer):
         raise
     scaler.clear_overflow_state()
     scaler.record_overflow(stash.after_backward(scale))
-
-
-def _unscale_(grads: List[torch.Tensor], inv_scale: float) -> bool:
-    """Multiply each grad by ``inv_scale`` in place; True if any held a non-finite value before."""
-    found = False
-    groups: dict = {}
-    for g in grads:
-        if g.is_sparse:
-            g = g.coalesce()
-            found = found or not bool(torch.isfinite(g._values()).all())
-            g._values().mul_(inv_scale)
-            continue
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), same in groups.items():
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv)
-        except (RuntimeError, NotImplementedError):  # a dtype/device the fused check lacks: plain torch ops
-            for g in same:
-                if not bool(torch.isfinite(g).all()):
-                    found_inf.fill_(1.0)
-                g.mul_(inv_scale)
-        found = found or bool(found_inf.item())
-    return found
 
 
 def _skip_next_step(optimizer, what: str) -> None:

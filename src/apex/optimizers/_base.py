@@ -424,7 +424,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """How this step's update of `s` gets its grads, as (s, grads, todo, counts): they are the slot views
         already (todo None); read where they are (grads, and todo = `FlatSet.plan_gather`'s plan); adopted into
         the flat buffer (grads None, todo = `FlatSet.pending_grads`), also when the grads the last step read in
-        place were kept (then ``counts`` is False: no sharing was broken, see ``recombine_count``); or as planned
+        place were kept (then ``counts`` is False: no sharing was broken, see ``recombine_count``; so too when
+        amp's ``combined_grad_buffers()`` call adopts them); or as planned
         by the set's owner before this step's checks (`FlatSet.planned_grads`: the master weights' model grads).
         Validates; changes nothing else."""
         planned = s.planned_grads()
@@ -433,11 +434,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
         gs, ptrs = s.scan_grads()
         if s.scanned_intact(gs, ptrs):
             return s, None, None, False
-        if gather and self._gathers(s, group):
-            if not s.kept_since_gather(gs):
-                return s, gs, s.plan_gather(gs, ptrs), True
-            return s, None, s.pending_grads(), False
-        return s, None, s.pending_grads(), True
+        kept = s.kept_since_gather(gs)
+        if gather and not kept and self._gathers(s, group):
+            return s, gs, s.plan_gather(gs, ptrs), True
+        return s, None, s.pending_grads(), not kept
 
     def _gathers(self, s: FlatSet, group: dict) -> bool:
         """Whether this step's update of `s` can read grads where they are (kernel or torch executor)."""
