@@ -171,6 +171,22 @@ def test_bad_opt_level(level):
     assert_untouched(m)
 
 
+@pytest.mark.parametrize("enabled", ["no", "False", b"", torch.ones(2)], ids=["no", "False", "bytes", "tensor"])
+def test_enabled_without_a_plain_truth_value_is_refused(enabled):
+    m = net()
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        amp.initialize(m, sgd(m), opt_level="O2", enabled=enabled, verbosity=0)
+    assert_untouched(m)
+
+
+@pytest.mark.parametrize("enabled", [0, None, torch.tensor(False)], ids=["zero", "none", "tensor"])
+def test_false_like_enabled_returns_the_inputs_untouched(enabled):
+    m = net()
+    o = sgd(m)
+    assert amp.initialize(m, o, opt_level="O2", enabled=enabled, verbosity=0) == (m, o)
+    assert_untouched(m, o)
+
+
 def test_parallel_wrapped_model_rejected(tmp_path):
     m = net()
     with pytest.raises(RuntimeError, match="Parallel wrappers should only be applied to the model"):

@@ -53,7 +53,8 @@ def _expected_offsets(numels):
 def _snapshot(items):
     """What must not change when combine_tensors raises: pointer, strides and values of every tensor."""
     return [
-        (t, t.data_ptr(), t.stride(), t.detach().clone()) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+        (t, t.data_ptr(), t.stride(), t.detach().clone())
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
         else (t, None, None, None)
         for t in items
     ]
@@ -360,6 +361,10 @@ def test_change_data_ptr_errors_leave_dst_alone(device):
         (TypeError, "src must be a tensor", lambda: change_data_ptr(dst, None, 0)),
         (TypeError, "offset must be an int", lambda: change_data_ptr(dst, src, 1.5)),
         (ValueError, "non-overlapping and dense", lambda: change_data_ptr(torch.ones(8, device=device)[::2], src, 0)),
+        (ValueError, "dst must be a dense .strided. tensor, got layout torch.sparse_coo",
+         lambda: change_data_ptr(_sparse(torch.ones(3, device=device)), src, 0)),
+        (ValueError, "src must be a contiguous .flat. tensor, got layout torch.sparse_coo",
+         lambda: change_data_ptr(dst, _sparse(torch.ones(10, device=device)), 0)),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):
@@ -378,6 +383,14 @@ def _sparse(x):
         pytest.skip(f"{x.device.type} has no sparse layout here ({type(exc).__name__})")
 
 
+def _nested(*xs):
+    """A nested tensor of ``xs``; a skip where the device has none."""
+    try:
+        return torch.nested.nested_tensor(list(xs), layout=torch.jagged)
+    except (NotImplementedError, RuntimeError) as exc:
+        pytest.skip(f"{xs[0].device.type} has no nested tensors here ({type(exc).__name__})")
+
+
 def _bad_cases(device):
     """name -> (exception, message pattern, inputs), the inputs made on first use. Entry 0 is always a good
     tensor: had validation run after mutating anything, it would have been rebound, which the test checks."""
@@ -394,6 +407,8 @@ def _bad_cases(device):
         "expanded": (ValueError, "entry 1: .*overlapping", lambda: [t(3), t(3, 1).expand(3, 4)]),
         "internal_overlap": (ValueError, "entry 1: .*overlapping", lambda: [t(3), t(9).as_strided((3, 3), (1, 1))]),
         "sparse": (TypeError, "entry 1: expected a dense.*sparse", lambda: [t(3), _sparse(t(3, 3))]),
+        "nested": (TypeError, "entry 1: expected a dense .strided. tensor, got a nested tensor",
+                   lambda: [t(3), _nested(t(2), t(3))]),
         "complex": (TypeError, "entry 1: .*floating-point tensor, got torch.complex64", lambda: [t(3), t(3).cfloat()]),
         "int64": (TypeError, "floating-point tensor, got torch.int64", lambda: [t(3), torch.arange(3, device=device)]),
         "int32": (TypeError, "got torch.int32", lambda: [t(3), torch.zeros(3, dtype=torch.int32, device=device)]),
@@ -526,6 +541,17 @@ def test_optimizer_state_dict_hook(device):
         assert torch.equal(sd["state"][i]["momentum_buffer"], opt.state[p]["momentum_buffer"])
     assert is_combined_tensor_valid(combined, [*bufs, big])  # the live state still shares the buffer
     assert all(opt.state[p]["momentum_buffer"] is b for p, b in zip(params, bufs))
+
+
+def test_compact_state_dict_refuses_a_container_that_contains_itself():
+    sd = {"w": torch.zeros(8)[:2]}
+    sd["again"] = [sd]
+    with pytest.raises(ValueError, match="a dict contains itself"):
+        compact_state_dict(sd)
+    shared = torch.zeros(8)
+    same = {"a": shared[:2], "b": shared[:2]}  # one object twice, no cycle: both copied
+    out = compact_state_dict({"x": same, "y": same})
+    assert out["x"]["a"].untyped_storage().nbytes() == 8 and torch.equal(out["y"]["b"], shared[:2])
 
 
 def test_hook_rejects_other_objects():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,17 @@ def test_bad_arguments_change_nothing(args, kwargs, exc, match):
         clip_grad_norm_(*args, **kwargs)
     for p, b in zip(ps, before):
         assert (p.grad is None and b is None) or torch.equal(p.grad, b)
+
+
+@pytest.mark.parametrize("max_norm", [np.float32(0.5), np.float64(0.5), np.int64(1), "0.5", torch.tensor(0.5)],
+                         ids=lambda v: type(v).__name__)
+def test_max_norm_is_read_as_upstream_float_reads_it(max_norm):
+    ps = _params([torch.float32])
+    ref = _copies(ps)
+    total = clip_grad_norm_(ps, max_norm)
+    assert torch.equal(total, torch.nn.utils.clip_grad_norm_([q for q in ref if q.grad is not None], float(max_norm)))
+    for p, q in zip(ps, ref):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
 
 
 def test_tensor_max_norm_is_read_out():

@@ -69,6 +69,13 @@ def test_aligned_storage_size_arguments_and_views():
     assert get_aligned_storage_size(base.t(), align=1, pad=0) == 48
 
 
+@pytest.mark.parametrize("n", [2**53 + 1, 2**60 + 17])
+def test_aligned_storage_size_is_exact_past_float_precision(n):
+    t = torch.empty(n, device="meta")  # no memory: only the element count matters
+    assert get_aligned_storage_size(t, 1, 0) == n
+    assert get_aligned_storage_size(t) == -(-n // 16) * 16 + 32
+
+
 def test_aligned_storage_size_bad_arguments():
     with pytest.raises(TypeError, match="expected a tensor"):
         get_aligned_storage_size([1.0, 2.0])

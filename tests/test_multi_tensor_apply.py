@@ -617,6 +617,19 @@ def test_a_tensor_that_is_not_dense_is_rejected_before_anything_is_written(op):
     assert torch.equal(p0, torch.ones(3))
 
 
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_a_sparse_or_nested_tensor_is_refused_by_name(kind):
+    if kind == "sparse":
+        bad = torch.ones(3).to_sparse()
+    else:
+        bad = torch.nested.nested_tensor([torch.ones(1), torch.ones(2)], layout=torch.jagged)
+    p0 = torch.ones(3)
+    with pytest.raises(TypeError, match=r"tensor_lists\[0\]\[1\] must be a dense tensor, got "
+                                        + ("layout torch.sparse_coo" if kind == "sparse" else "a nested tensor")):
+        amp_C.multi_tensor_scale(2048, _flag(), [[torch.ones(3), bad], [p0, torch.zeros(3)]], 2.0)
+    assert torch.equal(p0, torch.ones(3))
+
+
 def test_ops_run_on_the_test_device(device):
     xs = _tensors(device=device)
     flag = _flag(device)

@@ -530,8 +530,10 @@ def test_sparse_grad_is_rejected_and_changes_nothing(combined):
         (lambda: torch.zeros(3, dtype=torch.float64), TypeError, "float32, float16 and bfloat16"),
         (lambda: torch.zeros(3, dtype=torch.complex64), TypeError, "complex params.*view_as_real"),
         (lambda: torch.zeros(3).to_sparse(), TypeError, "sparse params"),
+        (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged), TypeError,
+         "nested tensors as params"),
     ],
-    ids=["int64", "float64", "complex64", "sparse"],
+    ids=["int64", "float64", "complex64", "sparse", "nested"],
 )
 def test_unsupported_params_are_rejected(make, error, pattern):
     with pytest.raises(error, match=pattern):

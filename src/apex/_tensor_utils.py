@@ -15,21 +15,35 @@ import torch
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with each tensor ``t`` in it replaced by ``fn(t)``; other leaves are kept as they are."""
+    """``value`` with each tensor ``t`` in it replaced by ``fn(t)``; other leaves are kept as they are.
+
+    Raises ValueError for a container that contains itself (the copy would never end)."""
+    return _map_tensors(value, fn, set())
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], path: set) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, dict):
-        # copy.copy keeps the mapping's type and attributes (OrderedDict, HF ModelOutput, a state_dict's _metadata)
-        out = copy.copy(value)
-        for k, v in value.items():
-            out[k] = map_tensors(v, fn)
-        return out
-    if isinstance(value, tuple):
-        items = [map_tensors(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
+    if not isinstance(value, (dict, tuple, list)):
+        return value
+    if id(value) in path:
+        raise ValueError(f"a {type(value).__name__} contains itself (a reference cycle): only trees of dicts, "
+                         "lists and tuples can be copied with their tensors mapped")
+    path.add(id(value))
+    try:
+        if isinstance(value, dict):
+            # copy.copy keeps the mapping's type and attributes (OrderedDict, HF ModelOutput, a state_dict's
+            # _metadata)
+            out = copy.copy(value)
+            for k, v in value.items():
+                out[k] = _map_tensors(v, fn, path)
+            return out
+        if isinstance(value, tuple):
+            items = [_map_tensors(v, fn, path) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return type(value)(_map_tensors(v, fn, path) for v in value)
+    finally:
+        path.discard(id(value))
 
 
 def zero_grad_(g: torch.Tensor) -> None:

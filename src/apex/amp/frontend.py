@@ -69,6 +69,17 @@ class _Session:
         _ddp.call(self.ddp, "teardown")
 
 
+def _truth(name: str, value: Any) -> bool:
+    """An on/off argument read as upstream reads it (its truth value), except a string: ``"False"`` and ``"no"``
+    are true, which is never what a caller meant; and a value without a truth value is a TypeError."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"amp.initialize: {name} must be a bool, got the string {value!r}")
+    try:
+        return bool(value)
+    except Exception as exc:  # whatever __bool__ raises (a multi-element tensor, ...)
+        raise TypeError(f"amp.initialize: {name} must be a bool, got {type(value).__name__} ({exc})") from exc
+
+
 def _as_list(value: Any, kind: type, what: str) -> Tuple[List[Any], bool]:
     if isinstance(value, kind):
         return [value], False
@@ -151,6 +162,7 @@ def initialize(
     """
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"amp.initialize: verbosity must be an int, got {type(verbosity).__name__}")
+    enabled = _truth("enabled", enabled)
     model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
     if optimizers is None:
         opt_list, opts_was_list = [], False

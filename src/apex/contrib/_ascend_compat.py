@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 import types
 from typing import Any
@@ -70,7 +69,7 @@ def get_aligned_storage_size(tensor: torch.Tensor, align: int = 16, pad: int = 3
     if tensor.dtype not in _SUPPORTED:
         raise RuntimeError(f"{where}: combined tensors hold float32, float16 or bfloat16, got {tensor.dtype}")
     n = _storage_elements(tensor)
-    return math.ceil(n / align) * int(align) + int(pad)
+    return -(-n // int(align)) * int(align) + int(pad)  # integer ceil: n / align in floats rounds past 2**53
 
 
 class CallableModule(types.ModuleType):

@@ -192,8 +192,9 @@ def _check_entry(i: int, t: Any, where: str) -> None:
         raise TypeError(f"{where}: entry {i}: expected a tensor, got None")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: entry {i}: expected a tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{where}: entry {i}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{where}: entry {i}: expected a dense (strided) tensor, got "
+                        f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
     if t.is_complex() or not t.is_floating_point():
         raise TypeError(f"{where}: entry {i}: expected a floating-point tensor, got {t.dtype}")
     if t.is_inference() and not torch.is_inference_mode_enabled():
@@ -354,7 +355,10 @@ def _check_index(value: Any, name: str, where: str) -> int:
 def _check_flat(buffer: Any, name: str, where: str) -> torch.Tensor:
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a tensor, got {type(buffer).__name__}")
-    if buffer.layout != torch.strided or not buffer.is_contiguous():
+    if buffer.layout != torch.strided or buffer.is_nested:
+        raise ValueError(f"{where}: {name} must be a contiguous (flat) tensor, got "
+                         f"{'a nested tensor' if buffer.is_nested else f'layout {buffer.layout}'}")
+    if not buffer.is_contiguous():
         raise ValueError(f"{where}: {name} must be a contiguous (flat) tensor, got stride {tuple(buffer.stride())}")
     return buffer
 
@@ -449,9 +453,12 @@ def change_data_ptr(dst: torch.Tensor, src: torch.Tensor, offset: int) -> torch.
         raise TypeError(f"{where}: dst and src must share a dtype, got dst {dst.dtype} and src {src.dtype}")
     if dst.device != src.device:
         raise ValueError(f"{where}: dst and src must be on one device, got dst {dst.device} and src {src.device}")
+    if dst.layout != torch.strided or dst.is_nested:
+        raise ValueError(f"{where}: dst must be a dense (strided) tensor, got "
+                         f"{'a nested tensor' if dst.is_nested else f'layout {dst.layout}'}")
     problem = _dense_problem(dst)
-    if dst.layout != torch.strided or problem is not None:
-        raise ValueError(f"{where}: dst must be a non-overlapping and dense tensor, got {problem or dst.layout}")
+    if problem is not None:
+        raise ValueError(f"{where}: dst must be a non-overlapping and dense tensor, got {problem}")
     if offset + dst.numel() > src.numel():
         raise IndexError(
             f"{where}: dst needs elements [{offset}, {offset + dst.numel()}) of src, which has {src.numel()}"

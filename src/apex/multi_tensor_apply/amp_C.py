@@ -86,6 +86,9 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
             if t.dtype not in _FLOATS:
                 raise TypeError(f"{op}: tensor_lists[{li}][{ti}] must be float32, float16, bfloat16 or float64, "
                                 f"got {t.dtype}")
+            if t.is_nested or t.layout != torch.strided:
+                raise TypeError(f"{op}: tensor_lists[{li}][{ti}] must be a dense tensor, got "
+                                f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
             ref = lists[0][ti]
             if t.numel() != ref.numel():
                 raise ValueError(f"{op}: tensor_lists[{li}][{ti}] has {t.numel()} elements, "

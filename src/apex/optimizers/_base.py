@@ -286,6 +286,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 raise TypeError(
                     f"{type(self).__name__} supports float32, float16 and bfloat16 params; param {i} has {p.dtype}"
                 )
+            if p.is_nested:
+                raise TypeError(f"{type(self).__name__} does not support nested tensors as params (param {i})")
             if p.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse params (param {i}, {p.layout})")
             devices.add(p.device)

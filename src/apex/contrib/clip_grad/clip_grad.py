@@ -13,6 +13,7 @@ Arguments are checked before any grad is touched, and errors name the offending 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, Union
 
 import torch
@@ -23,7 +24,9 @@ _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
 def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, torch.Tensor)):
+    """What upstream's ``float(value)`` reads: a real number (numpy's too), a one-element tensor, or a string
+    such as ``'inf'``; a bool is refused, it is almost certainly another argument misplaced."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str, torch.Tensor)):
         raise TypeError(f"clip_grad_norm_: {name} must be a number, got {value!r} ({type(value).__name__})")
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise TypeError(f"clip_grad_norm_: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
