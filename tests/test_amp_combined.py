@@ -342,6 +342,37 @@ def test_apex_optimizer_o2_master_copy_is_attached():
         assert torch.equal(master.to(LOW), model_p)
 
 
+def test_fold_applies_where_the_update_takes_the_scale(device):
+    """fold_unscale with an apex optimizer: on the apex_C kernel (CPU) the exit only checks and the update
+    multiplies; where the torch executor runs (other devices, or executor="torch"), which would have to copy the
+    grads and run unfused ops to take a scale, the exit unscales instead and the update reads the grads in place."""
+    optimizers = pytest.importorskip("apex.optimizers")
+    for executor in ("auto", "torch"):
+        m = net().to(device)
+        o = optimizers.NpuFusedAdam(m.parameters(), lr=0.01)
+        o.executor = executor
+        seen = []
+        real_step = type(o).step
+
+        def spy(self, closure=None, seen=seen, real_step=real_step):
+            seen.append(self.apex_grad_scale)
+            return real_step(self, closure)
+
+        o.step = types.MethodType(spy, o)
+        amp.initialize(m, o, opt_level="O1", combine_grad=True, fold_unscale=True, verbosity=0)
+        for x, y in data(2):
+            m.zero_grad()
+            with amp.scale_loss(loss_of(m, x.to(device), y.to(device)), o) as scaled:
+                scaled.backward()
+            o.step()
+        folds = executor == "auto" and device == "cpu" and _core.ext_available()
+        assert o.folds_grad_scale() == folds
+        assert seen == ([1.0 / S] * 2 if folds else [None] * 2)
+        if executor == "auto":  # grads read where they are, on the kernel or through torch's fused op
+            assert not any(s.has_grad_buffer for g in o._groups.values() for s in g.sets)
+        amp.deinitialize()
+
+
 # ---------------------------------------------------------------- fp16 grad buffers: stash instead of pre-scaling
 
 
@@ -582,14 +613,9 @@ def test_fresh_grads_never_make_a_grad_buffer(kind, fold, device):
     ref, _, _ = _fresh_grad_run(make, False, fold, device)
     out, o, stash = _fresh_grad_run(make, True, fold, device)
     for k, (a, b) in enumerate(zip(out, ref)):
-        if kind == "apex" and fold and o.last_executor == "torch":
-            # the torch executor applies a folded scale with plain torch ops, not torch's fused Adam
-            # (DESIGN-NOTES, grads read where they are): the last bit may differ from the unscaled run's
-            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-6, atol=1e-7, msg=f"param {k}")
-        else:
-            assert torch.equal(a.cpu(), b.cpu()), f"param {k}"
+        assert torch.equal(a.cpu(), b.cpu()), f"param {k}"
     combined = stash.combined
-    if kind == "apex" and not (fold and o.last_executor == "torch"):  # that executor copies folded grads in
+    if kind == "apex":
         sets = [s for g in o._groups.values() for s in g.sets]
         assert sets and not any(s.has_grad_buffer for s in sets)
         assert o.recombine_count <= 1

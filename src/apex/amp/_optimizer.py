@@ -207,7 +207,7 @@ class AmpStash:
     def post_backward(self, scale: float, check: bool, fold: bool) -> bool:
         """At scale_loss exit: unscale this backward's grads; True if any was inf/nan."""
         if self.combined is not None:
-            return self.combined.unscale(scale, check, fold and self.fold)
+            return self.combined.unscale(scale, check, fold and self.fold and self._folds_now())
         inv = 1.0 / scale
         found = False
         with torch.no_grad():
@@ -251,6 +251,12 @@ class AmpStash:
         if acc:
             torch._foreach_add_(acc_dst, acc)
         return found
+
+    def _folds_now(self) -> bool:
+        """Whether this step's update takes the scale at no extra cost (an apex optimizer says, through
+        ``folds_grad_scale()``; torch's fused ones always do); where not, the exit unscales as without folding."""
+        query = getattr(self.optimizer, "folds_grad_scale", None) if self.ours else None
+        return query is None or bool(query())
 
     def after_delayed_exit(self) -> None:
         self.params_have_scaled_gradients = True

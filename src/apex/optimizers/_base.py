@@ -529,6 +529,15 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _grad_scale(self) -> float:
         return 1.0 if self.apex_grad_scale is None else float(self.apex_grad_scale)
 
+    def folds_grad_scale(self) -> bool:
+        """Whether the next update takes a folded amp unscale (``apex_grad_scale``) at no extra cost: the apex_C
+        kernel multiplies each grad as it reads it. The torch executors cannot: torch's fused optimizers divide
+        the caller's grads in place, so a scale makes them copy the grads in and run unfused ops; amp then
+        unscales at the exit instead (one fused pass), and the update reads the grads where they are."""
+        if self._executor != "auto" or _core.ext is None:
+            return False
+        return all(p.device.type == "cpu" for g in self.param_groups for p in g["params"][:1])
+
     def _state_dtype_for(self, dtype: torch.dtype) -> Optional[torch.dtype]:
         """The storage dtype of the states of params of ``dtype`` (None: the params' own, torch's layout)."""
         return None
