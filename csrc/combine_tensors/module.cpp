@@ -16,6 +16,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -27,6 +28,54 @@
 
 namespace py = pybind11;
 using namespace apexc;
+
+namespace apexc {
+// A requested thread count as the public functions take it: any Python int (or object with __index__). Counts are
+// requests, capped at run time (resolve_threads), so values outside the C int range saturate instead of failing
+// pybind's int conversion, whose TypeError ("incompatible function arguments") says nothing of the range.
+struct ThreadCount {
+  int n = 0;
+  operator int() const { return n; }
+};
+}  // namespace apexc
+
+namespace pybind11 {
+namespace detail {
+template <>
+struct type_caster<apexc::ThreadCount> {
+  PYBIND11_TYPE_CASTER(apexc::ThreadCount, const_name("int"));
+  bool load(handle src, bool convert) {
+    if (!src || PyFloat_Check(src.ptr())) return false;
+    object num;
+    if (PyLong_Check(src.ptr())) {
+      num = reinterpret_borrow<object>(src);
+    } else {
+      if (!convert || !PyIndex_Check(src.ptr())) return false;
+      num = reinterpret_steal<object>(PyNumber_Index(src.ptr()));
+      if (!num) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(num.ptr(), &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    if (overflow > 0 || v > INT_MAX) {
+      value.n = INT_MAX;
+    } else if (overflow < 0 || v < INT_MIN) {
+      value.n = INT_MIN;
+    } else {
+      value.n = static_cast<int>(v);
+    }
+    return true;
+  }
+  static handle cast(apexc::ThreadCount t, return_value_policy, handle) { return PyLong_FromLong(t.n); }
+};
+}  // namespace detail
+}  // namespace pybind11
 
 namespace apexc {
 std::vector<std::string> supported_levels();
@@ -143,26 +192,26 @@ struct SrcDst {
   }
 };
 
-bool typed_scale(py::handle src, py::handle dst, float scale, bool check, int threads) {
+bool typed_scale(py::handle src, py::handle dst, float scale, bool check, ThreadCount threads) {
   SrcDst o(src, dst, "scale_", "scale_ src", "scale_ dst");
   py::gil_scoped_release nogil;
   return K().scale(o.src.data, o.src.kind, o.dst.data, o.dst.kind, o.src.n, scale, check, threads);
 }
 
-bool typed_axpy(py::handle src, py::handle dst, float scale, bool check, int threads) {
+bool typed_axpy(py::handle src, py::handle dst, float scale, bool check, ThreadCount threads) {
   SrcDst o(src, dst, "axpy_", "axpy_ src", "axpy_ dst");
   py::gil_scoped_release nogil;
   return K().axpy(o.src.data, o.src.kind, o.dst.data, o.dst.kind, o.src.n, scale, check, threads);
 }
 
-void typed_copy(py::handle src, py::handle dst, int threads) {
+void typed_copy(py::handle src, py::handle dst, ThreadCount threads) {
   SrcDst o(src, dst, "copy_", "copy_ src", "copy_ dst");
   if (o.src.begin() == o.dst.begin()) return;  // same buffer, same dtype: nothing to do
   py::gil_scoped_release nogil;
   K().scale(o.src.data, o.src.kind, o.dst.data, o.dst.kind, o.src.n, 1.0f, false, threads);
 }
 
-void typed_fill(py::handle dst, float value, int threads) {
+void typed_fill(py::handle dst, float value, ThreadCount threads) {
   Operand d(dst, Access::kWrite, "fill_ dst");
   d.require_float();
   py::gil_scoped_release nogil;
@@ -177,7 +226,7 @@ R typed_reduce(py::handle src, const char* what, Fn&& fn) {
   return fn(s);
 }
 
-void typed_segment_sum_sq(py::handle src, py::handle seg, py::handle out, int threads) {
+void typed_segment_sum_sq(py::handle src, py::handle seg, py::handle out, ThreadCount threads) {
   Operand s(src, Access::kRead, "segment_sum_sq src");
   s.require_float();
   Operand g(seg, Access::kRead, "segment_sum_sq seg");
@@ -354,7 +403,8 @@ PYBIND11_MODULE(apex_C, m) {
         "private: the calling thread's flush-denormal mode as torch.set_flush_denormal sets it (x86 DAZ + FTZ, "
         "AArch64 FPCR.FZ); False, changing nothing, where the CPU has none");
   m.def("get_num_threads", &default_threads);
-  m.def("set_num_threads", &set_default_threads, py::arg("n"), "default thread count (<= 0: APEX_NUM_THREADS or all cores)");
+  m.def("set_num_threads", [](ThreadCount n) { set_default_threads(n); }, py::arg("n"),
+        "default thread count (<= 0: APEX_NUM_THREADS or all cores)");
   m.def("thread_pool", &thread_pool,
         "whose threads run a threaded call: 'openmp' (the team of the OpenMP runtime in the process, torch's) or "
         "'threads' (threads started per call)");
@@ -397,14 +447,14 @@ PYBIND11_MODULE(apex_C, m) {
         (std::string("dst[:] = value.") + objs).c_str());
   m.def(
       "has_nonfinite",
-      [](py::handle src, int threads) {
+      [](py::handle src, ThreadCount threads) {
         return typed_reduce<bool>(src, "has_nonfinite src",
                                   [&](const Operand& s) { return K().has_nonfinite(s.data, s.kind, s.n, threads); });
       },
       py::arg("src"), py::arg("threads") = 0, (std::string("True if any element is inf or nan.") + objs).c_str());
   m.def(
       "sum_sq",
-      [](py::handle src, int threads) {
+      [](py::handle src, ThreadCount threads) {
         return typed_reduce<double>(src, "sum_sq src",
                                     [&](const Operand& s) { return K().sum_sq(s.data, s.kind, s.n, threads); });
       },
@@ -412,7 +462,7 @@ PYBIND11_MODULE(apex_C, m) {
       (std::string("sum of squares in float64 accumulators; identical for any thread count.") + objs).c_str());
   m.def(
       "max_abs",
-      [](py::handle src, int threads) {
+      [](py::handle src, ThreadCount threads) {
         return typed_reduce<double>(src, "max_abs src",
                                     [&](const Operand& s) { return K().max_abs(s.data, s.kind, s.n, threads); });
       },

@@ -1073,6 +1073,41 @@ def test_thread_count_setting():
         apex_C.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [2**31, 2**63, 2**80, -(2**31) - 1, -(2**80), np.int64(2**40), True])
+def test_thread_counts_outside_int_saturate(threads):
+    """A thread count is a request (capped at run time), so any integer is one: past the C int range it saturates
+    rather than failing pybind's conversion; the results equal a 1-thread call's."""
+    x = np.linspace(-3, 3, 100001, dtype=np.float32)
+    assert apex_C.sum_sq(x, threads=threads) == apex_C.sum_sq(x, threads=1)
+    assert apex_C.max_abs(x, threads=threads) == 3.0
+    assert not apex_C.has_nonfinite(x, threads=threads)
+    y = np.empty_like(x)
+    apex_C.copy_(x, y, threads=threads)
+    apex_C.scale_(y, y, 2.0, threads=threads)
+    apex_C.axpy_(x, y, -2.0, threads=threads)
+    apex_C.fill_(x, 1.0, threads=threads)
+    assert not y.any() and (x == 1).all()
+    seg, out = np.array([0, 5, 100001], dtype=np.int64), np.empty(2)
+    apex_C.segment_sum_sq(x, seg, out, threads=threads)
+    assert out.tolist() == [5.0, 99996.0]
+    before = apex_C.get_num_threads()
+    try:
+        apex_C.set_num_threads(threads)
+        n = apex_C.get_num_threads()
+        assert n == min(int(threads), 2**31 - 1) if threads > 0 else n >= 1
+    finally:
+        apex_C.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1.5, "2", None, [1]])
+def test_thread_counts_that_are_not_integers_are_refused(threads):
+    x = np.ones(8, dtype=np.float32)
+    with pytest.raises(TypeError, match="threads: int"):
+        apex_C.sum_sq(x, threads=threads)
+    with pytest.raises(TypeError, match="n: int"):
+        apex_C.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # optimizer kernels: argument validation (their math is tested through apex.optimizers)
 # ---------------------------------------------------------------------------------------------------------------
