@@ -84,6 +84,31 @@ def test_require_ext_turns_missing_extension_into_an_error(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "True"
 
 
+def test_amp_training_without_the_extension_warns_once(tmp_path):
+    """Without apex_C an amp step unscales with torch's ops; the one RuntimeWarning says so (the unscale asked
+    `kernel_many`, which warns as `uses_kernel` does)."""
+    (tmp_path / "apex_C.py").write_text("raise ImportError('simulated missing build')\n")
+    code = f"""import sys, warnings
+sys.path.insert(0, {str(tmp_path)!r})
+import torch, apex
+from apex import amp
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    for _ in range(2):
+        with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+            s.backward()
+        opt.step()
+        opt.zero_grad()
+print(apex._core.ext is None, sum("apex_C) could not be loaded" in str(w.message) for w in caught))
+"""
+    r = _run({"APEX_REQUIRE_EXT": "0"}, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "1"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # apex_C's public functions on torch tensors (DLPack), and the raw fast path _core uses
 # ---------------------------------------------------------------------------------------------------------------

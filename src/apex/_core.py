@@ -222,8 +222,12 @@ def int_table(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.
 
 def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
     """True when `scale_many_` runs as one apex_C call: contiguous CPU tensors of one kernel dtype, none with
-    torch's lazy negation bit (see `uses_kernel`)."""
-    if ext is None or not tensors:
+    torch's lazy negation bit (see `uses_kernel`). Without apex_C, the first call with tensors warns once, as
+    `uses_kernel` does: the callers then take torch's ops."""
+    if not tensors:
+        return False
+    if ext is None:
+        _require_or_warn()
         return False
     dtypes = set(map(_get_dtype, tensors))
     return (
