@@ -45,31 +45,16 @@ template <>
 struct type_caster<apexc::ThreadCount> {
   PYBIND11_TYPE_CASTER(apexc::ThreadCount, const_name("int"));
   bool load(handle src, bool convert) {
-    if (!src || PyFloat_Check(src.ptr())) return false;
-    object num;
-    if (PyLong_Check(src.ptr())) {
-      num = reinterpret_borrow<object>(src);
-    } else {
-      if (!convert || !PyIndex_Check(src.ptr())) return false;
-      num = reinterpret_steal<object>(PyNumber_Index(src.ptr()));
-      if (!num) {
-        PyErr_Clear();
-        return false;
-      }
-    }
+    // an int, or (when converting) anything with __index__; PyNumber_Index gives an exact int for both
+    if (!src || !(PyLong_Check(src.ptr()) || (convert && PyIndex_Check(src.ptr())))) return false;
+    const auto num = reinterpret_steal<object>(PyNumber_Index(src.ptr()));
     int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(num.ptr(), &overflow);
+    const long long v = num ? PyLong_AsLongLongAndOverflow(num.ptr(), &overflow) : -1;
     if (v == -1 && PyErr_Occurred()) {
       PyErr_Clear();
       return false;
     }
-    if (overflow > 0 || v > INT_MAX) {
-      value.n = INT_MAX;
-    } else if (overflow < 0 || v < INT_MIN) {
-      value.n = INT_MIN;
-    } else {
-      value.n = static_cast<int>(v);
-    }
+    value.n = (overflow > 0 || v > INT_MAX) ? INT_MAX : (overflow < 0 || v < INT_MIN) ? INT_MIN : static_cast<int>(v);
     return true;
   }
   static handle cast(apexc::ThreadCount t, return_value_policy, handle) { return PyLong_FromLong(t.n); }
