@@ -581,3 +581,32 @@ def test_generator_in_a_group_dict_keeps_its_params(name):
     assert [id(p) for p in o.param_groups[0]["params"]] == [id(p) for p in m.parameters()]
     o.add_param_group({"params": (p for p in torch.nn.Linear(2, 2).parameters())})
     assert len(o.param_groups[1]["params"]) == 2
+
+
+@pytest.mark.parametrize("name", [*ALL, "FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad"])
+def test_another_default_device_leaves_the_host_bookkeeping_on_cpu(name):
+    """A caller's default device (``torch.set_default_device``, or NVIDIA Apex's old
+    ``set_default_tensor_type(torch.cuda.FloatTensor)``) does not reach the optimizers' host tables: with "meta"
+    as the default, steps, both zero_grad modes and a state_dict round trip give what they give without it."""
+    import apex.optimizers as ao
+
+    def make(params):
+        if name.startswith("Fused"):
+            return getattr(ao, name)(params, lr=0.01)
+        return make_opt(name, params)
+
+    (plain, other), _ = twin_models("sgd")
+    opts = [make(m.parameters()) for m in (plain, other)]
+    for i in range(3):
+        for model, opt, default in ((plain, opts[0], "cpu"), (other, opts[1], "meta")):
+            model(batch(i)).square().sum().backward()
+            torch.set_default_device(default)
+            try:
+                opt.step()
+                opt.zero_grad(set_to_none=i != 1)
+                if i == 2:
+                    opt.load_state_dict(opt.state_dict())
+            finally:
+                torch.set_default_device("cpu")
+    for p, q in zip(plain.parameters(), other.parameters()):
+        assert torch.equal(p.detach(), q.detach())

@@ -5,13 +5,17 @@ them, in the params and in every state; finite values are torch's within a few r
 ops in the param dtype, we compute in fp32 and round once). fp16 is left out: torch's single-tensor path computes
 in fp16, where Adam's eps (1e-8) is 0, so a zero grad gives 0 / 0 = NaN there and not in torch's fused kernels
 or ours. SGD has its own copy of this test (tests/test_optim_sgd.py), with bitwise fp32 values.
+
+Where ours runs torch's fused kernel (the torch executor, fp32, a device torch has fused kernels for), the
+reference is torch's ``fused=True``: that is the kernel ours calls, and on CUDA its decoupled decay subtracts
+``lr * wd * p``, so an inf param becomes NaN there as in torch's own fused AdamW.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _optim_harness import assert_nonfinite_alike, step_twins, use_executor
+from _optim_harness import assert_nonfinite_alike, runs_torch_fused, step_twins, use_executor
 
 import apex.optimizers as ao
 
@@ -34,9 +38,11 @@ CASES = {
 }
 
 
-def _ref_kwargs(hp):
-    """torch's arguments: ours without NVIDIA's adam_w_mode (the reference class says it), single-tensor path."""
-    return dict({k: v for k, v in hp.items() if k != "adam_w_mode"}, foreach=False)
+def _ref_kwargs(hp, fused: bool):
+    """torch's arguments: ours without NVIDIA's adam_w_mode (the reference class says it); torch's fused kernel
+    where ours runs it (`runs_torch_fused`), else the single-tensor path."""
+    path = {"fused": True} if fused else {"foreach": False}
+    return dict({k: v for k, v in hp.items() if k != "adam_w_mode"}, **path)
 
 
 @pytest.mark.parametrize("executor", ["apex_C", "torch", "torch_ops"])
@@ -44,9 +50,11 @@ def _ref_kwargs(hp):
 @pytest.mark.parametrize("case", list(CASES))
 def test_nonfinite_params_as_torch(monkeypatch, device, executor, dtype, case):
     name, ref_cls, hp = CASES[case]
+    fused = runs_torch_fused(ref_cls, device, dtype, executor)
     expect = use_executor(monkeypatch, executor, device)
     ours, ours_p, ref, ref_p = step_twins(lambda ps: getattr(ao, name)(ps, **hp),
-                                          lambda ps: ref_cls(ps, **_ref_kwargs(hp)), VALUES, GRADS, device, dtype)
+                                          lambda ps: ref_cls(ps, **_ref_kwargs(hp, fused)), VALUES, GRADS, device,
+                                          dtype)
     assert ours.last_executor == expect
     pairs = [("param", ours_p.detach(), ref_p.detach())]
     for key, value in ref.state[ref_p].items():

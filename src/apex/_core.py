@@ -131,12 +131,29 @@ def _torch_nonfinite(src: torch.Tensor) -> bool:
     return bool(src.numel()) and not bool(torch.isfinite(src).all())
 
 
+def _torch_fused_unscale_(t: torch.Tensor, scale: float) -> Optional[bool]:
+    """``t *= scale`` and whether ``t`` held an inf/nan before, in one pass: torch's fused unscale op (on CUDA,
+    one kernel where the check then the multiply read the tensor three times). None, with ``t`` unchanged,
+    where the backend lacks the op."""
+    found = torch.zeros(1, dtype=torch.float32, device=t.device)
+    factor = torch.full((1,), scale, dtype=torch.float32, device=t.device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_([t], found, factor)
+    except (NotImplementedError, RuntimeError):
+        return None
+    return bool(found.item())
+
+
 def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, check: bool = True) -> bool:
     """``out = src * scale`` (``out`` defaults to ``src``); True if any src value is inf/nan."""
     dst = src if out is None else out
     _pair_check("scale_", src, dst, "out")
     if uses_kernel(src, dst):
         return ext._raw_scale_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
+    if check and dst is src and src.device.type != "cpu":
+        bad = _torch_fused_unscale_(src, float(scale))
+        if bad is not None:
+            return bad
     bad = bool(check) and _torch_nonfinite(src)  # before an in-place scale changes src
     if dst is src:
         src.mul_(scale)

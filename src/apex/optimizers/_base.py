@@ -127,6 +127,33 @@ def _check_adam_group(group: dict) -> None:
     _check_range("weight_decay value", group["weight_decay"], 0.0)
 
 
+def _on_host_defaults(method: Callable) -> Callable:
+    """Runs ``method`` with CPU as the default device when the caller made another the default.
+
+    The optimizers keep their bookkeeping (segment tables, step counts, skip flags, grad address tables) in
+    host tensors made without a device, while every buffer that lives with the params names its device. Code
+    that sets ``torch.set_default_device("cuda")`` or NVIDIA Apex's old ``torch.set_default_tensor_type(
+    torch.cuda.FloatTensor)`` would move that bookkeeping onto the GPU, where host tables and device tensors
+    meet in one op and fail. The default is only asked (one empty tensor): the usual CPU default pays nothing
+    else, since a device context is a torch function mode that every op of the step would go through.
+    """
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if torch.empty(0).device.type == "cpu":
+            return method(*args, **kwargs)
+        with torch.device("cpu"):
+            return method(*args, **kwargs)
+
+    run._on_host_defaults = True
+    return run
+
+
+#: the entry points that may make or read the host bookkeeping (wrapped by `_on_host_defaults` in every class)
+_HOST_DEFAULT_METHODS = ("__init__", "step", "zero_grad", "load_state_dict", "state_dict", "add_param_group",
+                         "combined_grad_buffers", "attach_model_params")
+
+
 def _call_closure(closure: Optional[Callable[[], Any]]) -> Any:
     """``closure()`` with grad enabled (steps run under no_grad), or None without a closure."""
     if closure is None:
@@ -208,6 +235,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
             (never apex_C) or ``"torch_ops"`` (plain torch ops only, no torch fused op).
         apex_grad_scale: see docs/DESIGN-NOTES.md (amp protocol).
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _wrap_host_defaults(cls)
+
 
     #: names of per-param state buffers for a group (order = kernel slots s0, s1, s2)
     def _state_names(self, group: dict) -> List[str]:
@@ -698,3 +730,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
             for p in ps:
                 if p.grad is not None:
                     zero_grad_(p.grad)
+
+
+def _wrap_host_defaults(cls: type) -> None:
+    """`_on_host_defaults` around each entry point ``cls`` itself defines (subclasses get theirs at creation)."""
+    for name in _HOST_DEFAULT_METHODS:
+        fn = cls.__dict__.get(name)
+        if callable(fn) and not getattr(fn, "_on_host_defaults", False):
+            setattr(cls, name, _on_host_defaults(fn))
+
+
+_wrap_host_defaults(CombinedOptimizer)

@@ -532,6 +532,11 @@ class FlatSet:
                 return
 
     @property
+    def n_first(self) -> int:
+        """How many slots have never been updated (their next update applies the first-update rule)."""
+        return self._n_first
+
+    @property
     def gathered(self) -> bool:
         """Whether the next update reads grads where they are (`use_gather`), not from the flat grad buffer."""
         return self.gtab is not None

@@ -1,8 +1,9 @@
 """NpuFusedAdam / NpuFusedAdamW: torch.optim.Adam(W) math on combined buffers.
 
 Executors: the apex_C kernel on CPU (one pass); elsewhere torch's own fused
-Adam(W) op on the flat buffer for fp32 sets where the device has one (one call
-per run of segments sharing a step count), else the torch ops of `adam_math`.
+Adam(W) op for fp32 sets where the device has one (`fused_adam`: one call over
+the updated slots, or over the whole flat buffers where that is the same
+arithmetic), else the torch ops of `adam_math`.
 Low-precision sets never use torch's fused op: it updates the param from its
 fp32 moments before rounding them, while torch.optim's for-loop and foreach
 paths (and our kernel) read the moments back as stored; results would differ
@@ -15,10 +16,48 @@ from typing import List
 
 import torch
 
-from .. import _core
+from .. import _core, _device
 from ._base import CombinedOptimizer, _check_adam_group
 from ._flat import FlatSet
 from ._functional import adam_math, settler
+
+
+def fused_adam(s: FlatSet, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               amsgrad: bool, decoupled: bool) -> None:
+    """torch's fused Adam(W) over the updated slots of `s`, at the step counts in ``s.steps``: param and state
+    views, each grad where it is (read in place, or the slot view).
+
+    Where the grads are the flat buffer's own views, every slot is updated at one step count, and the device's
+    fused kernels are position-free (`_device.FUSED_POSITION_FREE_DEVICES`), it is one call over the whole flat
+    buffers: the same arithmetic on every element, with the host cost of one tensor instead of one per param.
+    The gaps between slots hold zeros, which Adam keeps zero (`FlatSet.zero_padding` runs after it anyway).
+    """
+    op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    hp = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False)
+    flat = (
+        s.device.type in _device.FUSED_POSITION_FREE_DEVICES
+        and not s.gathered
+        and not s.n_skipped
+        and s.has_grad_buffer
+        and s.total > 0
+        and bool((s.steps == s.steps[0]).all())
+    )
+    if flat:
+        fs = s.flat_s
+        step = _device.host_scalars_to(s.steps[:1], s.device).reshape(())
+        op([s.flat_p], [s.flat_g], [fs["exp_avg"]], [fs["exp_avg_sq"]],
+           [fs["max_exp_avg_sq"]] if amsgrad else [], [step], **hp)
+        return
+    ks = s.updated_slots()
+    if not ks:
+        return
+    views = s.state_views
+    steps = _device.host_scalars_to(s.steps[ks] if s.n_skipped else s.steps, s.device)
+    op(
+        [s.params[k] for k in ks], [s.params[k].grad for k in ks], [views["exp_avg"][k] for k in ks],
+        [views["exp_avg_sq"][k] for k in ks], [views["max_exp_avg_sq"][k] for k in ks] if amsgrad else [],
+        list(steps.unbind()), **hp,
+    )
 
 
 class NpuFusedAdam(CombinedOptimizer):
@@ -87,19 +126,9 @@ class NpuFusedAdam(CombinedOptimizer):
         return self._torch_fused_ok(s)
 
     def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
-        """torch's fused Adam(W) over the updated slots: param/state views, each grad where it is (read in place
-        or the slot view)."""
         b1, b2 = group["betas"]
-        ks = s.updated_slots()
-        views = s.state_views
-        vmax = [views["max_exp_avg_sq"][k] for k in ks] if group["amsgrad"] else []
-        steps = list(s.steps[ks].to(s.device).unbind()) if ks else []
-        op = getattr(torch, "_fused_adamw_" if self._decoupled else "_fused_adam_")
-        op(
-            [s.params[k] for k in ks], [s.params[k].grad for k in ks], [views["exp_avg"][k] for k in ks],
-            [views["exp_avg_sq"][k] for k in ks], vmax, steps, lr=float(group["lr"]), beta1=b1, beta2=b2,
-            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"], maximize=False,
-        )
+        fused_adam(s, lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
+                   weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], decoupled=self._decoupled)
 
 
 class NpuFusedAdamW(NpuFusedAdam):

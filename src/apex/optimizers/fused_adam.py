@@ -11,9 +11,10 @@ Per param group, with the group's step count ``t`` (NVIDIA keeps one per group):
 so ``adam_w_mode=True`` (the default) is torch.optim.AdamW and ``adam_w_mode=False``
 torch.optim.Adam: the same math as NpuFusedAdam(W), with a per-group step count and
 optional bias correction. Executors: the apex_C ``adam_step`` kernel on CPU (one pass
-per group x dtype), NpuFusedAdam's torch ops on flat slices elsewhere; both shrink p by
-``1 - lr * weight_decay`` before the Adam step, which is ``p - lr * (u + weight_decay * p)``
-up to rounding.
+per group x dtype); elsewhere torch's fused Adam(W) (`adam.fused_adam`) for fp32 sets with
+the bias correction on, where the device has it, else NpuFusedAdam's torch ops on flat
+slices. All shrink p by ``1 - lr * weight_decay`` before the Adam step, which is
+``p - lr * (u + weight_decay * p)`` up to rounding.
 
 fp16 / bf16 params: as NVIDIA, the moments are fp32 and each param is updated in fp32
 and rounded once, in place: the params' own flat buffer with fp32 state buffers beside it
@@ -44,6 +45,7 @@ from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._functional import adam_math, settler
 from ._nvidia import GradScalerMixin, NvidiaCompatMixin, ShadowParamsMixin, group_device, tensor_lr_and_step
+from .adam import fused_adam
 
 __all__ = ["FusedAdam"]
 
@@ -151,6 +153,17 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
             flags |= _core.ext.FLAG_NO_BIAS_CORRECTION
         a = self._prepare_args(s, [float(group["lr"]), b1, b2, group["eps"], group["weight_decay"]], flags)
         _core.ext.adam_step(a)
+
+    def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
+        # torch's fused Adam(W) is this class's math with the bias correction on, the moments in the params'
+        # dtype (fp32 here) and the step count a host number (capturable keeps it on the device)
+        return not self.capturable and bool(group["bias_correction"]) and self._torch_fused_ok(s)
+
+    def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
+        self._use_group_step(s, group)
+        b1, b2 = group["betas"]
+        fused_adam(s, lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
+                   weight_decay=group["weight_decay"], amsgrad=False, decoupled=self.adam_w_mode)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         step = self._use_group_step(s, group)

@@ -32,7 +32,14 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_param_kind, group_params
+from ._base import (
+    CombinedOptimizer,
+    _call_closure,
+    _check_adam_group,
+    _wrap_host_defaults,
+    check_param_kind,
+    group_params,
+)
 from ._flat import FlatSet
 from ._functional import LAMB_WEIGHT_NORM_CLAMP, l2_grad, lamb_direction, lamb_moments, lamb_trust_ratio
 from ._state_check import COUNT, PARAM_SHAPED, SCALAR, check_unique_params, naming, validate_loaded_state
@@ -336,3 +343,6 @@ class Lamb(torch.optim.Optimizer):
                     ratio = torch.ones_like(ratio)
                 p.copy_(pf.sub_(u.mul_(ratio), alpha=group["lr"]))
         return loss
+
+
+_wrap_host_defaults(Lamb)  # its step counts are host tensors too (see _base._on_host_defaults)

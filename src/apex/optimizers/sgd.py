@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 from torch.optim.optimizer import required
 
-from .. import _core
+from .. import _core, _device
 from ._base import CombinedOptimizer, _check_range, check_flags
 from ._flat import FlatSet
 from ._functional import l2_grad, settler
@@ -99,9 +99,25 @@ class NpuFusedSGD(CombinedOptimizer):
 
     def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
         """torch's fused SGD over the updated slots (param/buffer views, each grad where it is: read in place or
-        the slot view), one call per value of the first-update flag."""
+        the slot view), one call per value of the first-update flag; one call over the whole flat buffers where
+        that is the same arithmetic (see `adam.fused_adam`: the grads are the flat buffer's views, every slot is
+        updated and has the same flag, and the device's fused kernels are position-free)."""
         lr, momentum, dampening, weight_decay = self._hp(group)
         bufs = s.state_views.get("momentum_buffer")
+        hp = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                  nesterov=bool(group["nesterov"]), maximize=False)
+        if (
+            s.device.type in _device.FUSED_POSITION_FREE_DEVICES
+            and not s.gathered
+            and not s.n_skipped
+            and s.has_grad_buffer
+            and s.total > 0
+            and s.n_first in (0, s.nseg)
+        ):
+            flat_buf = s.flat_s.get("momentum_buffer")
+            _FUSED_SGD([s.flat_p], [s.flat_g], [] if flat_buf is None else [flat_buf],
+                       is_first_step=bool(s.n_first) and flat_buf is not None, **hp)
+            return
         ks = s.updated_slots()
         first = s.first.tolist()
         for is_first in sorted({bool(first[k]) for k in ks}):
@@ -109,8 +125,7 @@ class NpuFusedSGD(CombinedOptimizer):
             _FUSED_SGD(
                 [s.params[k] for k in sel], [s.params[k].grad for k in sel],
                 [] if bufs is None else [bufs[k] for k in sel],
-                weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-                nesterov=bool(group["nesterov"]), maximize=False, is_first_step=is_first and bufs is not None,
+                is_first_step=is_first and bufs is not None, **hp,
             )
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
