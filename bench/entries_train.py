@@ -41,7 +41,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -361,6 +361,25 @@ def _apex_distribution() -> bool:
     return True
 
 
+def _trainer_lacks_apex(amp: bool) -> Optional[str]:
+    """Why this transformers' Trainer cannot run an apex row (None: it can): later releases dropped
+    ``half_precision_backend="apex"`` (the amp row; 5.0 has no such argument), then
+    ``optim="adamw_apex_fused"`` (every row)."""
+    try:
+        import transformers
+        from transformers.training_args import OptimizerNames, TrainingArguments
+    except Exception as exc:  # a broken install: report it, run the other entries
+        return f"transformers does not import ({type(exc).__name__}: {exc})"
+    if "adamw_apex_fused" not in {o.value for o in OptimizerNames}:
+        return f"transformers {transformers.__version__} has no optim='adamw_apex_fused'"
+    if amp:
+        field = TrainingArguments.__dataclass_fields__.get("half_precision_backend")
+        choices = None if field is None else field.metadata.get("choices")
+        if field is None or (choices is not None and "apex" not in choices):
+            return f"transformers {transformers.__version__} has no half_precision_backend='apex'"
+    return None
+
+
 def register(reg: Registry) -> None:
     for whole in (True, False):
         reg.add(Entry(
@@ -386,6 +405,10 @@ def register(reg: Registry) -> None:
         return
     for variant, label, target in (("fp32", "Trainer, fused AdamW", 0.98), ("bf16", "Trainer, fused AdamW", 0.98),
                                    ("amp", "Trainer, apex amp backend", 1.0)):
+        missing = _trainer_lacks_apex(variant == "amp")
+        if missing is not None:
+            log.info("no %s [%s] entry: %s", label, variant, missing)
+            continue
         if variant == "amp" and not _apex_distribution():
             log.info("apex is not installed as a distribution (transformers' is_apex_available() reads its "
                      "package metadata): no %s entry; `pip install .` or `nox -s bench` runs it", label)

@@ -122,6 +122,8 @@ def markdown(result: dict, png_name: Optional[str]) -> str:
               for e in result["entries"] if e.get("rounds") is not None and e["rounds"] != cfg["rounds"]]
     if notes:
         lines += ["", "Notes:", *notes]
+    if result.get("failed"):
+        lines += ["", "Entries that failed here (left out of the table):", *(f"- {f}" for f in result["failed"])]
     profiled = [e for e in result["entries"] if e.get("profile")]
     if profiled:
         lines += ["", "## Where our time goes (entries that missed a target)", ""]
