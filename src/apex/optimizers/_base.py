@@ -530,7 +530,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """Every group checked, then healed for this step's update; fresh grads are read where they are when the
         executor can. Optimizers that need all grads before the first update (global norms) read them from these
         sets, then pass them to `_update`."""
-        return self._prepare_groups(gather=self._executor == "auto" and self._gather_grads)
+        return self._prepare_groups(gather=self._executor != "torch_ops" and self._gather_grads)
 
     def _update(self, prepared: List[Tuple[dict, List[FlatSet]]]) -> None:
         """The update of every prepared set with a grad (`_prepare_step`)."""
