@@ -640,3 +640,72 @@ def test_ops_run_on_the_test_device(device):
     outs = [torch.empty_like(x) for x in xs]
     amp_C.multi_tensor_scale(2048, flag, [xs, outs], 2.0)
     assert flag.item() == 0 and all(torch.equal(o, x * 2) for o, x in zip(outs, xs))
+
+
+# ---------------------------------------------------------------- whole lists off the host
+# Lists off CPU take a few foreach launches and one host synchronisation (amp_C._off_host); forced here on CPU
+# lists, and compared with the per-tensor path those lists take on CPU.
+def _mixed_lists(src_dtype, dst_dtype, bad=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 3), (0,), (129,), (2, 3, 4), (1,)]
+    src = [(torch.randn(s, generator=gen) * 300).to(src_dtype) for s in shapes]
+    if bad is not None:
+        src[2][5] = bad
+    dst = [torch.full(s, -1.0, dtype=dst_dtype) for s in shapes]
+    return src, dst
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.float32, torch.float32), (torch.float32, torch.float64),
+                                                 (torch.float32, torch.float16)])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_scale_of_lists_off_the_host_matches_the_per_tensor_path(monkeypatch, src_dtype, dst_dtype, bad):
+    """Bitwise: the copy is exact (same dtype or widening) and the multiply rounds once; a narrowing pair
+    (fp32 into fp16) takes the per-tensor path, which rounds once too."""
+    expect_src, expect_dst = _mixed_lists(src_dtype, dst_dtype, bad)
+    flag_ref = torch.zeros(1, dtype=torch.int)
+    amp_C.multi_tensor_scale(2048, flag_ref, [expect_src, expect_dst], 1.0 / 1024)
+    monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
+    src, dst = _mixed_lists(src_dtype, dst_dtype, bad)
+    flag = torch.zeros(1, dtype=torch.int)
+    amp_C.multi_tensor_scale(2048, flag, [src, dst], 1.0 / 1024)
+    assert int(flag) == int(flag_ref) == (bad is not None)
+    for a, b in zip(dst, expect_dst):
+        assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scale_in_place_of_lists_off_the_host(monkeypatch, dtype):
+    """One tensor passed as both lists (multi-dimensional too: the ops see memory-order views) is scaled once."""
+    ref, _ = _mixed_lists(dtype, dtype, seed=3)
+    amp_C.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int), [ref, ref], 0.5)
+    monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
+    ours, _ = _mixed_lists(dtype, dtype, seed=3)
+    amp_C.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int), [ours, ours], 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_l2norm_of_lists_off_the_host_matches_the_per_tensor_path(monkeypatch, dtype, per_tensor):
+    ts, _ = _mixed_lists(dtype, dtype, seed=5)
+    flag_ref = torch.zeros(1, dtype=torch.int)
+    ref = amp_C.multi_tensor_unscale_l2norm(2048, flag_ref, [ts], torch.tensor([0.25]), per_tensor)
+    monkeypatch.setattr(amp_C, "_off_host", lambda t: bool(t))
+    flag = torch.zeros(1, dtype=torch.int)
+    ours = amp_C.multi_tensor_unscale_l2norm(2048, flag, [ts], torch.tensor([0.25]), per_tensor)
+    assert int(flag) == int(flag_ref) == 0
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=0)  # float64 norms either way, rounded to fp32
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e20])
+def test_l2norm_of_lists_off_the_host_sets_the_flag(monkeypatch, bad):
+    """inf/nan anywhere, or a sum of squares past fp32's range (1e20 squared), sets the flag, as per tensor."""
+    monkeypatch.setattr(amp_C, "_off_host", lambda t: bool(t))
+    ts, _ = _mixed_lists(torch.float32, torch.float32, bad)
+    flag = torch.zeros(1, dtype=torch.int)
+    amp_C.multi_tensor_l2norm(2048, flag, [ts], True)
+    assert int(flag) == 1

@@ -24,7 +24,9 @@ blocks; results here do not depend on it (reductions accumulate in float64 per t
 Executors: on CPU the elementwise checks, scales and sums of squares go through
 ``apex._core`` (the C++ core's one-pass kernels for contiguous fp32/fp16/bf16 tensors) and the
 optimizer updates through the optimizers' per-tensor math; on CUDA / NPU the same code runs as
-torch ops. ``available`` is True: nothing here needs a compiled extension.
+torch ops, except that ``multi_tensor_scale`` and the norms take whole lists at once there (foreach
+ops and one host synchronisation, where a per-tensor loop would wait on the device once per tensor).
+``available`` is True: nothing here needs a compiled extension.
 """
 
 from __future__ import annotations
@@ -163,6 +165,55 @@ def _sum_sq(t: torch.Tensor) -> float:
     return float(t.detach().double().pow(2).sum()) if t.numel() else 0.0
 
 
+# ---------------------------------------------------------------- whole lists off the host
+# A per-tensor loop off CPU pays a host synchronisation per tensor for each inf/nan check and each norm (upstream's
+# kernels read none). Lists that live off the host take a few foreach launches and one synchronisation instead.
+
+#: (source dtype, destination dtype) pairs where copying then multiplying in the destination dtype rounds once,
+#: as upstream's fp32 arithmetic does: the copy is exact (same dtype, or a widening one)
+_EXACT_COPIES = {
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float64),
+    (torch.bfloat16, torch.float64), (torch.float32, torch.float64),
+}
+
+
+def _off_host(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the list takes the whole-list path: non-empty, every tensor off CPU (CPU tensors take apex_C's
+    one-pass kernels, which read no flag on the host either)."""
+    return bool(tensors) and all(t.device.type != "cpu" for t in tensors)
+
+
+def _any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
+    """One synchronisation for the whole list: the infinity norm of a tensor is inf/nan iff it holds one."""
+    live = [t.detach() for t in tensors if t.numel()]  # (an empty tensor has no infinity norm, and no inf/nan)
+    if not live:
+        return False
+    return not bool(torch.stack(torch._foreach_norm(live, float("inf"))).isfinite().all())
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two of `_check_call`'s memory-order views cover the same elements (one tensor passed in two lists)."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
+
+
+def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float) -> Optional[bool]:
+    """``dst = src * scale`` over whole lists (in place where dst is src); whether src held inf/nan. None, with
+    nothing written, when a pair would round twice this way (a narrowing copy) or shares memory partly."""
+    moved = []
+    for s, d in zip(src, dst):
+        if _same_memory(s, d):
+            continue  # in place
+        if (d.dtype != s.dtype and (s.dtype, d.dtype) not in _EXACT_COPIES) or _shares_memory(d, s):
+            return None
+        moved.append((d.detach(), s.detach()))
+    bad = _any_nonfinite(src)  # before an in-place scale changes src
+    if moved:
+        torch._foreach_copy_([d for d, _ in moved], [s for _, s in moved])
+    if dst:
+        torch._foreach_mul_([d.detach() for d in dst], scale)
+    return bad
+
+
 # ---------------------------------------------------------------- elementwise ops
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
     """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]`` (dtypes may differ, e.g. fp16 grads into
@@ -170,6 +221,12 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     op = "multi_tensor_scale"
     src, dst = _check_call(op, chunk_size, noop_flag, tensor_lists, (2,))
     scale = _number(scale, "scale", op)
+    if _off_host(src) and _off_host(dst):
+        bad = _scale_lists(src, dst, scale)
+        if bad is not None:
+            if bad:
+                _set_flag(noop_flag)
+            return
     bad = False
     for s, d in zip(src, dst):
         if s.dtype in _KERNEL_DTYPES and d.dtype in _KERNEL_DTYPES:
@@ -220,6 +277,11 @@ def _norms(op: str, noop_flag: torch.Tensor, tensors: List[torch.Tensor], factor
     if per_tensor is not None and not isinstance(per_tensor, bool):
         raise TypeError(f"{op}: per_tensor must be a bool or None, got {type(per_tensor).__name__}")
     device = tensors[0].device if tensors else noop_flag.device
+    if _off_host(tensors):
+        try:
+            return _norms_off_host(noop_flag, tensors, factor, per_tensor)
+        except (RuntimeError, NotImplementedError):  # a backend without float64 foreach norms: per tensor
+            pass
     sums = [_sum_sq(t) * factor * factor for t in tensors]
     total = math.fsum(sums)
     # Upstream accumulates in fp32: a sum that does not fit it is an overflow too.
@@ -231,6 +293,21 @@ def _norms(op: str, noop_flag: torch.Tensor, tensors: List[torch.Tensor], factor
         each = torch.tensor(sums, dtype=torch.float64).sqrt().to(device=device, dtype=torch.float32)
     else:
         each = torch.empty(0, dtype=torch.float32, device=device)
+    return norm, each
+
+
+def _norms_off_host(noop_flag: torch.Tensor, tensors: List[torch.Tensor], factor: float,
+                    per_tensor: Optional[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`_norms` for a list off the host: float64 norms from one foreach launch, the flag from one
+    synchronisation, the results left on the device."""
+    each64 = torch.stack(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float64)) * factor
+    total64 = each64.square().sum().sqrt().reshape(1)
+    # upstream accumulates in fp32: a sum of squares that does not fit it is an overflow too
+    sums32 = torch.cat([total64.square(), each64.square()]).to(torch.float32)
+    if not bool(sums32.isfinite().all()):
+        _set_flag(noop_flag)
+    norm = total64.to(torch.float32)
+    each = each64.to(torch.float32) if per_tensor else torch.empty(0, dtype=torch.float32, device=norm.device)
     return norm, each
 
 
