@@ -709,3 +709,38 @@ def test_l2norm_of_lists_off_the_host_sets_the_flag(monkeypatch, bad):
     flag = torch.zeros(1, dtype=torch.int)
     amp_C.multi_tensor_l2norm(2048, flag, [ts], True)
     assert int(flag) == 1
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("arg_to_check,bad_in,expect", [(-1, "y", 1), (0, "y", 0), (1, "y", 1), (0, "x", 1),
+                                                        (-1, None, 0)])
+def test_axpby_of_lists_off_the_host_matches_the_per_tensor_path(monkeypatch, out_dtype, arg_to_check, bad_in,
+                                                                 expect):
+    """fp32 working copies, a * x then + b * y, each output rounded once: bitwise the per-tensor path on the
+    same device; the flag from the checked argument only."""
+    def lists():
+        xs, _ = _mixed_lists(torch.float16, torch.float16, float("inf") if bad_in == "x" else None, seed=7)
+        ys, outs = _mixed_lists(torch.float32, out_dtype, float("nan") if bad_in == "y" else None, seed=8)
+        return xs, ys, outs
+
+    xs, ys, ref = lists()
+    with monkeypatch.context() as m:  # the per-tensor path with torch ops (what CUDA ran before)
+        m.setattr(amp_C._core, "uses_kernel", lambda *t: False)
+        flag_ref = torch.zeros(1, dtype=torch.int)
+        amp_C.multi_tensor_axpby(2048, flag_ref, [xs, ys, ref], 0.5, -2.0, arg_to_check)
+    monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
+    xs, ys, outs = lists()
+    flag = torch.zeros(1, dtype=torch.int)
+    amp_C.multi_tensor_axpby(2048, flag, [xs, ys, outs], 0.5, -2.0, arg_to_check)
+    assert int(flag) == int(flag_ref) == expect
+    for a, b in zip(outs, ref):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def test_axpby_of_lists_off_the_host_may_write_into_an_input(monkeypatch):
+    monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
+    xs, _ = _mixed_lists(torch.float32, torch.float32, seed=9)
+    ys, _ = _mixed_lists(torch.float32, torch.float32, seed=10)
+    expect = [x.mul(2.0).add_(y, alpha=3.0) for x, y in zip(xs, ys)]  # the same ops, before ys is written
+    amp_C.multi_tensor_axpby(2048, torch.zeros(1, dtype=torch.int), [xs, ys, ys], 2.0, 3.0, -1)
+    assert all(torch.equal(y, e) for y, e in zip(ys, expect))

@@ -24,8 +24,9 @@ blocks; results here do not depend on it (reductions accumulate in float64 per t
 Executors: on CPU the elementwise checks, scales and sums of squares go through
 ``apex._core`` (the C++ core's one-pass kernels for contiguous fp32/fp16/bf16 tensors) and the
 optimizer updates through the optimizers' per-tensor math; on CUDA / NPU the same code runs as
-torch ops, except that ``multi_tensor_scale`` and the norms take whole lists at once there (foreach
-ops and one host synchronisation, where a per-tensor loop would wait on the device once per tensor).
+torch ops, except that ``multi_tensor_scale``, ``multi_tensor_axpby`` and the norms take whole
+lists at once there (foreach ops and one host synchronisation, where a per-tensor loop would wait
+on the device once per tensor).
 ``available`` is True: nothing here needs a compiled extension.
 """
 
@@ -214,6 +215,21 @@ def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float)
     return bad
 
 
+def _axpby_lists(xs: List[torch.Tensor], ys: List[torch.Tensor], outs: List[torch.Tensor], a: float,
+                 b: float) -> None:
+    """``out = a * x + b * y`` over whole lists, in fp32 working copies (the per-tensor path's ``mul_`` then
+    ``add_(alpha=b)``), each output rounded once; an output may be its x or its y."""
+    def f32(ts):
+        work = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in ts]
+        torch._foreach_copy_(work, [t.detach() for t in ts])
+        return work
+
+    work = f32(xs)
+    torch._foreach_mul_(work, a)
+    torch._foreach_add_(work, f32(ys), alpha=b)
+    torch._foreach_copy_([o.detach() for o in outs], work)
+
+
 # ---------------------------------------------------------------- elementwise ops
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
     """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]`` (dtypes may differ, e.g. fp16 grads into
@@ -249,6 +265,12 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
     a, b = _number(a, "a", op), _number(b, "b", op)
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(f"{op}: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check!r}")
+    if _off_host(xs) and _off_host(ys) and _off_host(outs):
+        checked = (xs if arg_to_check in (-1, 0) else []) + (ys if arg_to_check in (-1, 1) else [])
+        if _any_nonfinite(checked):  # the inputs, before an aliased output changes them
+            _set_flag(noop_flag)
+        _axpby_lists(xs, ys, outs, a, b)
+        return
     bad = False
     for x, y, out in zip(xs, ys, outs):
         if arg_to_check in (-1, 0):
