@@ -92,17 +92,23 @@ def _close(ours, ref, device, what):
                                        msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_kept_grads_take_one_flat_call(monkeypatch, device, case):
+def _forced_flat_twins(monkeypatch, device, case, seed=0):
+    """Ours on the torch executor with this device's fused kernels taken as position-free, torch's fused=True
+    twin, and a spy on the op ours calls: (ours, its params, torch's, its params, generator, spy)."""
     if device not in _device.fused_optimizer_devices():
         pytest.skip(f"torch has no fused optimizer kernels for {device}")
     cls, ref_cls, hp, op = CASES[case]
     use_executor(monkeypatch, "torch", device)
     monkeypatch.setattr(_device, "FUSED_POSITION_FREE_DEVICES", frozenset({device}))
-    ours_p, ref_p, gen = _twins(device)
+    ours_p, ref_p, gen = _twins(device, seed=seed)
     opt = cls(ours_p, **hp)
     ref = ref_cls(ref_p, fused=True, **{k: v for k, v in hp.items() if k != "adam_w_mode"})
-    spy = _spy(monkeypatch, op)
+    return opt, ours_p, ref, ref_p, gen, _spy(monkeypatch, op)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kept_grads_take_one_flat_call(monkeypatch, device, case):
+    opt, ours_p, ref, ref_p, gen, spy = _forced_flat_twins(monkeypatch, device, case)
     for _ in range(4):
         _set_grads(ours_p, ref_p, gen, device)
         opt.step()
@@ -125,15 +131,7 @@ def test_kept_grads_take_one_flat_call(monkeypatch, device, case):
 @pytest.mark.parametrize("case", ["NpuFusedAdam", "NpuFusedSGD"])
 def test_a_param_without_grad_takes_calls_per_slot(monkeypatch, device, case):
     """A skipped slot (no grad this step) or differing step counts: one tensor per updated param."""
-    if device not in _device.fused_optimizer_devices():
-        pytest.skip(f"torch has no fused optimizer kernels for {device}")
-    cls, ref_cls, hp, op = CASES[case]
-    use_executor(monkeypatch, "torch", device)
-    monkeypatch.setattr(_device, "FUSED_POSITION_FREE_DEVICES", frozenset({device}))
-    ours_p, ref_p, gen = _twins(device, seed=1)
-    opt = cls(ours_p, **hp)
-    ref = ref_cls(ref_p, fused=True, **hp)
-    spy = _spy(monkeypatch, op)
+    opt, ours_p, ref, ref_p, gen, spy = _forced_flat_twins(monkeypatch, device, case, seed=1)
     for step in range(4):
         _set_grads(ours_p, ref_p, gen, device, skip=(2,) if step == 1 else ())
         if step == 1:
@@ -178,16 +176,16 @@ def test_torch_fused_unscale_falls_back_where_the_op_is_missing(monkeypatch):
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
     t = torch.tensor([1.0, float("inf")])
-    assert _core._torch_fused_unscale_(t, 0.5) is None
+    assert _core.torch_fused_unscale_([t], 0.5) is None
     assert torch.equal(t, torch.tensor([1.0, float("inf")]))  # unchanged: the caller's plain path runs next
 
 
 def test_torch_fused_unscale_on_cpu_matches_the_plain_path():
     t = torch.tensor([2.0, -4.0, float("inf"), float("nan")])
-    assert _core._torch_fused_unscale_(t, 0.5) is True
+    assert _core.torch_fused_unscale_([t], 0.5) is True
     torch.testing.assert_close(t, torch.tensor([1.0, -2.0, float("inf"), float("nan")]), equal_nan=True)
     t = torch.tensor([2.0, -4.0])
-    assert _core._torch_fused_unscale_(t, 0.5) is False
+    assert _core.torch_fused_unscale_([t], 0.5) is False
 
 
 def test_step_counts_reach_the_device_unchanged(device):

@@ -131,14 +131,15 @@ def _torch_nonfinite(src: torch.Tensor) -> bool:
     return bool(src.numel()) and not bool(torch.isfinite(src).all())
 
 
-def _torch_fused_unscale_(t: torch.Tensor, scale: float) -> Optional[bool]:
-    """``t *= scale`` and whether ``t`` held an inf/nan before, in one pass: torch's fused unscale op (on CUDA,
-    one kernel where the check then the multiply read the tensor three times). None, with ``t`` unchanged,
-    where the backend lacks the op."""
-    found = torch.zeros(1, dtype=torch.float32, device=t.device)
-    factor = torch.full((1,), scale, dtype=torch.float32, device=t.device)
+def torch_fused_unscale_(tensors: Sequence[torch.Tensor], scale: float) -> Optional[bool]:
+    """``t *= scale`` for every tensor (all on one device) and whether any held an inf/nan before, in one pass
+    and one host read of the flag: torch's fused unscale op (on CUDA, one kernel where a check then a multiply
+    read each tensor three times). None, with the tensors unchanged, where the backend lacks the op."""
+    device = tensors[0].device
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    factor = torch.full((1,), scale, dtype=torch.float32, device=device)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_([t], found, factor)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, factor)
     except (NotImplementedError, RuntimeError):
         return None
     return bool(found.item())
@@ -151,7 +152,7 @@ def scale_(src: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None, 
     if uses_kernel(src, dst):
         return ext._raw_scale_(*_buf(src), *_buf(dst), src.numel(), float(scale), check, num_threads())
     if check and dst is src and src.device.type != "cpu":
-        bad = _torch_fused_unscale_(src, float(scale))
+        bad = torch_fused_unscale_([src], float(scale))
         if bad is not None:
             return bad
     bad = bool(check) and _torch_nonfinite(src)  # before an in-place scale changes src

@@ -252,12 +252,6 @@ def fused_optimizer_devices() -> frozenset:
     return frozenset({"cuda", "xpu", "mps"} | ({"cpu"} if (major, minor) >= (2, 4) else set()))
 
 
-#: Device types whose torch fused optimizer kernels (Adam(W), SGD) take fp16/bf16 params with states of the
-#: params' dtype, compute each element in fp32 and round once, as our low-precision math does. CUDA's do. torch
-#: 2.13's CPU fused SGD leaves 16-bit params unchanged, and other backends are unverified: there, low-precision
-#: params take the torch-ops executor.
-FUSED_LOW_PRECISION_DEVICES = frozenset({"cuda"})
-
 #: Device types whose torch fused optimizer kernels compute an element the same way wherever it sits in its
 #: tensor, so one call over a flat buffer of several params gives, bit for bit, what one call per param gives.
 #: CUDA's do (one elementwise function per element; only the loads are vectorised). CPU's do not: a tensor's

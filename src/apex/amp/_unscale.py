@@ -55,12 +55,6 @@ def unscale_(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
         if any(t.is_sparse for t in ts):
             found |= _unscale_fallback(ts, inv, check)
             continue
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        inv_t = torch.full((1,), inv, dtype=torch.float32, device=device)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found_inf, inv_t)
-        except (NotImplementedError, RuntimeError):  # a backend without the fused op
-            found |= _unscale_fallback(ts, inv, check)
-            continue
-        found |= bool(found_inf.item())
+        bad = _core.torch_fused_unscale_(ts, inv)
+        found |= _unscale_fallback(ts, inv, check) if bad is None else bad  # None: a backend without the op
     return found

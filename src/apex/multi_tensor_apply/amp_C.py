@@ -323,12 +323,12 @@ def _norms_off_host(noop_flag: torch.Tensor, tensors: List[torch.Tensor], factor
     """`_norms` for a list off the host: float64 norms from one foreach launch, the flag from one
     synchronisation, the results left on the device."""
     each64 = torch.stack(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float64)) * factor
-    total64 = each64.square().sum().sqrt().reshape(1)
+    squares = each64.square()
+    total_sq = squares.sum().reshape(1)
     # upstream accumulates in fp32: a sum of squares that does not fit it is an overflow too
-    sums32 = torch.cat([total64.square(), each64.square()]).to(torch.float32)
-    if not bool(sums32.isfinite().all()):
+    if not bool(torch.cat([total_sq, squares]).to(torch.float32).isfinite().all()):
         _set_flag(noop_flag)
-    norm = total64.to(torch.float32)
+    norm = total_sq.sqrt().to(torch.float32)
     each = each64.to(torch.float32) if per_tensor else torch.empty(0, dtype=torch.float32, device=norm.device)
     return norm, each
 

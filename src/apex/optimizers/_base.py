@@ -240,7 +240,6 @@ class CombinedOptimizer(torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
         _wrap_host_defaults(cls)
 
-
     #: names of per-param state buffers for a group (order = kernel slots s0, s1, s2)
     def _state_names(self, group: dict) -> List[str]:
         raise NotImplementedError  # pragma: no cover - abstract

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _core
+from .. import _core, _device
 from ..contrib.combine_tensors import combine_tensors, plan_layout
 
 _get_grad = operator.attrgetter("grad")
@@ -530,6 +530,20 @@ class FlatSet:
                     return
                 self._probe = k
                 return
+
+    def flat_call_ok(self) -> bool:
+        """Whether torch's fused op may update the whole flat buffers in one call instead of one call per slot:
+        the grads are the flat buffer's own views, every slot has one, and the device's fused kernels compute
+        an element the same way wherever it sits (`_device.FUSED_POSITION_FREE_DEVICES`), so the bits match the
+        per-slot calls. The gaps between slots hold zeros, which the fused updates keep zero. Callers add their
+        own conditions (one step count, one first-update flag)."""
+        return (
+            self.device.type in _device.FUSED_POSITION_FREE_DEVICES
+            and not self.gathered
+            and not self.n_skipped
+            and self.has_grad_buffer
+            and self.total > 0
+        )
 
     @property
     def n_first(self) -> int:

@@ -27,22 +27,13 @@ def fused_adam(s: FlatSet, *, lr: float, beta1: float, beta2: float, eps: float,
     """torch's fused Adam(W) over the updated slots of `s`, at the step counts in ``s.steps``: param and state
     views, each grad where it is (read in place, or the slot view).
 
-    Where the grads are the flat buffer's own views, every slot is updated at one step count, and the device's
-    fused kernels are position-free (`_device.FUSED_POSITION_FREE_DEVICES`), it is one call over the whole flat
-    buffers: the same arithmetic on every element, with the host cost of one tensor instead of one per param.
-    The gaps between slots hold zeros, which Adam keeps zero (`FlatSet.zero_padding` runs after it anyway).
+    Where `FlatSet.flat_call_ok` and every slot is at one step count, it is one call over the whole flat
+    buffers: the same arithmetic on every element, with the host cost of one tensor instead of one per param
+    (`FlatSet.zero_padding` re-zeroes the gaps after it anyway).
     """
     op = torch._fused_adamw_ if decoupled else torch._fused_adam_
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False)
-    flat = (
-        s.device.type in _device.FUSED_POSITION_FREE_DEVICES
-        and not s.gathered
-        and not s.n_skipped
-        and s.has_grad_buffer
-        and s.total > 0
-        and bool((s.steps == s.steps[0]).all())
-    )
-    if flat:
+    if s.flat_call_ok() and bool((s.steps == s.steps[0]).all()):
         fs = s.flat_s
         step = _device.host_scalars_to(s.steps[:1], s.device).reshape(())
         op([s.flat_p], [s.flat_g], [fs["exp_avg"]], [fs["exp_avg_sq"]],

@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 from torch.optim.optimizer import required
 
-from .. import _core, _device
+from .. import _core
 from ._base import CombinedOptimizer, _check_range, check_flags
 from ._flat import FlatSet
 from ._functional import l2_grad, settler
@@ -100,20 +100,12 @@ class NpuFusedSGD(CombinedOptimizer):
     def _torch_gather_step(self, s: FlatSet, group: dict) -> None:
         """torch's fused SGD over the updated slots (param/buffer views, each grad where it is: read in place or
         the slot view), one call per value of the first-update flag; one call over the whole flat buffers where
-        that is the same arithmetic (see `adam.fused_adam`: the grads are the flat buffer's views, every slot is
-        updated and has the same flag, and the device's fused kernels are position-free)."""
+        that is the same arithmetic (`FlatSet.flat_call_ok`, and every slot has the same flag)."""
         lr, momentum, dampening, weight_decay = self._hp(group)
         bufs = s.state_views.get("momentum_buffer")
         hp = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                   nesterov=bool(group["nesterov"]), maximize=False)
-        if (
-            s.device.type in _device.FUSED_POSITION_FREE_DEVICES
-            and not s.gathered
-            and not s.n_skipped
-            and s.has_grad_buffer
-            and s.total > 0
-            and s.n_first in (0, s.nseg)
-        ):
+        if s.flat_call_ok() and s.n_first in (0, s.nseg):
             flat_buf = s.flat_s.get("momentum_buffer")
             _FUSED_SGD([s.flat_p], [s.flat_g], [] if flat_buf is None else [flat_buf],
                        is_first_step=bool(s.n_first) and flat_buf is not None, **hp)
