@@ -482,12 +482,13 @@ class FlatSet:
         if self._numels is None:
             self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
         nbytes = (self._numels if live is None else self._numels[_core.int_table(live)]) * elem
-        end = table + nbytes
-        hit = table.remainder(elem) != 0
-        for w in writes:
-            lo = w.data_ptr()
-            h = (table < lo + w.numel() * w.element_size()) & (end > lo)
-            hit |= h
+        # every grad against every written buffer at once: one (buffers x grads) comparison, not one per buffer
+        spans = torch.tensor([[w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()] for w in writes],
+                             dtype=torch.int64)
+        hit = ((table < spans[:, 1:]) & (table + nbytes > spans[:, :1])).any(0)
+        if elem > 1:
+            # element sizes are powers of two: the low address bits tell the misaligned ones
+            hit |= (table.bitwise_and(elem - 1) if elem & (elem - 1) == 0 else table.remainder(elem)) != 0
         if bool(hit.any()):
             idx.update(hit.nonzero().flatten().tolist())
         if idx and self._flat_g is not None:

@@ -33,21 +33,26 @@ def fused_adam(s: FlatSet, *, lr: float, beta1: float, beta2: float, eps: float,
     """
     op = torch._fused_adamw_ if decoupled else torch._fused_adam_
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False)
-    if s.flat_call_ok() and bool((s.steps == s.steps[0]).all()):
-        fs = s.flat_s
-        step = _device.host_scalars_to(s.steps[:1], s.device).reshape(())
-        op([s.flat_p], [s.flat_g], [fs["exp_avg"]], [fs["exp_avg_sq"]],
-           [fs["max_exp_avg_sq"]] if amsgrad else [], [step], **hp)
-        return
     ks = s.updated_slots()
     if not ks:
         return
+    steps = s.steps[ks] if s.n_skipped else s.steps
+    if bool((steps == steps[0]).all()):
+        # one step count (the usual case): one device scalar serves every slot, which torch's op only reads
+        step = _device.host_scalars_to(steps[:1], s.device).reshape(())
+        if s.flat_call_ok():
+            fs = s.flat_s
+            op([s.flat_p], [s.flat_g], [fs["exp_avg"]], [fs["exp_avg_sq"]],
+               [fs["max_exp_avg_sq"]] if amsgrad else [], [step], **hp)
+            return
+        step_list = [step] * len(ks)
+    else:
+        step_list = list(_device.host_scalars_to(steps, s.device).unbind())
     views = s.state_views
-    steps = _device.host_scalars_to(s.steps[ks] if s.n_skipped else s.steps, s.device)
     op(
         [s.params[k] for k in ks], [s.params[k].grad for k in ks], [views["exp_avg"][k] for k in ks],
         [views["exp_avg_sq"][k] for k in ks], [views["max_exp_avg_sq"][k] for k in ks] if amsgrad else [],
-        list(steps.unbind()), **hp,
+        step_list, **hp,
     )
 
 
