@@ -527,6 +527,59 @@ def test_update_scale_hysteresis_holds_the_scale_for_hysteresis_minus_one_overfl
     assert (scale.item(), growth.item(), hyst.item()) == (512.0, 1, 3)
 
 
+@pytest.mark.parametrize("tracker_dtype, found_dtype", [
+    (torch.int32, torch.float32), (torch.int64, torch.float64), (torch.uint8, torch.float16),
+    (torch.int16, torch.bfloat16), (torch.int8, torch.float32),
+])
+@pytest.mark.parametrize("seed", range(4))
+def test_update_scale_hysteresis_host_and_tensor_forms_agree_bitwise(tracker_dtype, found_dtype, seed, monkeypatch):
+    """CPU states take the Python-number form; every other device the tensor-op form. Both run here on the same
+    states (the tensor form forced), from edge scales (subnormal, largest finite, inf, nan, signed zeros) and
+    trackers next to their dtype's wrap-around, with found values of every kind; results equal bit for bit."""
+    from apex.multi_tensor_apply import amp_C as impl
+
+    rng = np.random.default_rng(seed)
+    info = torch.iinfo(tracker_dtype)
+    scales = [65536.0, 3.0e38, 1.0e-38, 2.0 ** -126, -(2.0 ** -126), float("inf"), float("nan"), 0.0, -0.0, 1.0]
+    founds = [0.0, 1.0, float("nan"), -1.0, 0.5, float("inf"), -0.0, 1e-50, 70000.0]
+    factors = [(2.0, 0.5), (1.5, 0.3), (1e30, 1e-30), (4.0, 0.125)]
+
+    def state(init, g, h):
+        return (torch.tensor([init], dtype=torch.float32), torch.tensor([g], dtype=tracker_dtype),
+                torch.tensor([h], dtype=tracker_dtype))
+
+    for _ in range(40):
+        init = scales[rng.integers(len(scales))]
+        g = int(rng.choice([0, 1, info.max - 1, info.max, info.min]))
+        h = int(rng.choice([0, 1, 2, info.max, info.min, info.min + 1]))
+        growth_f, backoff_f = factors[rng.integers(len(factors))]
+        interval = int(rng.choice([1, 2, 3, info.max, min(info.max + 1, 2 ** 63 - 1)]))
+        hysteresis = int(rng.choice([1, 2, info.max]))
+        on_host, on_device = state(init, g, h), state(init, g, h)
+        for _ in range(12):
+            found = torch.tensor([founds[rng.integers(len(founds))]], dtype=found_dtype)
+            monkeypatch.setattr(impl, "_scalars_on_host", lambda t: True)
+            amp_C.update_scale_hysteresis(*on_host, found, growth_f, backoff_f, interval, hysteresis)
+            monkeypatch.setattr(impl, "_scalars_on_host", lambda t: False)
+            amp_C.update_scale_hysteresis(*on_device, found, growth_f, backoff_f, interval, hysteresis)
+            assert torch.equal(on_host[0].view(torch.int32), on_device[0].view(torch.int32)), (on_host, on_device)
+            assert torch.equal(on_host[1], on_device[1]) and torch.equal(on_host[2], on_device[2])
+
+
+def test_update_scale_hysteresis_takes_the_host_form_on_cpu(monkeypatch):
+    from apex.multi_tensor_apply import amp_C as impl
+
+    ops = []
+    monkeypatch.setattr(impl, "_hysteresis_on_device", lambda *a: ops.append("device"))
+    monkeypatch.setattr(impl, "_hysteresis_on_host", lambda *a: ops.append("host"))
+    amp_C.update_scale_hysteresis(torch.ones(1), torch.zeros(1, dtype=torch.int32),
+                                  torch.ones(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 2, 2)
+    amp_C.update_scale_hysteresis(torch.ones(1, device="meta"), torch.zeros(1, dtype=torch.int32, device="meta"),
+                                  torch.ones(1, dtype=torch.int32, device="meta"), torch.zeros(1, device="meta"),
+                                  2.0, 0.5, 2, 2)
+    assert ops == ["host", "device"]
+
+
 @pytest.mark.parametrize("change, error, match", [
     ({"current_scale": torch.tensor([1.0], dtype=torch.float64)}, TypeError, "current_scale.*float32"),
     ({"current_scale": torch.ones(2)}, TypeError, "current_scale.*2 elements"),

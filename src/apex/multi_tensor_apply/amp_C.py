@@ -33,6 +33,7 @@ on the device once per tensor).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -571,10 +572,71 @@ def _int_arg(op: str, name: str, value: Any, dtype: torch.dtype = torch.int64) -
     return value
 
 
-def _flush_subnormal(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32) with subnormal values replaced by a zero of the same sign, as flush-to-zero float32
-    arithmetic reads and writes them."""
-    return torch.where(x.abs() < torch.finfo(torch.float32).smallest_normal, x * 0, x)
+_FLT_TINY = torch.finfo(torch.float32).smallest_normal
+
+
+def _scalars_on_host(t: torch.Tensor) -> bool:
+    """Whether a one-element state is updated with Python numbers (CPU tensors: a handful of element reads and
+    writes, where the tensor-op form costs some forty small ops per call)."""
+    return t.device.type == "cpu"
+
+
+def _wrap(value: int, dtype: torch.dtype) -> int:
+    """``value`` stored into an integer tensor of ``dtype`` as a C cast stores it: modulo 2**bits."""
+    info = torch.iinfo(dtype)
+    span = 1 << info.bits
+    return (value - info.min) % span + info.min
+
+
+def _to_f32(x: float) -> float:
+    """``x`` rounded to float32: to nearest, and to an infinity beyond what rounds to the largest finite one."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _hysteresis_on_host(scale, growth, hyst, found, growth_f, backoff_f, interval, hysteresis) -> None:
+    """`update_scale_hysteresis` on Python numbers: the same rules, products and roundings as the device form
+    (the counts compared as int64, stored as the tracker's dtype stores them)."""
+    f = _to_f32(float(found.item()))
+    kept = float(scale.item())
+    g, h = int(growth.item()), int(hyst.item())
+    over = f > 0
+    if over:
+        h -= 1
+    held = over and _wrap(h, torch.int64) > 0
+    backoff = not held and f != 0  # nan != 0 too
+    due = f == 0 and _wrap(g + 1, torch.int64) == interval
+    if backoff or due:
+        read = kept * 0.0 if abs(kept) < _FLT_TINY else kept  # a subnormal scale reads as zero
+        new = _to_f32(read * (backoff_f if backoff else growth_f))  # the product in float64, rounded once
+        new = new * 0.0 if abs(new) < _FLT_TINY else new
+        if backoff or math.isfinite(new):
+            scale.detach().fill_(new)
+    growth.detach().fill_(0 if held or backoff or due else _wrap(g + 1, growth.dtype))
+    hyst.detach().fill_(hysteresis if f <= 0 else _wrap(h, hyst.dtype))
+
+
+def _hysteresis_on_device(scale, growth, hyst, found, growth_f, backoff_f, interval, hysteresis) -> None:
+    """`update_scale_hysteresis` as tensor ops on the tensors' device: no host synchronisation."""
+    with torch.no_grad():
+        f = found.detach().reshape(()).to(torch.float32)
+        kept = scale.detach().reshape(())
+        g1 = growth.detach().reshape(()).to(torch.int64) + 1  # counts in int64; stored wrapped by copy_
+        h0 = hyst.detach().reshape(()).to(torch.int64)
+        over = f > 0
+        h = torch.where(over, h0 - 1, h0)
+        held = over & (h > 0)                 # an overflow the hysteresis absorbs: only the growth count resets
+        backoff = (f != 0) > held             # nonzero (nan too) and not held
+        due = (f == 0) & (g1 == interval)
+        # flush-to-zero reads and writes: x * (|x| >= tiny) is x, or a zero of x's sign (an inf is kept)
+        read = (kept * (kept.abs() >= _FLT_TINY)).to(torch.float64)
+        new = torch.where(backoff, read * backoff_f, read * growth_f).to(torch.float32)
+        new = new * (new.abs() >= _FLT_TINY)
+        scale.detach().copy_(torch.where(backoff | (due & new.isfinite()), new, kept).reshape(scale.shape))
+        growth.detach().copy_(torch.where(held | backoff | due, 0, g1).reshape(growth.shape))
+        hyst.detach().copy_(torch.where(f <= 0, hysteresis, h).reshape(hyst.shape))
 
 
 def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.Tensor,
@@ -615,22 +677,8 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
     interval = _int_arg(op, "growth_interval", growth_interval)
     hysteresis = _int_arg(op, "hysteresis", hysteresis, hyst.dtype)
 
-    with torch.no_grad():
-        f = found.detach().reshape(()).to(torch.float32)
-        kept = scale.detach().reshape(()).clone()
-        s = _flush_subnormal(kept).to(torch.float64)  # scale * factor in double, rounded once to float32
-        g = growth.detach().reshape(()).to(torch.int64)
-        over = f > 0
-        h = hyst.detach().reshape(()).to(torch.int64) - over.to(torch.int64)
-        held = over & (h > 0)                # an overflow the hysteresis absorbs: only the growth count resets
-        backoff = ~held & (f != 0)           # nan != 0 too
-        due = (f == 0) & (g + 1 == interval)
-        grown = _flush_subnormal((s * growth_f).to(torch.float32))
-        new_scale = torch.where(backoff, _flush_subnormal((s * backoff_f).to(torch.float32)),
-                                torch.where(due & torch.isfinite(grown), grown, kept))
-        new_growth = torch.where(held | backoff | due, torch.zeros_like(g), g + 1)
-        new_hyst = torch.where(f <= 0, torch.full_like(h, hysteresis), h)
-        scale.detach().copy_(new_scale.reshape(scale.shape))
-        growth.detach().copy_(new_growth.reshape(growth.shape))
-        hyst.detach().copy_(new_hyst.reshape(hyst.shape))
+    if _scalars_on_host(scale):
+        _hysteresis_on_host(scale, growth, hyst, found, growth_f, backoff_f, interval, hysteresis)
+    else:
+        _hysteresis_on_device(scale, growth, hyst, found, growth_f, backoff_f, interval, hysteresis)
     return current_scale
