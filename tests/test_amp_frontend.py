@@ -609,3 +609,37 @@ def test_o2_optimizer_state_dict_carries_masters():
     bad = dict(sd, apex_amp_master_params=masters[:2])
     with pytest.raises(ValueError, match="apex_amp_master_params"):
         o.load_state_dict(bad)
+
+
+def test_o1_runs_losses_called_after_the_forward_in_float32():
+    """O1 autocasts the forward only. A loss computed after it, on the low-precision output against fp32
+    targets, runs in float32 as upstream's process-wide casts run it (torch's CUDA backward of mse_loss rejects
+    the mixed pair); float64 stays float64; the original functions are back after deinitialize."""
+    import torch.nn.functional as F
+
+    original = F.mse_loss
+    m, o = initialized("O1")
+    x, target = torch.randn(4, 4), torch.randn(4, 2)
+    out = m(x)
+    assert out.dtype == LOW
+    loss = torch.nn.MSELoss()(out, target)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ((out.detach().float() - target) ** 2).mean(), rtol=0, atol=0)
+    with amp.scale_loss(loss, o) as scaled:
+        scaled.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+    for fn in (F.l1_loss, F.smooth_l1_loss, F.mse_loss):
+        assert fn(torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)).dtype == torch.float64
+        assert fn(torch.randn(3, dtype=LOW), torch.randn(3, dtype=LOW)).dtype == torch.float32
+    amp.deinitialize()
+    assert F.mse_loss is original
+    assert F.mse_loss(torch.randn(3, dtype=LOW), torch.randn(3, dtype=LOW)).dtype == LOW
+
+
+def test_o1_loss_casts_yield_to_a_user_registration():
+    import torch.nn.functional as F
+
+    amp.register_half_function(F, "l1_loss")
+    initialized("O1")
+    assert F.l1_loss(torch.randn(3), torch.randn(3)).dtype == LOW
+    assert F.mse_loss(torch.randn(3, dtype=LOW), torch.randn(3)).dtype == torch.float32

@@ -62,6 +62,10 @@ FUNCTIONAL_FLOAT = [
     "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
 ]
 
+#: the losses among them: amp.initialize's O1 casts them wherever they are called (its forward is autocast)
+FUNCTIONAL_LOSSES = [n for n in FUNCTIONAL_FLOAT
+                     if n.endswith("_loss") or n in ("cross_entropy", "kl_div", "binary_cross_entropy_with_logits")]
+
 BCE_MESSAGE = (
     "amp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss`: it needs the output of "
     "the previous function to be float32 already. Most models have a sigmoid right before BCELoss; "

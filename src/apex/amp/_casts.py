@@ -112,19 +112,32 @@ def disable_casts():
         _local.disabled -= 1
 
 
+def _lower_to(low: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(low) if t.is_floating_point() and t.dtype not in (low, torch.float64) else t
+
+    return cast
+
+
+def _raise_low(t: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 to float32; any other tensor (float64 too) as it is."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _call_cast(orig: Callable, kind: str, args: tuple, kwargs: dict):
     session = cast_session()
     if session is None:
         return orig(*args, **kwargs)
     if kind == HALF:
-        dtype = session.low_dtype
+        # float64 stays, as upstream's casts leave it: a user who asked for double precision keeps it
+        args, kwargs = (map_tensors(v, _lower_to(session.low_dtype)) for v in (args, kwargs))
     elif kind == FLOAT:
-        dtype = torch.float32
+        args, kwargs = (map_tensors(v, _raise_low) for v in (args, kwargs))
     else:
         dtype = widest_dtype(args, kwargs)
-    if dtype is not None:
-        args = cast_tensors(args, dtype)
-        kwargs = cast_tensors(kwargs, dtype)
+        if dtype is not None:
+            args = cast_tensors(args, dtype)
+            kwargs = cast_tensors(kwargs, dtype)
     if session.user_cast_preferred:
         with torch.autocast(session.device_type, enabled=False):
             return orig(*args, **kwargs)
@@ -145,12 +158,13 @@ def make_cast_wrapper(orig: Callable, kind: str) -> Callable:
 
 
 def half_function(fn: Callable) -> Callable:
-    """Decorator: under an active O1 session, call ``fn`` with floating tensor args cast to the low dtype."""
+    """Decorator: under an active O1 session, call ``fn`` with float32 tensor args cast to the low dtype (float64
+    stays)."""
     return make_cast_wrapper(fn, HALF)
 
 
 def float_function(fn: Callable) -> Callable:
-    """Decorator: under an active O1 session, call ``fn`` with floating tensor args cast to float32."""
+    """Decorator: under an active O1 session, call ``fn`` with float16/bfloat16 tensor args cast to float32."""
     return make_cast_wrapper(fn, FLOAT)
 
 

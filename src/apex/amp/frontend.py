@@ -12,6 +12,7 @@ import torch
 from .. import _device
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
+from ._cast_lists import FLOAT, FUNCTIONAL_LOSSES
 from ._casts import FunctionPatches
 from ._model import (
     InstancePatch,
@@ -288,6 +289,12 @@ def initialize(
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = session.loss_scalers
     if session.patch_functions:
+        # O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
+        # Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32
+        # (torch's CUDA backward of several losses rejects mixed dtypes): the losses keep that rule process-wide
+        # while the session's casts are on. User registrations are installed after, so theirs win.
+        for name in FUNCTIONAL_LOSSES:
+            session.function_patches.install(torch.nn.functional, name, FLOAT)
         session.function_patches.install_registry()
     _record_upstream_state(session, min_loss_scale, max_loss_scale)
     return result()
