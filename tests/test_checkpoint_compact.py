@@ -66,16 +66,30 @@ def test_head_state_dict_holds_only_the_head():
         assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
 
 
-def test_an_optimizer_walks_the_objects_once_for_all_its_groups(monkeypatch):
-    """Several groups and dtypes: every module holding a param gets the compacting hook (a tied weight's second
-    owner included) from one walk over the interpreter's objects, and a re-combine walks no more."""
+@pytest.fixture
+def fresh_tracking(monkeypatch):
+    """Module tracking as in a new process (not started); the registration hook a test starts is removed."""
     import gc
 
-    from apex.contrib.combine_tensors import _has_compact_hook
+    from apex.contrib import combine_tensors as ct
 
+    before = (ct._tracked_modules, ct._registration_handle)
+    ct._tracked_modules, ct._registration_handle = None, None
     calls = []
     real = gc.get_objects
     monkeypatch.setattr(gc, "get_objects", lambda *a, **k: calls.append(1) or real(*a, **k))
+    yield calls
+    if ct._registration_handle is not None:
+        ct._registration_handle.remove()
+    ct._tracked_modules, ct._registration_handle = before
+
+
+def test_an_optimizer_walks_the_objects_once_for_all_its_groups(fresh_tracking):
+    """Several groups and dtypes: every module holding a param gets the compacting hook (a tied weight's second
+    owner included) from one walk over the interpreter's objects, and a re-combine walks no more."""
+    from apex.contrib.combine_tensors import _has_compact_hook
+
+    calls = fresh_tracking
     model = Net()
     model.body.half()
     tied = torch.nn.Linear(256, 4)
@@ -91,11 +105,36 @@ def test_an_optimizer_walks_the_objects_once_for_all_its_groups(monkeypatch):
     assert not _has_compact_hook(model)  # holds no param of its own
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     opt.step()
-    assert len(calls) == 2  # only for the new param
     opt.param_groups[0]["params"][0].data = torch.zeros_like(model.body.weight)  # rebinding forces a re-combine
     opt.step()
-    assert len(calls) == 2
+    assert len(calls) == 1
     assert _bytes(tied.state_dict()) < _own_bytes(tied) + 2048
+
+
+def test_modules_made_after_the_first_walk_are_found_without_another(fresh_tracking):
+    """After the first walk, torch's parameter-registration hook keeps the set of modules: a model built later
+    (a test matrix, a second run in one process) is found without walking the interpreter's objects again, also
+    a param put straight into a known module's ``_parameters`` and one shared with a module built later."""
+    from apex.contrib.combine_tensors import _has_compact_hook
+
+    calls = fresh_tracking
+    first = Net()
+    O.NpuFusedSGD(first.parameters(), lr=0.1).step()  # no grads: combines, updates nothing
+    assert len(calls) == 1
+    later = Net()
+    later.body._parameters["bias"] = torch.nn.Parameter(torch.zeros_like(later.body.bias))  # no registration
+    tied = torch.nn.Linear(256, 4)
+    tied.weight = later.head.weight
+    opt = O.NpuFusedSGD(later.parameters(), lr=0.1)
+    for p in later.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert len(calls) == 1
+    assert all(_has_compact_hook(m) for m in (later.body, later.norm, later.head, tied))
+    assert _bytes(later.body.state_dict()) < _own_bytes(later.body) + 2048
+    free = [torch.nn.Parameter(torch.zeros(5)) for _ in range(3)]  # held by no module: nothing to walk for
+    O.NpuFusedAdam(free, lr=0.1).step()
+    assert len(calls) == 1
 
 
 def test_state_dict_entries_alias_the_params_like_torch():

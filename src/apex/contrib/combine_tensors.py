@@ -63,7 +63,7 @@ import itertools
 import logging
 import sys
 import weakref
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -600,27 +600,67 @@ def _module_types() -> set:
     return seen
 
 
+# Every nn.Module alive that can hold a param, once the first combine asked: the modules one walk over the
+# interpreter's objects found then, and since then every module that registered a param (torch's global
+# parameter-registration hook). A param put straight into ``_parameters`` of a module seen before is found
+# too (the lookup reads each module's ``_parameters`` when asked). None: not tracking yet.
+_tracked_modules: Optional[weakref.WeakSet] = None
+_registration_handle = None
+
+
+def _track_module(module: torch.nn.Module, name: str, param: Any) -> None:
+    """Global parameter-registration hook: remembers the module (the param is left as it is)."""
+    if _tracked_modules is not None:
+        _tracked_modules.add(module)
+
+
+def _walk_modules() -> List[torch.nn.Module]:
+    """Every nn.Module the interpreter holds: the filter runs in C (type lookups in a set of classes)."""
+    objs = gc.get_objects()
+    modules = list(itertools.compress(objs, map(_module_types().__contains__, map(type, objs))))
+    del objs
+    return modules
+
+
+def _known_modules() -> List[torch.nn.Module]:
+    """The modules that may hold a param: one walk over the interpreter's objects the first time, then the
+    tracked set (a Trainer process holds 10^5-10^6 objects but some hundreds of modules; a process that builds
+    many models, such as a test matrix, would otherwise walk them all at every new optimizer)."""
+    global _tracked_modules, _registration_handle
+    if _tracked_modules is not None:
+        for _ in range(3):
+            try:
+                return list(_tracked_modules)
+            except RuntimeError:  # another thread registered a param while the set was read
+                continue
+        return _walk_modules()
+    register = getattr(torch.nn.modules.module, "register_module_parameter_registration_hook", None)
+    if register is None:  # a torch without global registration hooks: walk at every call
+        return _walk_modules()
+    tracked = weakref.WeakSet()
+    _tracked_modules = tracked
+    _registration_handle = register(_track_module)  # before the walk: a module made meanwhile is not missed
+    modules = _walk_modules()
+    tracked.update(modules)
+    return modules
+
+
 def _hook_owning_modules(tensors: Iterable[Any]) -> None:
     """Installs `_compact_module_state` on every module holding one of the given params (once per module).
 
-    One walk over the interpreter's objects finds them however many params are asked for, so a caller that
-    combines several sets (an optimizer's groups) asks once for all of them; params already handled, and
-    anything that is not an nn.Parameter, are skipped without a walk.
+    The modules are `_known_modules` (a walk over the interpreter's objects the first time only), asked once
+    for all the params of a call, so a caller that combines several sets (an optimizer's groups) asks once;
+    params already handled, and anything that is not an nn.Parameter, are skipped without a look.
     """
     # Params are marked with an attribute (no weak references: torch's swap_tensors refuses tensors that have
-    # any), so a re-combine of the same params costs no walk.
+    # any), so a re-combine of the same params costs no look.
     params = [t for t in tensors if isinstance(t, torch.nn.Parameter) and not t.__dict__.get(_HOOKED_MARK)]
     if not params:
         return
     ids = {id(p) for p in params}
-    # The walk is the cost (a Trainer process holds ~10^5-10^6 objects): the module filter runs in C (type
-    # lookups in a set of classes), only modules reach Python code.
-    objs = gc.get_objects()
-    modules = list(itertools.compress(objs, map(_module_types().__contains__, map(type, objs))))
-    del objs
-    for obj in modules:
+    for obj in _known_modules():
         own = obj.__dict__.get("_parameters")
-        if own and any(id(v) in ids for v in own.values()) and not _has_compact_hook(obj):
+        if own and not ids.isdisjoint(map(id, own.values())) and not _has_compact_hook(obj):
             register = getattr(obj, "register_state_dict_post_hook", None)
             if register is not None:  # torch >= 2.2
                 register(_compact_module_state)
