@@ -59,7 +59,7 @@ MODULES = [
 ]
 
 def _decorator_note(cast: str) -> str:
-    return ("NVIDIA: same decorator. The wrapped function casts its floating-point tensor arguments (also inside "
+    return ("NVIDIA: same decorator. The wrapped function casts its tensor arguments (also inside "
             f"lists, tuples and dicts) {cast} whenever an O1 session is active, inside or outside the model's "
             "forward, except inside `disable_casts()`; otherwise it runs unchanged. Inside the forward autocast "
             "still governs the ops it runs, unless the session has `user_cast_preferred=True` (the NPU patch's "
@@ -202,10 +202,10 @@ NOTES = {
         "NVIDIA: same name, a context manager. Here it switches off both parts of O1's casting for the block: "
         "the autocast around the forward and the registered-function / decorator casts. It nests, holds per "
         "thread, and changes nothing outside an O1 session."),
-    "apex.amp.half_function": _decorator_note("to the session's low-precision dtype (fp16, or bf16 by default "
-                                              "on cpu)"),
-    "apex.amp.float_function": _decorator_note("to float32"),
-    "apex.amp.promote_function": _decorator_note("to the widest floating dtype among them"),
+    "apex.amp.half_function": _decorator_note("that are float32 to the session's low-precision dtype (fp16, or "
+                                              "bf16 by default on cpu; float64 stays, as upstream)"),
+    "apex.amp.float_function": _decorator_note("that are fp16/bf16 to float32 (float64 stays, as upstream)"),
+    "apex.amp.promote_function": _decorator_note("that are floating point to the widest floating dtype among them"),
     "apex.amp.register_half_function": _register_note("half_function"),
     "apex.amp.register_float_function": _register_note("float_function"),
     "apex.amp.register_promote_function": _register_note("promote_function"),
