@@ -745,3 +745,41 @@ def test_amp_unscale_many_matches_torch_foreach():
             assert torch.equal(t, (r.float() / 1024).to(dtype))
         ts[2][123] = float("nan")
         assert unscale_(ts, 0.5, True) is True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_python_screen_of_grad_addresses_agrees_with_the_tensor_test(seed, monkeypatch):
+    """`FlatSet._clear_of` only lets through address tables the exact tensor test passes: the slots to copy are
+    the same with and without it, over tables with grads far from the written buffers, inside them, ending exactly
+    where one starts, reaching one byte into it, starting at its end, and misaligned."""
+    import random
+
+    from apex.optimizers import _flat
+
+    ps = _params(torch.float32, seed)
+    opt = NpuFusedSGD(ps, lr=0.1, momentum=0.9)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    s = opt._groups[0].sets[0]
+    writes = [s.flat_p, *s.flat_s.values()]
+    spans = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in writes]
+    sizes = [p.numel() * 4 for p in s.params]
+    rng = random.Random(seed)
+    far = max(hi for _, hi in spans) + (1 << 30)
+    outcomes = set()
+    for _ in range(300):
+        ptrs = [far + 4096 * rng.randrange(1 << 20) for _ in sizes]
+        for _ in range(rng.randrange(3)):
+            k = rng.randrange(len(sizes))
+            lo, hi = spans[rng.randrange(len(spans))]
+            ptrs[k] = rng.choice([lo - sizes[k], lo - sizes[k] + 4, lo - sizes[k] - 4, hi, hi - 4, (lo + hi) // 2 & ~3,
+                                  ptrs[k] + 2])
+        table = _core.int_table(ptrs)
+        fast = s._not_readable(table, None, [], False, 4, ptrs)
+        monkeypatch.setattr(_flat, "PY_SCAN_MAX", 0)
+        exact = s._not_readable(table, None, [], False, 4, ptrs)
+        monkeypatch.undo()
+        assert fast == exact, ptrs
+        outcomes.add(bool(exact))
+    assert outcomes == {True, False}
