@@ -429,7 +429,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 if todo is None:
                     s.use_flat()
                 elif gs is not None:
-                    s.use_gather(gs, todo)
+                    s.use_gather(gs, todo, keep=not self._runs_kernel(s) and self._torch_gather_ok(s, group))
                     healed |= bool(todo[1])
                 else:
                     healed |= s.sync_grads(todo) > 0 and counts
@@ -472,9 +472,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
             return s, gs, s.plan_gather(gs, ptrs), True
         return s, None, s.pending_grads(), not kept
 
+    def _runs_kernel(self, s: FlatSet) -> bool:
+        """Whether the update of `s` is the apex_C kernel (else a torch executor)."""
+        return self._executor == "auto" and s.args is not None
+
     def _gathers(self, s: FlatSet, group: dict) -> bool:
         """Whether this step's update of `s` can read grads where they are (kernel or torch executor)."""
-        if self._executor == "auto" and s.args is not None:
+        if self._runs_kernel(s):
             return self._gather_grads
         return self._torch_gather_ok(s, group)
 
@@ -533,13 +537,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def _update(self, prepared: List[Tuple[dict, List[FlatSet]]]) -> None:
         """The update of every prepared set with a grad (`_prepare_step`)."""
-        use_kernel = self._executor == "auto"
         for group, sets in prepared:
             for s in sets:
                 if s.n_skipped == s.nseg:
                     continue
                 s.advance_steps()
-                if use_kernel and s.args is not None:
+                if self._runs_kernel(s):
                     self._kernel_step(s, group)
                     self.last_executor = "apex_C"
                     s.copy_out()
@@ -555,6 +558,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                         self._torch_step(s, group)
                     s.zero_padding()
                     s.copy_out(fused=False)
+                s.step_grads = None  # (the torch call took them; released whatever path ran)
                 s.expose_new_states(self.state)
 
     def _grad_scale(self) -> float:

@@ -153,6 +153,7 @@ class FlatSet:
         self._pad_index: Optional[torch.Tensor] = None
         self._numels: Optional[torch.Tensor] = None
         self._max_numel = 0
+        self.step_grads: Optional[List[Optional[torch.Tensor]]] = None
 
         # params: rebound in place, values kept
         self.flat_p = combine_tensors(self.params, require_copy_value=True)
@@ -520,12 +521,14 @@ class FlatSet:
         reach = self._max_numel * elem
         return all(bisect.bisect_left(starts, hi) == bisect.bisect_right(starts, lo - reach) for lo, hi in spans)
 
-    def use_gather(self, gs: List[Optional[torch.Tensor]], plan) -> None:
+    def use_gather(self, gs: List[Optional[torch.Tensor]], plan, keep: bool = False) -> None:
         """Makes the next kernel call read grads through `table` (from `plan_gather`); ``p.grad`` is kept.
 
         The slots' bookkeeping (`expected_grads`) records which slots have a grad this step (`_GATHERED`): no
         reference to a fresh grad is kept beyond the step. One grad read in place gets the set's mark
-        (`kept_since_gather`).
+        (`kept_since_gather`). ``keep``: the update is a torch call over grad lists, which then reads this
+        step's grads from `step_grads` (the adopted ones as their slot views) instead of every ``p.grad`` again;
+        the update releases them (`grads_for`).
         """
         table, todo, has_none = plan
         self._adopt(todo)
@@ -533,6 +536,10 @@ class FlatSet:
         if self.args is not None:
             self.args.gtab = table.data_ptr()
         self._mark_probe(gs, todo)
+        if keep:
+            self.step_grads = list(gs)
+            for k, _ in todo:
+                self.step_grads[k] = self.grad_views[k]
         if not has_none:
             if self.n_skipped or self.expected_grads is not self._all_gathered:
                 self.expected_grads = self._all_gathered
@@ -540,6 +547,14 @@ class FlatSet:
             return
         self.expected_grads = [None if g is None else _GATHERED for g in gs]
         self._refresh_skip()
+
+    def grads_for(self, ks: List[int]) -> List[torch.Tensor]:
+        """The grads of slots ``ks`` for this step's torch call: the ones `use_gather` kept (then released, so
+        that no reference outlives the step), else each param's ``.grad``."""
+        gs, self.step_grads = self.step_grads, None
+        if gs is None:
+            return [self.params[k].grad for k in ks]
+        return gs if len(ks) == len(gs) else [gs[k] for k in ks]
 
     def _mark_probe(self, gs: List[Optional[torch.Tensor]], todo: List[Tuple[int, torch.Tensor]]) -> None:
         """Marks the first grad read in place (adopted ones are copies: not what the next step will see)."""
@@ -586,6 +601,7 @@ class FlatSet:
 
     def use_flat(self) -> None:
         """The next kernel call reads the flat grad buffer (grads are our slot views)."""
+        self.step_grads = None
         if self.gathered:
             self.gtab = None
             if self.args is not None:

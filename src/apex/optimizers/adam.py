@@ -50,7 +50,7 @@ def fused_adam(s: FlatSet, *, lr: float, beta1: float, beta2: float, eps: float,
         step_list = list(_device.host_scalars_to(steps, s.device).unbind())
     views = s.state_views
     op(
-        [s.params[k] for k in ks], [s.params[k].grad for k in ks], [views["exp_avg"][k] for k in ks],
+        [s.params[k] for k in ks], s.grads_for(ks), [views["exp_avg"][k] for k in ks],
         [views["exp_avg_sq"][k] for k in ks], [views["max_exp_avg_sq"][k] for k in ks] if amsgrad else [],
         step_list, **hp,
     )

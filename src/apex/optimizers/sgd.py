@@ -111,12 +111,18 @@ class NpuFusedSGD(CombinedOptimizer):
                        is_first_step=bool(s.n_first) and flat_buf is not None, **hp)
             return
         ks = s.updated_slots()
-        first = s.first.tolist()
-        for is_first in sorted({bool(first[k]) for k in ks}):
-            sel = [k for k in ks if bool(first[k]) == is_first]
+        grads = s.grads_for(ks)
+        if s.n_first in (0, s.nseg):  # every slot on the same side of its first update: one call
+            parts = [(bool(s.n_first), list(range(len(ks))))]
+        else:
+            first = s.first.tolist()
+            parts = [(f, [j for j, k in enumerate(ks) if bool(first[k]) == f]) for f in (False, True)]
+        for is_first, sel in parts:
+            if not sel:
+                continue
             _FUSED_SGD(
-                [s.params[k] for k in sel], [s.params[k].grad for k in sel],
-                [] if bufs is None else [bufs[k] for k in sel],
+                [s.params[ks[j]] for j in sel], [grads[j] for j in sel],
+                [] if bufs is None else [bufs[ks[j]] for j in sel],
                 is_first_step=is_first and bufs is not None, **hp,
             )
 
