@@ -105,9 +105,10 @@ def test_an_optimizer_walks_the_objects_once_for_all_its_groups(fresh_tracking):
     assert not _has_compact_hook(model)  # holds no param of its own
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     opt.step()
+    assert len(calls) == 2  # only for the new param, which no module holds
     opt.param_groups[0]["params"][0].data = torch.zeros_like(model.body.weight)  # rebinding forces a re-combine
     opt.step()
-    assert len(calls) == 1
+    assert len(calls) == 2
     assert _bytes(tied.state_dict()) < _own_bytes(tied) + 2048
 
 
@@ -132,9 +133,30 @@ def test_modules_made_after_the_first_walk_are_found_without_another(fresh_track
     assert len(calls) == 1
     assert all(_has_compact_hook(m) for m in (later.body, later.norm, later.head, tied))
     assert _bytes(later.body.state_dict()) < _own_bytes(later.body) + 2048
-    free = [torch.nn.Parameter(torch.zeros(5)) for _ in range(3)]  # held by no module: nothing to walk for
+    free = [torch.nn.Parameter(torch.zeros(5)) for _ in range(3)]  # held by no module: one walk to know that
     O.NpuFusedAdam(free, lr=0.1).step()
-    assert len(calls) == 1
+    O.NpuFusedAdam(free, lr=0.1).step()
+    assert len(calls) == 2
+
+
+def test_a_deep_copied_model_is_found_by_a_walk_and_tracked_after(fresh_tracking):
+    """copy.deepcopy (and unpickling) builds modules without registering their params: a param no tracked
+    module holds makes a walk, which finds the copy and tracks it from then on."""
+    import copy
+
+    from apex.contrib.combine_tensors import _has_compact_hook
+
+    calls = fresh_tracking
+    model = Net()
+    O.NpuFusedSGD(model.parameters(), lr=0.1).step()
+    ema = copy.deepcopy(model)
+    O.NpuFusedSGD(ema.parameters(), lr=0.1).step()
+    assert len(calls) == 2
+    assert all(_has_compact_hook(m) for m in (ema.body, ema.norm, ema.head))
+    ema.head.weight = torch.nn.Parameter(torch.zeros_like(ema.head.weight))  # registered: no walk needed
+    O.NpuFusedSGD(ema.parameters(), lr=0.1).step()
+    assert len(calls) == 2
+    assert _bytes(ema.state_dict()) < _own_bytes(ema) + 4096
 
 
 def test_state_dict_entries_alias_the_params_like_torch():

@@ -600,10 +600,10 @@ def _module_types() -> set:
     return seen
 
 
-# Every nn.Module alive that can hold a param, once the first combine asked: the modules one walk over the
-# interpreter's objects found then, and since then every module that registered a param (torch's global
-# parameter-registration hook). A param put straight into ``_parameters`` of a module seen before is found
-# too (the lookup reads each module's ``_parameters`` when asked). None: not tracking yet.
+# The nn.Modules known to this process, once the first combine asked: the modules one walk over the
+# interpreter's objects found then (and at each later walk), and every module that registered a param since
+# (torch's global parameter-registration hook). A param put straight into ``_parameters`` of a known module is
+# found too (each module's ``_parameters`` is read when asked). None: not tracking yet.
 _tracked_modules: Optional[weakref.WeakSet] = None
 _registration_handle = None
 
@@ -622,35 +622,57 @@ def _walk_modules() -> List[torch.nn.Module]:
     return modules
 
 
-def _known_modules() -> List[torch.nn.Module]:
-    """The modules that may hold a param: one walk over the interpreter's objects the first time, then the
-    tracked set (a Trainer process holds 10^5-10^6 objects but some hundreds of modules; a process that builds
-    many models, such as a test matrix, would otherwise walk them all at every new optimizer)."""
+def _start_tracking() -> Optional[List[torch.nn.Module]]:
+    """Starts the tracked set (with torch's global parameter-registration hook) and returns the walk that seeds
+    it; None when already tracking, or on a torch without that hook."""
     global _tracked_modules, _registration_handle
     if _tracked_modules is not None:
-        for _ in range(3):
-            try:
-                return list(_tracked_modules)
-            except RuntimeError:  # another thread registered a param while the set was read
-                continue
-        return _walk_modules()
+        return None
     register = getattr(torch.nn.modules.module, "register_module_parameter_registration_hook", None)
-    if register is None:  # a torch without global registration hooks: walk at every call
-        return _walk_modules()
-    tracked = weakref.WeakSet()
-    _tracked_modules = tracked
+    if register is None:
+        return None
+    _tracked_modules = weakref.WeakSet()
     _registration_handle = register(_track_module)  # before the walk: a module made meanwhile is not missed
     modules = _walk_modules()
-    tracked.update(modules)
+    _tracked_modules.update(modules)
     return modules
+
+
+def _tracked() -> List[torch.nn.Module]:
+    for _ in range(3):
+        try:
+            return list(_tracked_modules)
+        except RuntimeError:  # another thread registered a param while the set was read
+            continue
+    return _walk_modules()
+
+
+def _hook_owners(modules: Iterable[torch.nn.Module], ids: set) -> set:
+    """Hooks each of ``modules`` whose own params include one of ``ids``; returns the ids found."""
+    found: set = set()
+    for obj in modules:
+        own = obj.__dict__.get("_parameters")
+        if not own:
+            continue
+        hit = ids.intersection(map(id, own.values()))
+        if hit:
+            found |= hit
+            if not _has_compact_hook(obj):
+                register = getattr(obj, "register_state_dict_post_hook", None)
+                if register is not None:  # torch >= 2.2
+                    register(_compact_module_state)
+    return found
 
 
 def _hook_owning_modules(tensors: Iterable[Any]) -> None:
     """Installs `_compact_module_state` on every module holding one of the given params (once per module).
 
-    The modules are `_known_modules` (a walk over the interpreter's objects the first time only), asked once
-    for all the params of a call, so a caller that combines several sets (an optimizer's groups) asks once;
-    params already handled, and anything that is not an nn.Parameter, are skipped without a look.
+    The modules are first the tracked ones (one walk over the interpreter's objects seeds the set, then torch's
+    parameter-registration hook extends it), asked once for all the params of a call, so a caller that combines
+    several sets (an optimizer's groups) asks once. A param no tracked module holds makes one walk: modules
+    that never registered a param (a ``copy.deepcopy`` or unpickled model) are found there and tracked from
+    then on; a param held by no module (a free tensor) costs that walk at its first combine. Params already
+    handled, and anything that is not an nn.Parameter, are skipped without a look.
     """
     # Params are marked with an attribute (no weak references: torch's swap_tensors refuses tensors that have
     # any), so a re-combine of the same params costs no look.
@@ -658,12 +680,15 @@ def _hook_owning_modules(tensors: Iterable[Any]) -> None:
     if not params:
         return
     ids = {id(p) for p in params}
-    for obj in _known_modules():
-        own = obj.__dict__.get("_parameters")
-        if own and not ids.isdisjoint(map(id, own.values())) and not _has_compact_hook(obj):
-            register = getattr(obj, "register_state_dict_post_hook", None)
-            if register is not None:  # torch >= 2.2
-                register(_compact_module_state)
+    walked = _start_tracking()
+    if walked is not None:
+        _hook_owners(walked, ids)
+    elif _tracked_modules is None:  # a torch without the registration hook: a walk every time
+        _hook_owners(_walk_modules(), ids)
+    elif _hook_owners(_tracked(), ids) != ids:
+        modules = _walk_modules()
+        _tracked_modules.update(modules)
+        _hook_owners(modules, ids)
     for p in params:
         p.__dict__[_HOOKED_MARK] = True
 
