@@ -631,10 +631,17 @@ def _hysteresis_on_device(scale, growth, hyst, found, growth_f, backoff_f, inter
         backoff = (f != 0) > held             # nonzero (nan too) and not held
         due = (f == 0) & (g1 == interval)
         # flush-to-zero reads and writes: x * (|x| >= tiny) is x, or a zero of x's sign (an inf is kept)
-        read = (kept * (kept.abs() >= _FLT_TINY)).to(torch.float64)
-        new = torch.where(backoff, read * backoff_f, read * growth_f).to(torch.float32)
-        new = new * (new.abs() >= _FLT_TINY)
-        scale.detach().copy_(torch.where(backoff | (due & new.isfinite()), new, kept).reshape(scale.shape))
+        read = kept * (kept.abs() >= _FLT_TINY)
+        if _to_f32(backoff_f) == backoff_f and _to_f32(growth_f) == growth_f:
+            # float32 factors: the float32 product is the exact product rounded once, as the float64 one is
+            new = torch.where(backoff, read * backoff_f, read * growth_f)
+        else:
+            read = read.to(torch.float64)
+            new = torch.where(backoff, read * backoff_f, read * growth_f).to(torch.float32)
+        size = new.abs()
+        new = new * (size >= _FLT_TINY)
+        # written in place (kept views the scale); |x| < inf is finiteness from the magnitude already taken
+        torch.where(backoff | (due & (size < math.inf)), new, kept, out=kept)
         growth.detach().copy_(torch.where(held | backoff | due, 0, g1).reshape(growth.shape))
         hyst.detach().copy_(torch.where(f <= 0, hysteresis, h).reshape(hyst.shape))
 
