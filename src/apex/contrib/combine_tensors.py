@@ -622,19 +622,18 @@ def _walk_modules() -> List[torch.nn.Module]:
     return modules
 
 
-def _start_tracking() -> Optional[List[torch.nn.Module]]:
-    """Starts the tracked set (with torch's global parameter-registration hook) and returns the walk that seeds
-    it; None when already tracking, or on a torch without that hook."""
+def _start_tracking() -> List[torch.nn.Module]:
+    """A walk over the interpreter's modules, which seeds the tracked set when torch has the global
+    parameter-registration hook (installed here, before the walk, so that a module made meanwhile is not
+    missed); without that hook nothing is tracked and every call walks."""
     global _tracked_modules, _registration_handle
-    if _tracked_modules is not None:
-        return None
     register = getattr(torch.nn.modules.module, "register_module_parameter_registration_hook", None)
-    if register is None:
-        return None
-    _tracked_modules = weakref.WeakSet()
-    _registration_handle = register(_track_module)  # before the walk: a module made meanwhile is not missed
+    if register is not None:
+        _tracked_modules = weakref.WeakSet()
+        _registration_handle = register(_track_module)
     modules = _walk_modules()
-    _tracked_modules.update(modules)
+    if _tracked_modules is not None:
+        _tracked_modules.update(modules)
     return modules
 
 
@@ -680,11 +679,8 @@ def _hook_owning_modules(tensors: Iterable[Any]) -> None:
     if not params:
         return
     ids = {id(p) for p in params}
-    walked = _start_tracking()
-    if walked is not None:
-        _hook_owners(walked, ids)
-    elif _tracked_modules is None:  # a torch without the registration hook: a walk every time
-        _hook_owners(_walk_modules(), ids)
+    if _tracked_modules is None:
+        _hook_owners(_start_tracking(), ids)
     elif _hook_owners(_tracked(), ids) != ids:
         modules = _walk_modules()
         _tracked_modules.update(modules)

@@ -152,7 +152,7 @@ class FlatSet:
         self.has_padding = any(e != s for e, s in zip(ends, self.offsets[1:]))
         self._pad_index: Optional[torch.Tensor] = None
         self._numels: Optional[torch.Tensor] = None
-        self._max_numel = 0
+        self._max_numel = max(e - off for e, off in zip(ends, self.offsets))  # the largest slot, for `_clear_of`
         self.step_grads: Optional[List[Optional[torch.Tensor]]] = None
 
         # params: rebound in place, values kept
@@ -489,7 +489,6 @@ class FlatSet:
         spans = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in writes]
         if self._numels is None:
             self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
-            self._max_numel = max((p.numel() for p in self.params), default=0)
         if ptrs is None or not self._clear_of(ptrs, spans, elem):
             nbytes = (self._numels if live is None else self._numels[_core.int_table(live)]) * elem
             # every grad against every written buffer at once: one (buffers x grads) comparison

@@ -105,14 +105,15 @@ class NpuFusedSGD(CombinedOptimizer):
         bufs = s.state_views.get("momentum_buffer")
         hp = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                   nesterov=bool(group["nesterov"]), maximize=False)
-        if s.flat_call_ok() and s.n_first in (0, s.nseg):
+        uniform = s.n_first in (0, s.nseg)  # every slot on the same side of its first update
+        if uniform and s.flat_call_ok():
             flat_buf = s.flat_s.get("momentum_buffer")
             _FUSED_SGD([s.flat_p], [s.flat_g], [] if flat_buf is None else [flat_buf],
                        is_first_step=bool(s.n_first) and flat_buf is not None, **hp)
             return
         ks = s.updated_slots()
         grads = s.grads_for(ks)
-        if s.n_first in (0, s.nseg):  # every slot on the same side of its first update: one call
+        if uniform:  # one call
             parts = [(bool(s.n_first), list(range(len(ks))))]
         else:
             first = s.first.tolist()
