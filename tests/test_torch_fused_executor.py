@@ -188,6 +188,31 @@ def test_torch_fused_unscale_on_cpu_matches_the_plain_path():
     assert _core.torch_fused_unscale_([t], 0.5) is False
 
 
+def test_torch_fused_unscale_reuses_its_flag_and_factor_without_carrying_a_verdict_over(device):
+    """The flag and factor kept between calls never leak a previous call's verdict or scale into the next."""
+    dev = torch.device(device)
+    calls = [
+        ([2.0, -4.0], 0.5, False),
+        ([2.0, float("inf")], 0.5, True),
+        ([2.0, -4.0], 0.5, False),  # the flag the inf set is not reused
+        ([2.0, -4.0], 2.0, False),  # a new scale gets a new factor
+        ([2.0, float("nan")], 2.0, True),
+        ([2.0, -4.0], 0.0, False),
+        ([2.0, -4.0], -0.0, False),  # equal to 0.0 as a float, yet it scales to -0.0 and 0.0
+        ([1.0, 3.0], 0.25, False),
+    ]
+    for values, scale, bad in calls:
+        t = torch.tensor(values, device=dev)
+        expect = torch.tensor(values) * torch.tensor(scale)
+        got = _core.torch_fused_unscale_([t], scale)
+        if got is None:
+            pytest.skip(f"torch has no fused unscale op for {device}")
+        assert got is bad, (values, scale)
+        torch.testing.assert_close(t.cpu(), expect, rtol=0, atol=0, equal_nan=True)
+        finite = expect.isfinite()
+        assert torch.equal(torch.signbit(t.cpu()[finite]), torch.signbit(expect[finite])), (values, scale)
+
+
 def test_step_counts_reach_the_device_unchanged(device):
     steps = torch.tensor([1.0, 2.0, 7.0])
     moved = _device.host_scalars_to(steps, torch.device(device))
