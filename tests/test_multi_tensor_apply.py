@@ -693,6 +693,12 @@ def test_ops_run_on_the_test_device(device):
     outs = [torch.empty_like(x) for x in xs]
     amp_C.multi_tensor_scale(2048, flag, [xs, outs], 2.0)
     assert flag.item() == 0 and all(torch.equal(o, x * 2) for o, x in zip(outs, xs))
+    expect = [o * 0.5 for o in outs]
+    amp_C.multi_tensor_scale(2048, flag, [outs, outs], 0.5)  # in place
+    assert flag.item() == 0 and all(torch.equal(o, e) for o, e in zip(outs, expect))
+    outs[-1].view(-1)[-1] = float("inf")
+    amp_C.multi_tensor_scale(2048, flag, [outs, outs], 0.5)
+    assert flag.item() == 1 and torch.equal(outs[0], expect[0] * 0.5)
 
 
 # ---------------------------------------------------------------- whole lists off the host
@@ -728,15 +734,22 @@ def test_scale_of_lists_off_the_host_matches_the_per_tensor_path(monkeypatch, sr
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_scale_in_place_of_lists_off_the_host(monkeypatch, dtype):
-    """One tensor passed as both lists (multi-dimensional too: the ops see memory-order views) is scaled once."""
-    ref, _ = _mixed_lists(dtype, dtype, seed=3)
-    amp_C.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int), [ref, ref], 0.5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_scale_in_place_of_lists_off_the_host(monkeypatch, dtype, bad):
+    """One tensor passed as both lists (multi-dimensional too: the ops see memory-order views) is scaled once, by
+    torch's fused unscale op for float32/16/bf16 and by a multiply for float64, bitwise as per tensor; an inf/nan
+    sets the flag and every value is still scaled."""
+    ref, _ = _mixed_lists(dtype, dtype, bad, seed=3)
+    flag_ref = torch.zeros(1, dtype=torch.int)
+    amp_C.multi_tensor_scale(2048, flag_ref, [ref, ref], 1.0 / 3)
     monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
-    ours, _ = _mixed_lists(dtype, dtype, seed=3)
-    amp_C.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int), [ours, ours], 0.5)
-    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    ours, _ = _mixed_lists(dtype, dtype, bad, seed=3)
+    flag = torch.zeros(1, dtype=torch.int)
+    amp_C.multi_tensor_scale(2048, flag, [ours, ours], 1.0 / 3)
+    assert int(flag) == int(flag_ref) == (bad is not None)
+    assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(ours, ref))
+    assert all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in zip(ours, ref))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -185,6 +185,12 @@ def _off_host(tensors: Sequence[torch.Tensor]) -> bool:
     return bool(tensors) and all(t.device.type != "cpu" for t in tensors)
 
 
+def _one_fused_unscale(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused unscale op can take the whole list in one call: one device, float32/16/bf16."""
+    device = tensors[0].device
+    return all(t.device == device and t.dtype in _KERNEL_DTYPES for t in tensors)
+
+
 def _any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     """One synchronisation for the whole list: the infinity norm of a tensor is inf/nan iff it holds one."""
     live = [t.detach() for t in tensors if t.numel()]  # (an empty tensor has no infinity norm, and no inf/nan)
@@ -208,6 +214,12 @@ def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float)
         if (d.dtype != s.dtype and (s.dtype, d.dtype) not in _EXACT_COPIES) or _shares_memory(d, s):
             return None
         moved.append((d.detach(), s.detach()))
+    if not moved and _one_fused_unscale(src):
+        # All in place: torch's fused unscale checks and multiplies in one read of each tensor, in float32 math
+        # like the multiply below (float64 keeps the multiply: the fused op's factor is float32)
+        bad = _core.torch_fused_unscale_([s.detach() for s in src], scale)
+        if bad is not None:
+            return bad
     bad = _any_nonfinite(src)  # before an in-place scale changes src
     if moved:
         torch._foreach_copy_([d for d, _ in moved], [s for _, s in moved])
