@@ -297,3 +297,42 @@ def test_under_autocast_float64_is_not_cast(device):
     x = torch.randn(2, 8, dtype=torch.float64, device=device)
     with torch.autocast(device.type, dtype=_autocast_dtype(device)):
         assert fused_layer_norm(x, (8,), 1e-5).dtype == torch.float64
+
+
+# ---------------------------------------------------------------- export
+@pytest.mark.parametrize("cls", [FusedRMSNorm, MixedFusedRMSNorm])
+def test_rms_norm_exports_as_plain_ops(cls, device, monkeypatch):
+    """torch.export sees the formula's plain ops (never F.rms_norm, which becomes a fused aten op on CUDA that
+    ONNX cannot translate); the exported program computes what the eager module does."""
+    def refused(*args, **kwargs):
+        raise AssertionError("F.rms_norm was called while exporting")
+
+    module = cls([8, 4]).to(device)
+    x = torch.randn(3, 8, 4, device=device)
+    eager = module(x)
+    monkeypatch.setattr(fln.F, "rms_norm", refused)
+    program = torch.export.export(module, (x,))
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert not any("rms_norm" in op for op in ops), ops
+    torch.testing.assert_close(program.module()(x), eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_rms_norm_exports_to_onnx_opset_18(dynamo, device):
+    """ONNX has no RMS norm below opset 23: the graph holds the formula's ReduceMean."""
+    onnx = pytest.importorskip("onnx")
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    import io
+    import warnings
+
+    for module in (FusedRMSNorm([8, 4]), MixedFusedRMSNorm([8, 4]), FusedLayerNorm([8, 4])):
+        buf = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation, the dynamo exporter's notes
+            torch.onnx.export(module.to(device), (torch.randn(3, 8, 4, device=device),), buf, input_names=["x_in"],
+                              opset_version=18, dynamo=dynamo)
+        graph = onnx.load_from_string(buf.getvalue()).graph
+        ops = {node.op_type for node in graph.node}
+        assert [i.name for i in graph.input][:1] == ["x_in"]
+        assert "ReduceMean" in ops or "LayerNormalization" in ops, ops

@@ -18,7 +18,9 @@ rule for it). The ``*Function.apply`` forms do not cast, as upstream's: they run
 with autocast off.
 
 Layer norm runs on ``torch.nn.functional.layer_norm``; RMS norm on
-``torch.nn.functional.rms_norm`` where torch has it (2.4 and later), else on the formula above.
+``torch.nn.functional.rms_norm`` where torch has it (2.4 and later), else on the formula above. Under
+export (``torch.onnx.export``, either exporter, and ``torch.export``) RMS norm takes the formula's plain
+ops, which every ONNX opset and backend can express.
 Autograd is torch's. ``memory_efficient`` (upstream: the backward recomputes from the output
 instead of saving the input) is accepted and recorded; it changes nothing here.
 """
@@ -110,9 +112,20 @@ def _rms_formula(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch
     return y.to(out_dtype)
 
 
+def _exporting() -> bool:
+    """Whether this call is being traced for export (ONNX, either exporter, or ``torch.export``)."""
+    if torch.onnx.is_in_onnx_export():
+        return True
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch 2.7 and later
+    return bool(is_exporting and is_exporting())
+
+
 def _rms_norm(x: torch.Tensor, shape: Tuple[int, ...], weight: Optional[torch.Tensor], eps: float,
               out_dtype: torch.dtype) -> torch.Tensor:
-    if not _HAS_RMS_NORM:
+    # Exported graphs get the formula's plain ops: ONNX has no RMS norm below opset 23 (the TorchScript
+    # exporter refuses aten::rms_norm there), and on CUDA F.rms_norm becomes the fused aten op, which the ONNX
+    # exporter cannot translate and export's decompositions leave in place
+    if not _HAS_RMS_NORM or _exporting():
         return _rms_formula(x, shape, weight, eps, out_dtype)
     if (weight is None or weight.dtype == x.dtype) and out_dtype == x.dtype:
         return F.rms_norm(x, shape, weight, eps)
