@@ -810,3 +810,133 @@ def test_axpby_of_lists_off_the_host_may_write_into_an_input(monkeypatch):
     expect = [x.mul(2.0).add_(y, alpha=3.0) for x, y in zip(xs, ys)]  # the same ops, before ys is written
     amp_C.multi_tensor_axpby(2048, torch.zeros(1, dtype=torch.int), [xs, ys, ys], 2.0, 3.0, -1)
     assert all(torch.equal(y, e) for y, e in zip(ys, expect))
+
+
+# ---------------------------------------------------------------- lists taken as they are
+# Contiguous tensors whose shapes match across lists skip the per-tensor loop and the memory-order views
+# (amp_C._plain_lists); every op must give the bits it gives when the loop and the views run.
+_LIST_OPS = {
+    "scale": (2, lambda f, L: amp_C.multi_tensor_scale(2048, f, L, 0.25)),
+    "axpby": (3, lambda f, L: amp_C.multi_tensor_axpby(2048, f, L, 2.0, -0.5, -1)),
+    "l2norm": (1, lambda f, L: amp_C.multi_tensor_l2norm(2048, f, L, True)),
+    "unscale_l2norm": (1, lambda f, L: amp_C.multi_tensor_unscale_l2norm(2048, f, L, torch.tensor([0.5]), True)),
+    "adam": (4, lambda f, L: amp_C.multi_tensor_adam(2048, f, L, 1e-3, 0.9, 0.999, 1e-8, 3, 1, 1, 0.01)),
+    "sgd": (3, lambda f, L: amp_C.multi_tensor_sgd(2048, f, L, 0.01, 0.9, 0.0, 0.1, True, False, False, 1.0)),
+    "lamb": (4, lambda f, L: amp_C.multi_tensor_lamb(2048, f, L, 1e-3, 0.9, 0.999, 1e-6, 3, 1, 0.01, 1, 1,
+                                                     torch.tensor([2.0]), 1.0)),
+    "novograd": (3, lambda f, L: amp_C.multi_tensor_novograd(2048, f, L, torch.ones(len(L[0])), 1e-3, 0.9, 0.99,
+                                                             1e-8, 2, 1, 0.01, 1, 0, 2)),
+    "adagrad": (3, lambda f, L: amp_C.multi_tensor_adagrad(2048, f, L, 1e-2, 1e-10, 1, 0.01)),
+}
+
+
+def _list_case(depth, shapes, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.rand(s, generator=gen).add_(0.1).to(dtype) for s in shapes] for _ in range(depth)]
+
+
+@pytest.mark.parametrize("name", sorted(_LIST_OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lists_taken_as_they_are_give_the_bits_of_memory_order_views(name, dtype, monkeypatch):
+    depth, op = _LIST_OPS[name]
+    shapes = [(3, 5), (7,), (2, 3, 4), (), (0, 4), (1,)]
+    fast = _list_case(depth, shapes, seed=11, dtype=dtype)
+    slow = _list_case(depth, shapes, seed=11, dtype=dtype)
+    taken = []
+    real = amp_C._plain_lists
+    monkeypatch.setattr(amp_C, "_plain_lists", lambda lists: taken.append(real(lists)) or taken[-1])
+    flag_fast, flag_slow = _flag(), _flag()
+    out_fast = op(flag_fast, fast)
+    monkeypatch.setattr(amp_C, "_plain_lists", lambda lists: False)  # the loop and the views, as before
+    out_slow = op(flag_slow, slow)
+    assert taken == [True]
+    assert int(flag_fast) == int(flag_slow)
+    for a, b in zip((t for tl in fast for t in tl), (t for tl in slow for t in tl)):
+        assert a.shape == b.shape and torch.equal(a, b)
+    if out_fast is not None:
+        for a, b in zip(out_fast, out_slow):
+            assert torch.equal(a, b)
+
+
+def _bad_lists():
+    """Lists the per-tensor loop rejects or takes only through memory-order views, one per case."""
+    x = torch.ones(6)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    return {
+        "not a tensor": [[x, 3.0], [x.clone(), x.clone()]],
+        "integer dtype": [[x, torch.ones(6, dtype=torch.int32)], [x.clone(), x.clone()]],
+        "sparse": [[x, torch.ones(6).to_sparse()], [x.clone(), x.clone()]],
+        "nested": [[x, nested], [x.clone(), x.clone()]],
+        "not contiguous": [[x, torch.ones(6, 2).t()], [x.clone(), torch.ones(2, 6)]],
+        "other numel": [[x, torch.ones(6)], [x.clone(), torch.ones(5)]],
+        "other device": [[x, torch.ones(6)], [x.clone(), torch.ones(6, device="meta")]],
+        "other length": [[x, x.clone()], [x.clone()]],
+        "same numel, other shape": [[x, torch.ones(2, 3)], [x.clone(), torch.ones(3, 2)]],
+        "channels_last": [[torch.ones(1, 2, 2, 3).to(memory_format=torch.channels_last)],
+                          [torch.ones(1, 2, 2, 3).to(memory_format=torch.channels_last)]],
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_lists()))
+def test_lists_the_loop_must_see_are_never_taken_as_they_are(case, monkeypatch):
+    """The fast test only accepts what the loop accepts unchanged; everything else reaches the loop, which raises
+    naming the tensor or takes the memory-order views (the same outcome as when the fast test is skipped)."""
+    lists = _bad_lists()[case]
+    assert not amp_C._plain_lists([list(tl) for tl in lists])
+
+    def outcome():
+        try:
+            amp_C.multi_tensor_scale(2048, _flag(), _bad_lists()[case], 2.0)
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
+            return type(exc), str(exc)
+        return None
+
+    with_fast = outcome()
+    monkeypatch.setattr(amp_C, "_plain_lists", lambda lists: False)
+    assert outcome() == with_fast
+
+
+def test_one_list_passed_twice_is_checked_once_and_scaled_once_off_the_host(monkeypatch):
+    """[grads, grads] (one list object) is in place: leaves that require grad are scaled under grad mode too."""
+    monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
+    ps = [torch.nn.Parameter(torch.full(s, 3.0)) for s in [(2, 3), (4,)]]
+    flag = _flag()
+    amp_C.multi_tensor_scale(2048, flag, [ps, ps], 0.5)
+    assert int(flag) == 0 and all(torch.equal(p.detach(), torch.full(p.shape, 1.5)) for p in ps)
+    ps[1].data[0] = float("inf")
+    amp_C.multi_tensor_scale(2048, flag, [ps, ps], 0.5)
+    assert int(flag) == 1 and torch.equal(ps[0].detach(), torch.full((2, 3), 0.75))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_scale_in_place_on_cpu_in_one_call_gives_the_per_tensor_bits(dtype, bad, monkeypatch):
+    """In place on CPU, the list takes one apex_C pass over its address table; bitwise the per-tensor calls."""
+    ref, _ = _mixed_lists(dtype, dtype, bad, seed=7)
+    ours, _ = _mixed_lists(dtype, dtype, bad, seed=7)
+    calls = []
+    real = amp_C._core.scale_gather_
+    monkeypatch.setattr(amp_C._core, "scale_gather_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    flag = _flag()
+    amp_C.multi_tensor_scale(2048, flag, [ours, ours], 1.0 / 3)
+    assert calls == [1]
+    monkeypatch.setattr(amp_C, "_disjoint", lambda ts: False)  # the per-tensor loop
+    flag_ref = _flag()
+    amp_C.multi_tensor_scale(2048, flag_ref, [ref, ref], 1.0 / 3)
+    assert calls == [1] and int(flag) == int(flag_ref) == (bad is not None)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def test_scale_in_place_of_a_list_holding_one_tensor_twice_scales_it_twice():
+    """Upstream's kernel visits each list entry in turn: a tensor listed twice is scaled twice, never raced."""
+    x = torch.full((1000,), 8.0)
+    overlap = [x, x[500:], torch.full((3,), 8.0)]  # x[500:] lies inside x
+    for ts, expect in (([x, x], 2.0), (overlap, None)):
+        x.fill_(8.0)
+        amp_C.multi_tensor_scale(2048, _flag(), [ts, ts], 0.5)
+        if expect is not None:
+            assert torch.equal(x, torch.full((1000,), expect))
+        else:
+            assert torch.equal(x[:500], torch.full((500,), 4.0)) and torch.equal(x[500:], torch.full((500,), 2.0))
+            assert torch.equal(overlap[2], torch.full((3,), 4.0))

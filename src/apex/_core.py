@@ -16,12 +16,13 @@ an ImportError, so a broken build can never pass on the fallback.
 from __future__ import annotations
 
 import array
+import itertools
 import math
 import operator
 import os
 import threading
 import warnings
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,6 +40,7 @@ __all__ = [
     "max_abs",
     "num_threads",
     "scale_",
+    "scale_gather_",
     "scale_many_",
     "simd_level",
     "sum_sq",
@@ -253,7 +255,7 @@ _is_neg = torch.Tensor.is_neg
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _get_dtype = operator.attrgetter("dtype")
-_get_device_type = operator.attrgetter("device.type")
+_get_is_cpu = operator.attrgetter("is_cpu")
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.uint8: "B"}
@@ -278,11 +280,11 @@ def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
     if ext is None:
         _require_or_warn()
         return False
-    dtypes = set(map(_get_dtype, tensors))
+    dtype = tensors[0].dtype
     return (
-        len(dtypes) == 1
-        and next(iter(dtypes)) in DTYPE_CODES
-        and set(map(_get_device_type, tensors)) == {"cpu"}
+        dtype in DTYPE_CODES
+        and all(map(operator.is_, map(_get_dtype, tensors), itertools.repeat(dtype)))
+        and all(map(_get_is_cpu, tensors))  # (no torch.device object per tensor, as .device.type makes)
         and all(map(_is_contiguous, tensors))
         and not any(map(_is_neg, tensors))
     )
@@ -299,12 +301,17 @@ def scale_many_(tensors: Sequence[torch.Tensor], scale: float, check: bool = Tru
     if not ts:
         return False
     if kernel_many(ts):
-        addr = int_table(list(map(_data_ptr, ts)))
-        numel = int_table(list(map(_numel, ts)))
-        return ext._raw_scale_gather_(addr.data_ptr(), numel.data_ptr(), len(ts), DTYPE_CODES[ts[0].dtype],
-                                      float(scale), bool(check), num_threads())
+        return scale_gather_(ts, scale, check)
     found = False
     for t in ts:
         if check or scale != 1.0:
             found |= scale_(t, scale, check=check)
     return bool(found)
+
+
+def scale_gather_(tensors: List[torch.Tensor], scale: float, check: bool = True) -> bool:
+    """`scale_many_`'s one apex_C call, for a non-empty list `kernel_many` accepted (the caller asked)."""
+    addr = int_table(list(map(_data_ptr, tensors)))
+    numel = int_table(list(map(_numel, tensors)))
+    return ext._raw_scale_gather_(addr.data_ptr(), numel.data_ptr(), len(tensors), DTYPE_CODES[tensors[0].dtype],
+                                  float(scale), bool(check), num_threads())

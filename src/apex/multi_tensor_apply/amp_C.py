@@ -32,7 +32,9 @@ on the device once per tensor).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import struct
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -61,6 +63,21 @@ available = True
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOATS = (*_KERNEL_DTYPES, torch.float64)
+_FLOAT_SET = frozenset(_FLOATS)
+_KERNEL_SET = frozenset(_KERNEL_DTYPES)
+
+_get_device = operator.attrgetter("device")
+_get_dtype = operator.attrgetter("dtype")
+_get_is_cpu = operator.attrgetter("is_cpu")
+_get_is_nested = operator.attrgetter("is_nested")
+_get_layout = operator.attrgetter("layout")
+_get_shape = operator.attrgetter("shape")
+_is_contiguous = torch.Tensor.is_contiguous
+_detach = torch.Tensor.detach
+_data_ptr = torch.Tensor.data_ptr
+_nbytes = operator.attrgetter("nbytes")
+_is = operator.is_
+_repeat = itertools.repeat
 
 
 # ---------------------------------------------------------------- argument checks
@@ -76,10 +93,13 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
                         f"got {noop_flag.dtype} with {noop_flag.numel()} elements")
     if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in tensor_lists):
         raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got {type(tensor_lists).__name__}")
-    lists = [list(x) for x in tensor_lists]
+    copies: dict = {}  # a list passed twice (in place: [grads, grads]) stays one list, checked once
+    lists = [copies[id(x)] if id(x) in copies else copies.setdefault(id(x), list(x)) for x in tensor_lists]
     if len(lists) not in depths:
         expected = " or ".join(str(d) for d in depths)
         raise ValueError(f"{op}: expected {expected} tensor lists, got {len(lists)}")
+    if _plain_lists(lists):
+        return lists
     n = len(lists[0])
     for li, tl in enumerate(lists):
         if len(tl) != n:
@@ -106,6 +126,25 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
     # one memory-order 1-D view per tensor: the ops then pair elements as upstream's kernels do (by position in
     # memory), and no shape difference between lists can fail halfway through, after earlier tensors were written
     return [[_memory_order(t) for t in tl] for tl in lists]
+
+
+def _plain_lists(lists: List[list]) -> bool:
+    """Whether the lists pass `_check_call`'s checks as they are: tensors of a supported float dtype, strided and
+    contiguous, each with the shape and device of its position in list 0. Such tensors are their own memory-order
+    views (memory order is index order, and pairs have equal shapes). One map per property, no Python frame per
+    tensor: a Megatron- or DeepSpeed-style caller clips and unscales every grad through these ops at every step,
+    and the per-tensor loop and views cost about 3 us a tensor. False sends the lists to that loop, which names
+    the culprit or accepts what this test does not (channels_last tensors, pairs of different shapes)."""
+    first = lists[0]
+    others = [tl for tl in lists[1:] if tl is not first]
+    for tl in [first, *others]:
+        if len(tl) != len(first) or not all(map(isinstance, tl, _repeat(torch.Tensor))):
+            return False
+        if not (all(map(_FLOAT_SET.__contains__, map(_get_dtype, tl))) and not any(map(_get_is_nested, tl))
+                and all(map(_is, map(_get_layout, tl), _repeat(torch.strided))) and all(map(_is_contiguous, tl))):
+            return False
+    shapes, devices = list(map(_get_shape, first)), list(map(_get_device, first))
+    return all(list(map(_get_shape, tl)) == shapes and list(map(_get_device, tl)) == devices for tl in others)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -182,13 +221,14 @@ _EXACT_COPIES = {
 def _off_host(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the list takes the whole-list path: non-empty, every tensor off CPU (CPU tensors take apex_C's
     one-pass kernels, which read no flag on the host either)."""
-    return bool(tensors) and all(t.device.type != "cpu" for t in tensors)
+    return bool(tensors) and not any(map(_get_is_cpu, tensors))
 
 
 def _one_fused_unscale(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether torch's fused unscale op can take the whole list in one call: one device, float32/16/bf16."""
     device = tensors[0].device
-    return all(t.device == device and t.dtype in _KERNEL_DTYPES for t in tensors)
+    return (all(map(_KERNEL_SET.__contains__, map(_get_dtype, tensors)))
+            and all(map(operator.eq, map(_get_device, tensors), _repeat(device))))
 
 
 def _any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -197,6 +237,13 @@ def _any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     if not live:
         return False
     return not bool(torch.stack(torch._foreach_norm(live, float("inf"))).isfinite().all())
+
+
+def _disjoint(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no two of the (contiguous) tensors share an element: a tensor listed twice is scaled twice in
+    turn by the per-tensor loop, where one threaded pass over both would race."""
+    spans = sorted(zip(map(_data_ptr, tensors), map(_nbytes, tensors)))
+    return all(map(operator.le, [a + n for a, n in spans[:-1]], [a for a, _ in spans[1:]]))
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -208,7 +255,7 @@ def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float)
     """``dst = src * scale`` over whole lists (in place where dst is src); whether src held inf/nan. None, with
     nothing written, when a pair would round twice this way (a narrowing copy) or shares memory partly."""
     moved = []
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst) if not all(map(_is, src, dst)) else ():  # (one list passed twice: all in place)
         if _same_memory(s, d):
             continue  # in place
         if (d.dtype != s.dtype and (s.dtype, d.dtype) not in _EXACT_COPIES) or _shares_memory(d, s):
@@ -217,14 +264,15 @@ def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float)
     if not moved and _one_fused_unscale(src):
         # All in place: torch's fused unscale checks and multiplies in one read of each tensor, in float32 math
         # like the multiply below (float64 keeps the multiply: the fused op's factor is float32)
-        bad = _core.torch_fused_unscale_([s.detach() for s in src], scale)
+        with torch.no_grad():  # (in place on leaves that require grad, as a detach of each would allow)
+            bad = _core.torch_fused_unscale_(src, scale)
         if bad is not None:
             return bad
     bad = _any_nonfinite(src)  # before an in-place scale changes src
     if moved:
         torch._foreach_copy_([d for d, _ in moved], [s for _, s in moved])
     if dst:
-        torch._foreach_mul_([d.detach() for d in dst], scale)
+        torch._foreach_mul_(list(map(_detach, dst)), scale)
     return bad
 
 
@@ -256,6 +304,12 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
             if bad:
                 _set_flag(noop_flag)
             return
+    if (src is dst or all(map(_is, src, dst))) and _core.kernel_many(src) and _disjoint(src):
+        # in place on CPU: one apex_C pass over the tensors' address table, where the loop below makes one call
+        # per tensor (the same element kernel: the same bits)
+        if _core.scale_gather_(src, scale, check=True):
+            _set_flag(noop_flag)
+        return
     bad = False
     for s, d in zip(src, dst):
         if s.dtype in _KERNEL_DTYPES and d.dtype in _KERNEL_DTYPES:
