@@ -275,3 +275,56 @@ def test_unflatten_views_or_raises(shape_list, extra, flat_dim, dtype):
     assert flat.dim() == 1 and n >= need
     assert torch.equal(torch.cat([v.reshape(-1) for v in views] + [flat[need:]]), flat)
     assert [v.shape for v in views] == [t.shape for t in ts]
+
+
+# ---------------------------------------------------------------- amp_C's argument checks
+def _amp_c_tensor(kind: str, shape: tuple, dtype: torch.dtype) -> object:
+    if kind == "number":
+        return 1.0
+    t = torch.ones(shape, dtype=dtype)
+    if kind == "transposed" and t.dim() >= 2:
+        return t.transpose(0, 1)
+    if kind == "meta":
+        return t.to("meta")
+    if kind == "sparse":
+        return t.to_sparse()
+    return t
+
+
+amp_c_tensors = st.tuples(
+    st.sampled_from(["plain", "plain", "plain", "transposed", "meta", "sparse", "number"]),
+    st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32]),
+).map(lambda a: _amp_c_tensor(*a))
+amp_c_lists = st.lists(st.lists(amp_c_tensors, min_size=0, max_size=3), min_size=1, max_size=4)
+
+
+@SETTINGS
+@given(lists=amp_c_lists, shared=st.booleans())
+def test_amp_c_list_checks_agree_with_the_per_tensor_loop(lists, shared, monkeypatch):
+    """Lists the whole-list test accepts are the ones the per-tensor loop accepts as they are: whatever the lists
+    hold, `_check_call` raises the same error either way, or returns tensors covering the same memory in the same
+    element order."""
+    from apex.multi_tensor_apply import amp_C
+
+    if shared:
+        lists = [lists[0]] * len(lists)  # one list object passed several times ([grads, grads])
+
+    def check():
+        try:
+            return amp_C._check_call("op", 2048, torch.zeros(1, dtype=torch.int), lists, (len(lists),))
+        except (TypeError, ValueError) as exc:
+            return type(exc), str(exc)
+
+    fast = check()
+    with monkeypatch.context() as m:
+        m.setattr(amp_C, "_plain_lists", lambda ls: False)
+        slow = check()
+    if isinstance(slow, tuple):
+        assert fast == slow
+        return
+    for fl, sl in zip(fast, slow):
+        for f, s in zip(fl, sl):
+            assert (f.device, f.dtype, f.numel()) == (s.device, s.dtype, s.numel())
+            if f.device.type != "meta":
+                assert f.data_ptr() == s.data_ptr() and f.is_contiguous() and s.is_contiguous()
