@@ -928,8 +928,12 @@ def test_scale_in_place_on_cpu_in_one_call_gives_the_per_tensor_bits(dtype, bad,
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
 
 
-def test_scale_in_place_of_a_list_holding_one_tensor_twice_scales_it_twice():
-    """Upstream's kernel visits each list entry in turn: a tensor listed twice is scaled twice, never raced."""
+@pytest.mark.parametrize("off_host", [False, True])
+def test_scale_in_place_of_a_list_holding_one_tensor_twice_scales_it_twice(off_host, monkeypatch):
+    """Upstream's kernel visits each list entry in turn: a tensor listed twice is scaled twice, never raced (off
+    the host too, where one launch over both entries would race)."""
+    if off_host:
+        monkeypatch.setattr(amp_C, "_off_host", lambda ts: bool(ts))
     x = torch.full((1000,), 8.0)
     overlap = [x, x[500:], torch.full((3,), 8.0)]  # x[500:] lies inside x
     for ts, expect in (([x, x], 2.0), (overlap, None)):

@@ -253,7 +253,10 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float) -> Optional[bool]:
     """``dst = src * scale`` over whole lists (in place where dst is src); whether src held inf/nan. None, with
-    nothing written, when a pair would round twice this way (a narrowing copy) or shares memory partly."""
+    nothing written, when a pair would round twice this way (a narrowing copy) or shares memory partly, or when
+    two outputs share memory (one launch over both would race; the per-tensor path writes them in turn)."""
+    if not _disjoint(dst):
+        return None
     moved = []
     for s, d in zip(src, dst) if not all(map(_is, src, dst)) else ():  # (one list passed twice: all in place)
         if _same_memory(s, d):
