@@ -26,6 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ._tensor_utils import data_ptr, get_dtype, get_is_cpu, is_contiguous, is_neg, numel
+
 __all__ = [
     "DTYPE_CODES",
     "axpy_",
@@ -250,14 +252,6 @@ def max_abs(src: torch.Tensor) -> float:
     return float(src.abs().max())
 
 
-_is_contiguous = torch.Tensor.is_contiguous
-_is_neg = torch.Tensor.is_neg
-_data_ptr = torch.Tensor.data_ptr
-_numel = torch.Tensor.numel
-_get_dtype = operator.attrgetter("dtype")
-_get_is_cpu = operator.attrgetter("is_cpu")
-
-
 _ARRAY_CODES = {torch.int64: "q", torch.uint8: "B"}
 
 
@@ -283,10 +277,10 @@ def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
     dtype = tensors[0].dtype
     return (
         dtype in DTYPE_CODES
-        and all(map(operator.is_, map(_get_dtype, tensors), itertools.repeat(dtype)))
-        and all(map(_get_is_cpu, tensors))  # (no torch.device object per tensor, as .device.type makes)
-        and all(map(_is_contiguous, tensors))
-        and not any(map(_is_neg, tensors))
+        and all(map(operator.is_, map(get_dtype, tensors), itertools.repeat(dtype)))
+        and all(map(get_is_cpu, tensors))  # (no torch.device object per tensor, as .device.type makes)
+        and all(map(is_contiguous, tensors))
+        and not any(map(is_neg, tensors))
     )
 
 
@@ -311,7 +305,7 @@ def scale_many_(tensors: Sequence[torch.Tensor], scale: float, check: bool = Tru
 
 def scale_gather_(tensors: List[torch.Tensor], scale: float, check: bool = True) -> bool:
     """`scale_many_`'s one apex_C call, for a non-empty list `kernel_many` accepted (the caller asked)."""
-    addr = int_table(list(map(_data_ptr, tensors)))
-    numel = int_table(list(map(_numel, tensors)))
-    return ext._raw_scale_gather_(addr.data_ptr(), numel.data_ptr(), len(tensors), DTYPE_CODES[tensors[0].dtype],
+    addr = int_table(list(map(data_ptr, tensors)))
+    sizes = int_table(list(map(numel, tensors)))
+    return ext._raw_scale_gather_(addr.data_ptr(), sizes.data_ptr(), len(tensors), DTYPE_CODES[tensors[0].dtype],
                                   float(scale), bool(check), num_threads())

@@ -1,5 +1,8 @@
 """Small tensor helpers shared by amp, contrib and the optimizers (torch only, no apex imports).
 
+Tensor readers for ``map()`` (``get_dtype``, ``data_ptr``, ...): the per-step checks over every param or grad
+run as one C-level map per property, with no Python frame per tensor; the modules that do so share these.
+
 ``map_tensors``: amp's input casts and the compact checkpoints of combined tensors
 both walk user data (dicts, lists, tuples, namedtuples) that they must not mutate:
 the caller may still hold it (a module's inputs, an optimizer's live per-param
@@ -9,9 +12,25 @@ state), so each container is rebuilt and keeps its type.
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, Callable
 
 import torch
+
+get_device = operator.attrgetter("device")
+get_dtype = operator.attrgetter("dtype")
+get_grad = operator.attrgetter("grad")
+get_is_cpu = operator.attrgetter("is_cpu")
+get_is_nested = operator.attrgetter("is_nested")
+get_layout = operator.attrgetter("layout")
+get_nbytes = operator.attrgetter("nbytes")
+get_shape = operator.attrgetter("shape")
+data_ptr = torch.Tensor.data_ptr
+detach = torch.Tensor.detach
+is_contiguous = torch.Tensor.is_contiguous
+is_neg = torch.Tensor.is_neg
+numel = torch.Tensor.numel
+stride = torch.Tensor.stride
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

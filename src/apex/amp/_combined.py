@@ -56,11 +56,10 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _core
+from .._tensor_utils import get_grad
 from ..contrib.combine_tensors import plan_layout
 from . import _ddp
 from ._unscale import unscale_
-
-_get_grad = operator.attrgetter("grad")
 
 
 def _slot(flat: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
@@ -296,16 +295,16 @@ class CombinedGrads:
         if self.optimizer.recombine_count != self.recombine_seen:
             return False
         for b in self.buffers:
-            if not all(map(operator.is_, map(_get_grad, b.params), b.views)):
+            if not all(map(operator.is_, map(get_grad, b.params), b.views)):
                 return False
         return True
 
     def _main_grads_bound(self) -> bool:
         """Every main grad is the view object the buffers expect (nothing to gather)."""
-        return all(all(map(operator.is_, map(_get_grad, b.params), b.views)) for b in self.buffers)
+        return all(all(map(operator.is_, map(get_grad, b.params), b.views)) for b in self.buffers)
 
     def _sync_main_at_exit(self, b: _Buffer) -> None:
-        grads = list(map(_get_grad, b.params))
+        grads = list(map(get_grad, b.params))
         if all(map(operator.is_, grads, b.views)):
             return
         for i, g in enumerate(grads):
@@ -327,7 +326,7 @@ class CombinedGrads:
         """Model grads (O2) back into their slots; a model grad that appears binds its master's grad too."""
         unbound_masters = []
         for low in b.lows.values():
-            if all(map(operator.is_, map(_get_grad, low.models), low.expected)):
+            if all(map(operator.is_, map(get_grad, low.models), low.expected)):
                 continue
             for k, i in enumerate(low.slots):
                 model, v = low.models[k], low.views[i]
@@ -451,7 +450,7 @@ class CombinedGrads:
         backward's bookkeeping (rescale, zeroing a skipped step's grads) works and later exits find them bound;
         grads set to None stay unbuffered (see `_prepare_in_place`).
         """
-        if not any(g is not None for b in self.buffers for g in map(_get_grad, b.params)):
+        if not any(g is not None for b in self.buffers for g in map(get_grad, b.params)):
             return
         if self.stash.ours:
             flats = self.optimizer.combined_grad_buffers()  # the optimizer copies them into its slots
@@ -479,7 +478,7 @@ class CombinedGrads:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
         else:
             params = [p for b in self.buffers for p in b.params]
-        gs = [g for g in map(_get_grad, params) if g is not None]
+        gs = [g for g in map(get_grad, params) if g is not None]
         if any(g.layout != torch.strided for g in gs):
             return None
         ptrs = [g.data_ptr() for g in gs if g.numel()]

@@ -41,6 +41,18 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _core
+from apex._tensor_utils import (
+    data_ptr,
+    detach,
+    get_device,
+    get_dtype,
+    get_is_cpu,
+    get_is_nested,
+    get_layout,
+    get_nbytes,
+    get_shape,
+    is_contiguous,
+)
 from apex.optimizers._functional import adagrad_math, adam_math, l2_grad, lamb_direction, lamb_moments
 from apex.optimizers.sgd import sgd_math
 
@@ -66,16 +78,6 @@ _FLOATS = (*_KERNEL_DTYPES, torch.float64)
 _FLOAT_SET = frozenset(_FLOATS)
 _KERNEL_SET = frozenset(_KERNEL_DTYPES)
 
-_get_device = operator.attrgetter("device")
-_get_dtype = operator.attrgetter("dtype")
-_get_is_cpu = operator.attrgetter("is_cpu")
-_get_is_nested = operator.attrgetter("is_nested")
-_get_layout = operator.attrgetter("layout")
-_get_shape = operator.attrgetter("shape")
-_is_contiguous = torch.Tensor.is_contiguous
-_detach = torch.Tensor.detach
-_data_ptr = torch.Tensor.data_ptr
-_nbytes = operator.attrgetter("nbytes")
 _is = operator.is_
 _repeat = itertools.repeat
 
@@ -140,11 +142,11 @@ def _plain_lists(lists: List[list]) -> bool:
     for tl in [first, *others]:
         if len(tl) != len(first) or not all(map(isinstance, tl, _repeat(torch.Tensor))):
             return False
-        if not (all(map(_FLOAT_SET.__contains__, map(_get_dtype, tl))) and not any(map(_get_is_nested, tl))
-                and all(map(_is, map(_get_layout, tl), _repeat(torch.strided))) and all(map(_is_contiguous, tl))):
+        if not (all(map(_FLOAT_SET.__contains__, map(get_dtype, tl))) and not any(map(get_is_nested, tl))
+                and all(map(_is, map(get_layout, tl), _repeat(torch.strided))) and all(map(is_contiguous, tl))):
             return False
-    shapes, devices = list(map(_get_shape, first)), list(map(_get_device, first))
-    return all(list(map(_get_shape, tl)) == shapes and list(map(_get_device, tl)) == devices for tl in others)
+    shapes, devices = list(map(get_shape, first)), list(map(get_device, first))
+    return all(list(map(get_shape, tl)) == shapes and list(map(get_device, tl)) == devices for tl in others)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -221,14 +223,14 @@ _EXACT_COPIES = {
 def _off_host(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the list takes the whole-list path: non-empty, every tensor off CPU (CPU tensors take apex_C's
     one-pass kernels, which read no flag on the host either)."""
-    return bool(tensors) and not any(map(_get_is_cpu, tensors))
+    return bool(tensors) and not any(map(get_is_cpu, tensors))
 
 
 def _one_fused_unscale(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether torch's fused unscale op can take the whole list in one call: one device, float32/16/bf16."""
     device = tensors[0].device
-    return (all(map(_KERNEL_SET.__contains__, map(_get_dtype, tensors)))
-            and all(map(operator.eq, map(_get_device, tensors), _repeat(device))))
+    return (all(map(_KERNEL_SET.__contains__, map(get_dtype, tensors)))
+            and all(map(operator.eq, map(get_device, tensors), _repeat(device))))
 
 
 def _any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -242,7 +244,7 @@ def _any_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
 def _disjoint(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether no two of the (contiguous) tensors share an element: a tensor listed twice is scaled twice in
     turn by the per-tensor loop, where one threaded pass over both would race."""
-    spans = sorted(zip(map(_data_ptr, tensors), map(_nbytes, tensors)))
+    spans = sorted(zip(map(data_ptr, tensors), map(get_nbytes, tensors)))
     return all(map(operator.le, [a + n for a, n in spans[:-1]], [a for a, _ in spans[1:]]))
 
 
@@ -275,7 +277,7 @@ def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float)
     if moved:
         torch._foreach_copy_([d for d, _ in moved], [s for _, s in moved])
     if dst:
-        torch._foreach_mul_(list(map(_detach, dst)), scale)
+        torch._foreach_mul_(list(map(detach, dst)), scale)
     return bad
 
 

@@ -31,21 +31,18 @@ import functools
 import itertools
 import logging
 import math
-import operator
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import _core, _device
-from .._tensor_utils import zero_grad_
+from .._tensor_utils import data_ptr, zero_grad_
 from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
 from ._state_check import COUNT, PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
 
 logger = logging.getLogger("apex.optimizers")
 
-_data_ptr = torch.Tensor.data_ptr
-_get_grad = operator.attrgetter("grad")
 _repeat = itertools.repeat
 
 
@@ -172,7 +169,7 @@ class _GroupCache:
         self.n = len(params)
         self.sets = sets
         self.names = names
-        self.ptrs = list(map(_data_ptr, params))  # in group order, after combining
+        self.ptrs = list(map(data_ptr, params))  # in group order, after combining
 
 
 def group_params(param_group) -> Optional[List[torch.Tensor]]:
@@ -359,7 +356,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if c is None or self._force_rebuild:
             return None
         ps = group["params"]
-        if ps is not c.params or len(ps) != c.n or list(map(_data_ptr, ps)) != c.ptrs:
+        if ps is not c.params or len(ps) != c.n or list(map(data_ptr, ps)) != c.ptrs:
             return None
         s0 = c.sets[0] if c.sets else None
         if s0 is not None and (s0.dtype != ps[0].dtype or s0.device != ps[0].device):

@@ -40,20 +40,22 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _core, _device
+from .._tensor_utils import (
+    data_ptr,
+    get_device,
+    get_dtype,
+    get_grad,
+    get_is_cpu,
+    get_layout,
+    get_shape,
+    is_contiguous,
+    is_neg,
+    stride,
+)
 from ..contrib.combine_tensors import combine_tensors, plan_layout
 
-_get_grad = operator.attrgetter("grad")
-_get_layout = operator.attrgetter("layout")
-_get_shape = operator.attrgetter("shape")
-_get_dtype = operator.attrgetter("dtype")
-_get_device = operator.attrgetter("device")
-_get_is_cpu = operator.attrgetter("is_cpu")
 _repeat = itertools.repeat
 _eq = operator.eq
-_data_ptr = torch.Tensor.data_ptr
-_stride = torch.Tensor.stride
-_is_contiguous = torch.Tensor.is_contiguous
-_is_neg = torch.Tensor.is_neg
 _is = operator.is_
 
 # `expected_grads` entry of a slot whose grad the last step read where autograd left it: that grad is not kept
@@ -138,7 +140,7 @@ class FlatSet:
         self.dtype, self.device = p0.dtype, p0.device
         self.state_dtype = self.dtype if state_dtype is None else state_dtype
         self.state_names = list(state_names)
-        grads0 = list(map(_get_grad, self.params))
+        grads0 = list(map(get_grad, self.params))
         for k, (p, g) in enumerate(zip(self.params, grads0)):
             if g is not None:
                 check_grad(k, p, g)
@@ -206,14 +208,14 @@ class FlatSet:
         self._n_first = sum(first)
         self._n_unexposed = self.nseg - sum(self.exposed)
 
-        self.param_ptrs = list(map(_data_ptr, self.params))
-        self.strides = list(map(_stride, self.params))
+        self.param_ptrs = list(map(data_ptr, self.params))
+        self.strides = list(map(stride, self.params))
         # What a grad must show (see `_check_grad_meta`): the set's dtype and device, and its slot's shape.
         self._on_cpu = self.device.type == "cpu"  # is_cpu: cheaper than building and comparing a device
-        self._shapes = list(map(_get_shape, self.params))
+        self._shapes = list(map(get_shape, self.params))
         # Slots of contiguous params: a grad has their element layout iff it is contiguous (also when strides of
         # size-1 dims differ), which is cheaper to ask than comparing stride tuples.
-        self._dense = all(map(_is_contiguous, self.params))
+        self._dense = all(map(is_contiguous, self.params))
         # gather mode (`gathered`): the kernel reads each grad where it is, through this per-slot address table
         # (see plan_gather), which stays alive here until the next step
         self.gtab: Optional[torch.Tensor] = None
@@ -258,7 +260,7 @@ class FlatSet:
         # the slots of params that never had a grad
         flat = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self._grad_views = [view_like(flat, off, p) for p, off in zip(self.params, self.offsets)]
-        self._grad_ptrs = list(map(_data_ptr, self._grad_views))
+        self._grad_ptrs = list(map(data_ptr, self._grad_views))
         self._flat_g = flat
         args = getattr(self, "args", None)
         if args is not None:
@@ -340,7 +342,7 @@ class FlatSet:
     # -- per-step checks ------------------------------------------------------
     def params_intact(self) -> bool:
         """Every param still lives at its slot (catches p.data = ..., model.to(...))."""
-        return list(map(_data_ptr, self.params)) == self.param_ptrs and (
+        return list(map(data_ptr, self.params)) == self.param_ptrs and (
             self.params[0].dtype == self.dtype and self.params[0].device == self.device
         )
 
@@ -350,12 +352,12 @@ class FlatSet:
             if self._grad_ptrs is None:
                 return False
             try:
-                return list(map(_data_ptr, map(_get_grad, self.params))) == self._grad_ptrs
+                return list(map(data_ptr, map(get_grad, self.params))) == self._grad_ptrs
             except (TypeError, RuntimeError):  # a grad became None (or sparse): data_ptr does not apply
                 return False
-        if self._bound_ptrs is None or not all(map(_is, map(_get_grad, self.params), self.expected_grads)):
+        if self._bound_ptrs is None or not all(map(_is, map(get_grad, self.params), self.expected_grads)):
             return False
-        return list(map(_data_ptr, self._bound)) == self._bound_ptrs
+        return list(map(data_ptr, self._bound)) == self._bound_ptrs
 
     def pending_grads(self) -> List[Tuple[int, torch.Tensor]]:
         """(k, grad) for every grad that does not live at its slot, validated; changes nothing.
@@ -363,10 +365,10 @@ class FlatSet:
         Validation is one map() per property over all grads (the zero_grad(set_to_none=True)
         pattern adopts every grad at every step); the per-grad check only runs to name a culprit.
         """
-        live = [(k, g) for k, g in enumerate(map(_get_grad, self.params)) if g is not None]
+        live = [(k, g) for k, g in enumerate(map(get_grad, self.params)) if g is not None]
         gs = [g for _, g in live]
         ks = [k for k, _ in live]
-        if set(map(_get_layout, gs)) - {torch.strided}:
+        if set(map(get_layout, gs)) - {torch.strided}:
             for k, g in live:
                 check_grad(k, self.params[k], g)
         self._check_grad_meta(ks, gs)
@@ -378,9 +380,9 @@ class FlatSet:
                    ) -> Tuple[List[Optional[torch.Tensor]], Optional[List[int]]]:
         """The current grads of the params (or of ``of``) and, when none is None or sparse, their addresses
         (one map each)."""
-        gs = list(map(_get_grad, self.params if of is None else of))
+        gs = list(map(get_grad, self.params if of is None else of))
         try:
-            return gs, list(map(_data_ptr, gs))
+            return gs, list(map(data_ptr, gs))
         except (TypeError, RuntimeError):  # a None (or sparse) grad: data_ptr does not apply
             return gs, None
 
@@ -390,7 +392,7 @@ class FlatSet:
             return ptrs is not None and self._grad_ptrs is not None and ptrs == self._grad_ptrs
         if self._bound_ptrs is None or not all(map(_is, gs, self.expected_grads)):
             return False
-        return list(map(_data_ptr, self._bound)) == self._bound_ptrs
+        return list(map(data_ptr, self._bound)) == self._bound_ptrs
 
     def planned_grads(self):
         """This step's grads and their `plan_gather` plan when the set's owner planned them before the step's checks
@@ -427,16 +429,16 @@ class FlatSet:
                 if gs[k].layout != torch.strided:
                     check_grad(k, of[k], gs[k])
             lgs = [gs[k] for k in live]
-            lptrs = list(map(_data_ptr, lgs))
+            lptrs = list(map(data_ptr, lgs))
         else:
             live, lgs, lptrs = None, gs, ptrs
         self._check_grad_meta(live, lgs, of)
         if self._dense:
-            bad_layout = not all(map(_is_contiguous, lgs))
+            bad_layout = not all(map(is_contiguous, lgs))
         else:
-            bad_layout = list(map(_stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
+            bad_layout = list(map(stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
         # a grad with torch's lazy negation bit (x.conj().imag) holds the negated values: copied, which resolves it
-        bad_layout = bad_layout or any(map(_is_neg, lgs))
+        bad_layout = bad_layout or any(map(is_neg, lgs))
         table = _core.int_table(lptrs)
         todo_idx = self._not_readable(table, live, lgs, bad_layout, of[0].element_size() if of else 1, lptrs)
         if live is not None:
@@ -462,10 +464,10 @@ class FlatSet:
         dtype = of[0].dtype if of else self.dtype
         shapes = self._shapes if ks is None else [self._shapes[k] for k in ks]
         if not (
-            all(map(_is, map(_get_dtype, gs), _repeat(dtype)))
-            and (all(map(_get_is_cpu, gs)) if self._on_cpu else all(map(_eq, map(_get_device, gs),
+            all(map(_is, map(get_dtype, gs), _repeat(dtype)))
+            and (all(map(get_is_cpu, gs)) if self._on_cpu else all(map(_eq, map(get_device, gs),
                                                                           _repeat(self.device))))
-            and list(map(_get_shape, gs)) == shapes
+            and list(map(get_shape, gs)) == shapes
         ):
             for k, g in zip(range(len(gs)) if ks is None else ks, gs):
                 check_grad(k, of[k], g)
@@ -618,12 +620,12 @@ class FlatSet:
                 return 0
             todo = self.pending_grads()
         self._adopt(todo)
-        self.expected_grads = list(map(_get_grad, self.params))
+        self.expected_grads = list(map(get_grad, self.params))
         self._refresh_skip()
         return len(todo)
 
     def out_intact(self) -> bool:
-        return self.out_params is None or list(map(_data_ptr, self.out_params)) == self.out_ptrs
+        return self.out_params is None or list(map(data_ptr, self.out_params)) == self.out_ptrs
 
     def attach_out(self, models: Optional[List[torch.Tensor]]) -> None:
         """Combine low-precision model copies of the params (same layout) for fused O2 copies."""
@@ -640,7 +642,7 @@ class FlatSet:
             return
         self.out_params = list(models)
         self.flat_out = combine_tensors(self.out_params, require_copy_value=True)
-        self.out_ptrs = list(map(_data_ptr, self.out_params))
+        self.out_ptrs = list(map(data_ptr, self.out_params))
         code = _core.DTYPE_CODES.get(self.flat_out.dtype)
         if (
             self.args is not None
