@@ -141,7 +141,7 @@ class _UnscaleScratch(threading.local):
     """Per thread and device, the two one-element tensors torch's fused unscale op takes: the found flag, kept
     only while it reads 0 (a set flag is dropped rather than zeroed, so no write of ours can race a later use on
     another stream), and the factor of the last scale. Allocating and filling both anew cost two allocations
-    and two small fills per call, about 15% of an unscale of a 100M-element buffer on an H200."""
+    and two small fills per call, about 5% of an unscale of a 100M-element buffer on an H200 (0.309 -> 0.293 ms)."""
 
     def __init__(self):
         self.found = {}

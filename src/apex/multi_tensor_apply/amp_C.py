@@ -248,6 +248,11 @@ def _disjoint(tensors: Sequence[torch.Tensor]) -> bool:
     return all(map(operator.le, [a + n for a, n in spans[:-1]], [a for a, _ in spans[1:]]))
 
 
+def _in_place(src: List[torch.Tensor], dst: List[torch.Tensor]) -> bool:
+    """Whether each output is its input, the same tensor object (one list passed twice: ``[grads, grads]``)."""
+    return src is dst or all(map(_is, src, dst))
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two of `_check_call`'s memory-order views cover the same elements (one tensor passed in two lists)."""
     return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
@@ -260,7 +265,7 @@ def _scale_lists(src: List[torch.Tensor], dst: List[torch.Tensor], scale: float)
     if not _disjoint(dst):
         return None
     moved = []
-    for s, d in zip(src, dst) if not all(map(_is, src, dst)) else ():  # (one list passed twice: all in place)
+    for s, d in () if _in_place(src, dst) else zip(src, dst):
         if _same_memory(s, d):
             continue  # in place
         if (d.dtype != s.dtype and (s.dtype, d.dtype) not in _EXACT_COPIES) or _shares_memory(d, s):
@@ -309,7 +314,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
             if bad:
                 _set_flag(noop_flag)
             return
-    if (src is dst or all(map(_is, src, dst))) and _core.kernel_many(src) and _disjoint(src):
+    if _in_place(src, dst) and _core.kernel_many(src) and _disjoint(src):
         # in place on CPU: one apex_C pass over the tensors' address table, where the loop below makes one call
         # per tensor (the same element kernel: the same bits)
         if _core.scale_gather_(src, scale, check=True):
