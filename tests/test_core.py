@@ -228,3 +228,11 @@ def test_int_table_is_torch_tensor_of_the_values(dtype, n):
     if dtype == torch.int64 and n:
         with pytest.raises(OverflowError):
             _core.int_table([2**63])
+
+
+def test_scale_many_checks_the_whole_list_before_writing():
+    a = torch.ones(4)
+    for bad in ([a, torch.ones(2, dtype=torch.int32)], [a, torch.ones(2, device="meta")], [a, "x"]):
+        with pytest.raises(TypeError, match="scale_many_: tensor 1 must be a floating-point tensor"):
+            _core.scale_many_(bad, 2.0)
+        assert torch.equal(a, torch.ones(4))

@@ -915,8 +915,8 @@ def test_scale_in_place_on_cpu_in_one_call_gives_the_per_tensor_bits(dtype, bad,
     ref, _ = _mixed_lists(dtype, dtype, bad, seed=7)
     ours, _ = _mixed_lists(dtype, dtype, bad, seed=7)
     calls = []
-    real = amp_C._core.scale_gather_
-    monkeypatch.setattr(amp_C._core, "scale_gather_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = amp_C._core._scale_gather_unchecked
+    monkeypatch.setattr(amp_C._core, "_scale_gather_unchecked", lambda *a, **k: calls.append(1) or real(*a, **k))
     flag = _flag()
     amp_C.multi_tensor_scale(2048, flag, [ours, ours], 1.0 / 3)
     assert calls == [1]
@@ -944,3 +944,92 @@ def test_scale_in_place_of_a_list_holding_one_tensor_twice_scales_it_twice(off_h
         else:
             assert torch.equal(x[:500], torch.full((500,), 4.0)) and torch.equal(x[500:], torch.full((500,), 2.0))
             assert torch.equal(overlap[2], torch.full((3,), 4.0))
+
+
+# ---------------------------------------------------------------- bad scalars and flags: an error, nothing written
+def _adam_lists():
+    return [[torch.randn(3)], [torch.randn(3)], [torch.randn(3)], [torch.rand(3)]]
+
+
+@pytest.mark.parametrize("beta1, beta2, step", [
+    (0.9, 0.999, 0),          # 1 - beta**0 = 0: every element divided by 0
+    (2.0, 0.999, 10**6),      # beta1**step overflows
+    (0.9, 1.5, 1),            # 1 - beta2 < 0 under a square root
+    (0.9, -0.5, 1.5),         # a negative beta at a fractional step: complex
+    (-0.5, 0.999, 1.5),
+])
+@pytest.mark.parametrize("op", ["adam", "lamb", "novograd"])
+def test_optimizer_ops_refuse_bias_corrections_they_cannot_apply(op, beta1, beta2, step):
+    lists = _adam_lists()
+    if op == "novograd":
+        lists = lists[:3]
+    before = [t.clone() for tl in lists for t in tl]
+    with pytest.raises(ValueError, match=rf"multi_tensor_{op}: the bias corrections .* step={float(step)!r}"):
+        if op == "adam":
+            amp_C.multi_tensor_adam(64, _flag(), lists, 1e-3, beta1, beta2, 1e-8, step, 0, 1, 0.0)
+        elif op == "lamb":
+            amp_C.multi_tensor_lamb(64, _flag(), lists, 1e-3, beta1, beta2, 1e-6, step, 1, 0.01, 1, 1, 1.0, 1.0)
+        else:
+            amp_C.multi_tensor_novograd(64, _flag(), lists, torch.ones(1), 1e-3, beta1, beta2, 1e-8, step, 1,
+                                        0.0, 1, 0, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for tl in lists for t in tl]))
+    # without bias correction the same scalars are upstream's plain update
+    if op == "adam" and abs(beta1) <= 1 and abs(beta2) <= 1:
+        amp_C.multi_tensor_adam(64, _flag(), lists, 1e-3, beta1, beta2, 1e-8, step, 0, 0, 0.0)
+
+
+def test_lamb_refuses_to_clip_by_a_zero_max_norm():
+    lists = _adam_lists()
+    before = [t.clone() for tl in lists for t in tl]
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        amp_C.multi_tensor_lamb(64, _flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, 2.0, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for tl in lists for t in tl]))
+    amp_C.multi_tensor_lamb(64, _flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, 0.0, 0.0)  # no clip
+
+
+def test_mode_accepts_integers_and_names_anything_else():
+    lists = _adam_lists()
+    amp_C.multi_tensor_adam(64, _flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 1, np.int64(1), 1, 0.0)
+    amp_C.multi_tensor_adam(64, _flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 2, torch.tensor(0), 1, 0.0)
+    with pytest.raises(ValueError, match=r"mode must be 0 \(L2 decay\) or 1"):
+        amp_C.multi_tensor_adam(64, _flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 3, torch.tensor([1, 0]), 1, 0.0)
+
+
+def test_tensors_on_two_devices_are_refused_before_any_write():
+    c = torch.ones(3)
+    m = torch.ones(3, device="meta")
+    with pytest.raises(ValueError, match=r"every tensor must be on one device: tensor_lists\[0\]\[1\] is on meta"):
+        amp_C.multi_tensor_scale(64, _flag(), [[c, m], [c, m]], 2.0)
+    x, y, out = torch.ones(2), torch.ones(2), torch.zeros(2)
+    with pytest.raises(ValueError, match="every tensor must be on one device"):
+        amp_C.multi_tensor_axpby(64, _flag(), [[x, m], [y, m], [out, m]], 2.0, 3.0, -1)
+    assert torch.equal(c, torch.ones(3)) and not out.any()
+
+
+def test_an_inference_flag_is_refused_before_any_write():
+    with torch.inference_mode():
+        flag = torch.zeros(1, dtype=torch.int)
+    out = torch.zeros(1)
+    with pytest.raises(TypeError, match="noop_flag is an inference tensor"):
+        amp_C.multi_tensor_scale(64, flag, [[torch.tensor([float("nan")])], [out]], 2.0)
+    assert not out.any() and not flag.any()
+    with torch.inference_mode():  # inside inference mode it is writable, and is set
+        amp_C.multi_tensor_scale(64, flag, [[torch.tensor([float("nan")])], [out]], 2.0)
+    assert flag.item() == 1
+
+
+@pytest.mark.parametrize("flag", [torch.zeros(2, 2, dtype=torch.int).t(), torch.zeros((), dtype=torch.int),
+                                  torch.zeros(4, dtype=torch.int)[::2]], ids=["transposed", "0-d", "strided"])
+def test_a_non_contiguous_flag_is_set_where_it_lives(flag):
+    amp_C.multi_tensor_scale(64, flag, [[torch.tensor([float("nan")])], [torch.zeros(1)]], 2.0)
+    assert flag.reshape(-1)[0].item() == 1 and flag.sum().item() == 1
+
+
+def test_scalars_may_be_numpy_numbers_and_huge_ints_are_named():
+    ts = [torch.ones(3)]
+    out = [torch.zeros(3)]
+    amp_C.multi_tensor_scale(64, _flag(), [ts, out], np.float32(0.5))
+    assert torch.equal(out[0], torch.full((3,), 0.5))
+    with pytest.raises(ValueError, match="scale must be within the float64 range"):
+        amp_C.multi_tensor_scale(64, _flag(), [ts, out], 10**400)
+    assert torch.equal(out[0], torch.full((3,), 0.5))

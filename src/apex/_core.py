@@ -42,7 +42,6 @@ __all__ = [
     "max_abs",
     "num_threads",
     "scale_",
-    "scale_gather_",
     "scale_many_",
     "simd_level",
     "sum_sq",
@@ -108,7 +107,8 @@ def uses_kernel(*tensors: torch.Tensor) -> bool:
         _require_or_warn()
         return False
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or not t.is_contiguous() or t.is_neg():
+        if (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in DTYPE_CODES
+                or not t.is_contiguous() or t.is_neg()):
             return False
     return True
 
@@ -269,7 +269,7 @@ def kernel_many(tensors: Sequence[torch.Tensor]) -> bool:
     """True when `scale_many_` runs as one apex_C call: contiguous CPU tensors of one kernel dtype, none with
     torch's lazy negation bit (see `uses_kernel`). Without apex_C, the first call with tensors warns once, as
     `uses_kernel` does: the callers then take torch's ops."""
-    if not tensors:
+    if not tensors or not all(map(isinstance, tensors, itertools.repeat(torch.Tensor))):
         return False
     if ext is None:
         _require_or_warn()
@@ -295,7 +295,11 @@ def scale_many_(tensors: Sequence[torch.Tensor], scale: float, check: bool = Tru
     if not ts:
         return False
     if kernel_many(ts):
-        return scale_gather_(ts, scale, check)
+        return _scale_gather_unchecked(ts, scale, check)
+    for i, t in enumerate(ts):  # the whole list before any write: a bad tensor must not leave earlier ones scaled
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.device.type == "meta":
+            what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} on {t.device}"
+            raise TypeError(f"scale_many_: tensor {i} must be a floating-point tensor holding values, got {what}")
     found = False
     for t in ts:
         if check or scale != 1.0:
@@ -303,8 +307,10 @@ def scale_many_(tensors: Sequence[torch.Tensor], scale: float, check: bool = Tru
     return bool(found)
 
 
-def scale_gather_(tensors: List[torch.Tensor], scale: float, check: bool = True) -> bool:
-    """`scale_many_`'s one apex_C call, for a non-empty list `kernel_many` accepted (the caller asked)."""
+def _scale_gather_unchecked(tensors: List[torch.Tensor], scale: float, check: bool = True) -> bool:
+    """`scale_many_`'s one apex_C call. Unchecked: the caller has established that the list is non-empty and
+    that `kernel_many` holds for it (CPU, one kernel dtype, contiguous, no negation bit); the kernel reads and
+    writes numel() elements of the first tensor's dtype at each data_ptr(), whatever the tensors are."""
     addr = int_table(list(map(data_ptr, tensors)))
     sizes = int_table(list(map(numel, tensors)))
     return ext._raw_scale_gather_(addr.data_ptr(), sizes.data_ptr(), len(tensors), DTYPE_CODES[tensors[0].dtype],

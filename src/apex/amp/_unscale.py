@@ -46,7 +46,7 @@ def unscale_(tensors: List[torch.Tensor], inv: float, check: bool) -> bool:
             rest = []
             for group in by_dtype.values():
                 if _core.kernel_many(group):  # one apex_C pass over the grads where they are
-                    found |= _core.scale_gather_(group, inv, check=True)
+                    found |= _core._scale_gather_unchecked(group, inv, check=True)
                 else:
                     rest += group
             if not rest:

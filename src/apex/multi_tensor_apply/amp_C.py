@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import operator
 import struct
 from typing import Any, List, Optional, Sequence, Tuple
@@ -93,6 +94,9 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
     if noop_flag.numel() < 1 or noop_flag.is_floating_point() or noop_flag.is_complex():
         raise TypeError(f"{op}: noop_flag must be a one-element integer tensor (torch.zeros(1, dtype=torch.int)), "
                         f"got {noop_flag.dtype} with {noop_flag.numel()} elements")
+    if noop_flag.is_inference() and not torch.is_inference_mode_enabled():
+        raise TypeError(f"{op}: noop_flag is an inference tensor, which cannot be written outside "
+                        "torch.inference_mode(); create the flag outside inference mode")
     if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in tensor_lists):
         raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got {type(tensor_lists).__name__}")
     copies: dict = {}  # a list passed twice (in place: [grads, grads]) stays one list, checked once
@@ -119,9 +123,9 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
             if t.numel() != ref.numel():
                 raise ValueError(f"{op}: tensor_lists[{li}][{ti}] has {t.numel()} elements, "
                                  f"tensor_lists[0][{ti}] has {ref.numel()}")
-            if t.device != ref.device:
-                raise ValueError(f"{op}: tensor_lists[{li}][{ti}] is on {t.device}, tensor_lists[0][{ti}] on "
-                                 f"{ref.device}")
+            if t.device != lists[0][0].device:
+                raise ValueError(f"{op}: every tensor must be on one device: tensor_lists[{li}][{ti}] is on "
+                                 f"{t.device}, tensor_lists[0][0] on {lists[0][0].device}")
             if not _dense(t):
                 raise ValueError(f"{op}: tensor_lists[{li}][{ti}] must be contiguous (or channels_last), got "
                                  f"shape {tuple(t.shape)} with strides {tuple(t.stride())}")
@@ -146,6 +150,8 @@ def _plain_lists(lists: List[list]) -> bool:
                 and all(map(_is, map(get_layout, tl), _repeat(torch.strided))) and all(map(is_contiguous, tl))):
             return False
     shapes, devices = list(map(get_shape, first)), list(map(get_device, first))
+    if len(set(devices)) > 1:  # upstream's rule: every tensor on the device of the first
+        return False
     return all(list(map(get_shape, tl)) == shapes and list(map(get_device, tl)) == devices for tl in others)
 
 
@@ -170,7 +176,8 @@ def _flag_is_set(noop_flag: torch.Tensor) -> bool:
 
 
 def _set_flag(noop_flag: torch.Tensor) -> None:
-    noop_flag.reshape(-1)[0:1].fill_(1)
+    # the first element in index order, written where it lives (reshape would copy a non-contiguous flag)
+    noop_flag[(0,) * noop_flag.dim()].fill_(1)
 
 
 def _number(value: Any, name: str, op: str) -> float:
@@ -179,9 +186,12 @@ def _number(value: Any, name: str, op: str) -> float:
         if value.numel() != 1:
             raise ValueError(f"{op}: {name} must be a number or a one-element tensor, got {value.numel()} elements")
         return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: numpy's scalars too
         raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{op}: {name} must be within the float64 range, got {value}") from None
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -317,7 +327,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     if _in_place(src, dst) and _core.kernel_many(src) and _disjoint(src):
         # in place on CPU: one apex_C pass over the tensors' address table, where the loop below makes one call
         # per tensor (the same element kernel: the same bits)
-        if _core.scale_gather_(src, scale, check=True):
+        if _core._scale_gather_unchecked(src, scale, check=True):
             _set_flag(noop_flag)
         return
     bad = False
@@ -440,14 +450,34 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor
 
 
 # ---------------------------------------------------------------- optimizer ops
-def _bias_corrections(beta1: float, beta2: float, step: float, on: bool) -> Tuple[float, float]:
-    return (1 - beta1**step, 1 - beta2**step) if on else (1.0, 1.0)
+def _bias_corrections(op: str, beta1: float, beta2: float, step: float, on: bool,
+                      root: bool = False) -> Tuple[float, float]:
+    """(1 - beta1^step, 1 - beta2^step), or (1, 1) when ``on`` is false. Raises, before anything is written,
+    where upstream's kernels would divide every element by 0 or inf, or take the root of a negative (``root``:
+    the second correction is square-rooted) or complex number: a step of 0, |beta| > 1 at a large step, a
+    negative beta at a fractional step."""
+    if not on:
+        return 1.0, 1.0
+    try:
+        bcs = (1 - beta1**step, 1 - beta2**step)
+    except (OverflowError, ZeroDivisionError):
+        bcs = None
+    if (bcs is None or not all(isinstance(b, float) and math.isfinite(b) and b != 0 for b in bcs)
+            or (root and bcs[1] < 0)):
+        need = "a finite nonzero real number" + (", the second one positive" if root else "")
+        raise ValueError(f"{op}: the bias corrections 1 - beta1**step and 1 - beta2**step must each be {need}; "
+                         f"got beta1={beta1!r}, beta2={beta2!r}, step={step!r}")
+    return bcs
 
 
 def _check_mode(op: str, mode: Any) -> int:
-    if mode not in (0, 1):
+    try:
+        value = operator.index(mode)  # ints, numpy ints, one-element integer tensors
+    except TypeError:
+        value = None
+    if value not in (0, 1):
         raise ValueError(f"{op}: mode must be 0 (L2 decay) or 1 (decoupled decay), got {mode!r}")
-    return int(mode)
+    return value
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr, beta1: float, beta2: float,
@@ -467,6 +497,7 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     grad_scale = 1.0 if inv_scale is None else _number(inv_scale, "inv_scale", op)
     beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
+    _bias_corrections(op, beta1, beta2, step, bool(bias_correction), root=True)  # raises before any write
     for g, p, m, v in zip(gs, ps, ms, vs):
         p32, m32, v32 = _work(p), _work(m), _work(v)
         adam_math(p32, g.detach().float(), m32, v32, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -536,8 +567,11 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
     mode = _check_mode(op, mode)
     norm, max_norm = _number(global_grad_norm, "global_grad_norm", op), _number(max_grad_norm, "max_grad_norm", op)
+    if norm > max_norm and not max_norm > 0:
+        raise ValueError(f"{op}: max_grad_norm must be > 0 to clip by global_grad_norm / max_grad_norm; got "
+                         f"max_grad_norm={max_norm!r} with global_grad_norm={norm!r}")
     clip = norm / max_norm if norm > max_norm else 1.0
-    bc1, bc2 = _bias_corrections(beta1, beta2, step, bool(bias_correction))
+    bc1, bc2 = _bias_corrections(op, beta1, beta2, step, bool(bias_correction), root=True)
     beta3 = 1 - beta1 if grad_averaging else 1.0
     ratio_on = bool(use_nvlamb) or wd != 0
     param_norms = _norms(op, noop_flag, ps, 1.0, True)[1].tolist() if ps else []
@@ -583,7 +617,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
     mode = _check_mode(op, mode)
-    bc1, bc2 = _bias_corrections(beta1, beta2, step, bool(bias_correction))
+    bc1, bc2 = _bias_corrections(op, beta1, beta2, step, bool(bias_correction), root=True)
     bc2 = math.sqrt(bc2)
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for g, p, m, gn in zip(gs, ps, ms, grad_norms.detach().float().reshape(-1).tolist()):
