@@ -383,3 +383,98 @@ def test_wraps_apex_fused_optimizers_like_torch_ones():
         results.append([m.detach().clone() for m in opt.fp32_from_fp16_groups[0]])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- bad input leaves nothing changed
+@pytest.mark.parametrize("bad, error", [
+    ({"cur_scale": 8.0, "cur_iter": "x", "last_overflow_iter": 0}, ValueError),
+    ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": None}, ValueError),
+    ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": 0, "scale_window": 0}, ValueError),
+    ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": 0, "scale_factor": "x"}, TypeError),
+    ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": 0, "scale_factor": 1.0}, ValueError),
+    ({"cur_scale": 8.0}, KeyError),
+    ([8.0], TypeError),
+])
+def test_dynamic_scaler_load_state_dict_checks_every_field_first(bad, error):
+    s = DynamicLossScaler(init_scale=4.0)
+    before = s.state_dict()
+    with pytest.raises(error, match=r"DynamicLossScaler\.load_state_dict"):
+        s.load_state_dict(bad)
+    assert s.state_dict() == before
+    s.load_state_dict({"cur_scale": 8.0, "cur_iter": 3, "last_overflow_iter": 1, "scale_window": 2})
+    assert (s.cur_scale, s.cur_iter, s.last_overflow_iter, s.scale_window) == (8.0, 3, 1, 2)
+
+
+def test_static_scaler_load_state_dict_names_the_missing_key():
+    with pytest.raises(KeyError, match=r"LossScaler.load_state_dict: the state lacks \['cur_scale'\]"):
+        LossScaler().load_state_dict({})
+    with pytest.raises(TypeError, match="one-element tensor or a non-empty sequence"):
+        to_python_float([])
+
+
+def test_param_copies_check_every_pair_before_copying():
+    a, b = torch.zeros(3, dtype=torch.half), torch.zeros(2, dtype=torch.half)
+    with pytest.raises(ValueError, match="param 1: the source is a meta tensor"):
+        master_params_to_model_params([a, b], [torch.ones(3), torch.ones(2, device="meta")])
+    assert not a.any()  # the first pair was not copied
+    with torch.inference_mode():
+        frozen = torch.zeros(2, dtype=torch.half)
+    with pytest.raises(RuntimeError, match="param 1: the destination is an inference tensor"):
+        master_params_to_model_params([a, frozen], [torch.ones(3), torch.ones(2)])
+    assert not a.any()
+    with pytest.raises(TypeError, match="model param 0 must be a tensor, got NoneType"):
+        master_params_to_model_params([None], [torch.ones(3)])
+    with pytest.raises(TypeError, match="model param 0 must be a tensor, got NoneType"):
+        model_grads_to_master_grads([None], [torch.ones(3)], flat_master=True)
+    model = [nn.Parameter(torch.zeros(3, dtype=torch.half)),
+             nn.Parameter(torch.zeros(2, dtype=torch.half, device="meta"))]
+    model[0].grad, model[1].grad = torch.ones(3, dtype=torch.half), torch.ones(2, dtype=torch.half, device="meta")
+    masters = [torch.zeros(3), torch.zeros(2)]
+    with pytest.raises(ValueError, match="param 1: the source is a meta tensor"):
+        model_grads_to_master_grads(model, masters)
+    assert masters[0].grad is None
+
+
+def test_load_state_dict_with_bad_masters_or_flags_changes_nothing():
+    model = _half_model()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 2.0**4}, verbose=False)
+    opt.backward(model(torch.randn(4, 6).half()).float().sum())
+    opt.step()
+    before = opt.state_dict()
+    other = FP16_Optimizer(torch.optim.SGD(_half_model().parameters(), lr=0.1, momentum=0.9),
+                           dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 4.0}, verbose=False)
+    good = other.state_dict()
+    cases = []
+    meta = dict(good, fp32_from_fp16=[[m.to("meta") for m in g] for g in good["fp32_from_fp16"]])
+    cases.append((meta, TypeError, "meta tensor"))
+    cases.append((dict(good, fp32_from_fp16=[[m.numpy() for m in g] for g in good["fp32_from_fp16"]]), TypeError,
+                   "ndarray"))
+    cases.append((dict(good, first_closure_call_this_step=torch.ones(2)), TypeError, "with 2 elements"))
+    cases.append((dict(good, overflow="no"), TypeError, "overflow must be a bool"))
+    for bad, error, match in cases:
+        with pytest.raises(error, match=match):
+            opt.load_state_dict(bad)
+        now = opt.state_dict()
+        assert now["loss_scaler"] == before["loss_scaler"] and now["overflow"] == before["overflow"]
+        st_now, st_before = now["optimizer_state_dict"]["state"], before["optimizer_state_dict"]["state"]
+        assert st_now.keys() == st_before.keys() and st_before
+        assert all(torch.equal(st_now[k]["momentum_buffer"], st_before[k]["momentum_buffer"]) for k in st_now)
+        for g_now, g_before in zip(now["fp32_from_fp16"], before["fp32_from_fp16"]):
+            assert all(torch.equal(x, y) for x, y in zip(g_now, g_before))
+
+
+def test_step_whose_closure_raises_leaves_the_scaler_as_it_was():
+    model = _half_model()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    before = opt.loss_scaler.state_dict()
+
+    def closure():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step(closure)
+    assert opt.loss_scaler.state_dict() == before
+    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+        opt.loss_scale = 0
+    assert opt.loss_scaler.state_dict() == before

@@ -21,11 +21,21 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params, model_grads_to_master_grads
-from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler, _check_positive
 
 __all__ = ["FP16_Optimizer"]
 
 _LOW = (torch.float16, torch.bfloat16)
+
+
+def _flag(value: Any, name: str, where: str) -> bool:
+    """A saved flag: a bool (or a number / one-element tensor, as older checkpoints may hold)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return bool(value.item())
+    if isinstance(value, (bool, int, float)):
+        return bool(value)
+    raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}"
+                    + (f" with {value.numel()} elements" if isinstance(value, torch.Tensor) else ""))
 
 
 class FP16_Optimizer:
@@ -179,7 +189,7 @@ class FP16_Optimizer:
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.loss_scaler.cur_scale = value
+        self.loss_scaler.cur_scale = _check_positive(value, "loss_scale", "FP16_Optimizer")
 
     @property
     def state(self):
@@ -217,14 +227,20 @@ class FP16_Optimizer:
         closure is re-run after every overflow until the grads are finite, backing the scale off each time.
         """
         scale = self.loss_scale
-        self._update_scale(self.overflow)
-        if self.overflow:
-            self._report_skip(scale)
-            return None
-        if closure is not None:
-            result = self._step_with_closure(closure)
-        else:
-            result = self.optimizer.step()
+        # a step that raises (its closure, the wrapped optimizer) leaves the scaler as it found it
+        scaler_before = self.loss_scaler.state_dict()
+        try:
+            self._update_scale(self.overflow)
+            if self.overflow:
+                self._report_skip(scale)
+                return None
+            if closure is not None:
+                result = self._step_with_closure(closure)
+            else:
+                result = self.optimizer.step()
+        except BaseException:
+            self.loss_scaler.load_state_dict(scaler_before)
+            raise
         self._master_params_to_model_params()
         return result
 
@@ -279,6 +295,9 @@ class FP16_Optimizer:
         if missing:
             raise KeyError(f"{where}: the state_dict lacks {missing}")
         saved = state_dict["fp32_from_fp16"]
+        if not isinstance(saved, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in saved):
+            raise TypeError(f"{where}: fp32_from_fp16 must be a list of lists of tensors, got "
+                            f"{type(saved).__name__}")
         if len(saved) != len(self.fp32_from_fp16_groups):
             raise ValueError(f"{where}: {len(saved)} saved master groups, the optimizer has "
                              f"{len(self.fp32_from_fp16_groups)}")
@@ -286,21 +305,27 @@ class FP16_Optimizer:
             if len(current) != len(old):
                 raise ValueError(f"{where}: group {gi}: {len(old)} saved masters, {len(current)} current ones")
             for pi, (c, o) in enumerate(zip(current, old)):
+                if not isinstance(o, torch.Tensor) or o.device.type == "meta" or o.is_complex():
+                    what = (type(o).__name__ if not isinstance(o, torch.Tensor)
+                            else "a meta tensor (no values)" if o.device.type == "meta" else f"{o.dtype}")
+                    raise TypeError(f"{where}: group {gi} master {pi}: expected a real tensor holding values, "
+                                    f"got {what}")
                 if tuple(c.shape) != tuple(o.shape):
                     raise ValueError(f"{where}: group {gi} master {pi}: saved shape {tuple(o.shape)}, current "
                                      f"{tuple(c.shape)}")
         scaler_state = state_dict["loss_scaler"]
-        dynamic = bool(state_dict["dynamic_loss_scale"])
+        flags = {k: _flag(state_dict.get(k, True), k, where)
+                 for k in ("dynamic_loss_scale", "overflow", "first_closure_call_this_step")}
         if isinstance(scaler_state, LossScaler):
             scaler = scaler_state
         else:
-            scaler = DynamicLossScaler() if dynamic else LossScaler()
+            scaler = DynamicLossScaler() if flags["dynamic_loss_scale"] else LossScaler()
             scaler.load_state_dict(scaler_state)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler = scaler
-        self.dynamic_loss_scale = dynamic
-        self.overflow = bool(state_dict["overflow"])
-        self.first_closure_call_this_step = bool(state_dict.get("first_closure_call_this_step", True))
+        self.dynamic_loss_scale = flags["dynamic_loss_scale"]
+        self.overflow = flags["overflow"]
+        self.first_closure_call_this_step = flags["first_closure_call_this_step"]
         with torch.no_grad():
             for current, old in zip(self.fp32_from_fp16_groups, saved):
                 for c, o in zip(current, old):

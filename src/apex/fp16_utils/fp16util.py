@@ -143,9 +143,22 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> Tuple[List[
     return model_params, masters
 
 
+def _check_copy(where: str, what: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Raises where ``dst.copy_(src)`` would fail, so that a list is checked whole before any pair is copied."""
+    if src.device.type == "meta" and dst.device.type != "meta":
+        raise ValueError(f"{where}: {what}: the source is a meta tensor, which holds no values")
+    if dst.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{where}: {what}: the destination is an inference tensor, which cannot be written "
+                           "outside torch.inference_mode()")
+
+
 def _check_pairing(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
                    flat_master: bool, where: str) -> None:
     model_params, master_params = list(model_params), list(master_params)
+    for name, ps in (("model", model_params), ("master", master_params)):
+        for i, p in enumerate(ps):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{where}: {name} param {i} must be a tensor, got {type(p).__name__}")
     if flat_master:
         if len(master_params) != 1:
             raise ValueError(f"{where}: flat_master=True expects one flat master, got {len(master_params)}")
@@ -167,7 +180,12 @@ def model_grads_to_master_grads(model_params: Sequence[torch.Tensor], master_par
     """Copy the model grads into the masters' grads (allocated as needed); a model param without a
     grad leaves its master without one."""
     model_params, master_params = list(model_params), list(master_params)
-    _check_pairing(model_params, master_params, flat_master, "model_grads_to_master_grads")
+    where = "model_grads_to_master_grads"
+    _check_pairing(model_params, master_params, flat_master, where)
+    if not flat_master:
+        for i, (model, master) in enumerate(zip(model_params, master_params)):
+            if model.grad is not None:
+                _check_copy(where, f"param {i}", master, model.grad)
     if flat_master:
         master = master_params[0]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
@@ -188,7 +206,10 @@ def master_params_to_model_params(model_params: Sequence[torch.Tensor], master_p
                                   flat_master: bool = False) -> None:
     """Copy the master values into the model params (rounded to the model dtype)."""
     model_params, master_params = list(model_params), list(master_params)
-    _check_pairing(model_params, master_params, flat_master, "master_params_to_model_params")
+    where = "master_params_to_model_params"
+    _check_pairing(model_params, master_params, flat_master, where)
+    for i, model in enumerate(model_params):
+        _check_copy(where, f"param {i}", model, master_params[0] if flat_master else master_params[i])
     with torch.no_grad():
         if flat_master:
             for model, part in zip(model_params, _unflatten_dense_tensors(master_params[0].detach(), model_params)):

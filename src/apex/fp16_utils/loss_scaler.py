@@ -13,7 +13,8 @@ clean first grows after ``scale_window`` iterations, since the last overflow cou
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable
+import operator
+from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
@@ -26,7 +27,10 @@ def to_python_float(t: Any) -> float:
     """The Python number held by a one-element tensor (or the first item of a sequence)."""
     if hasattr(t, "item"):
         return t.item()
-    return t[0]
+    try:
+        return t[0]
+    except (IndexError, KeyError, TypeError):
+        raise TypeError(f"to_python_float: expected a one-element tensor or a non-empty sequence, got {t!r}") from None
 
 
 def _check_positive(value: Any, name: str, where: str) -> float:
@@ -35,6 +39,27 @@ def _check_positive(value: Any, name: str, where: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{where}: {name} must be a finite number > 0, got {value}")
     return value
+
+
+def _fields(state: Any, required: Tuple[str, ...], where: str) -> Dict[str, Any]:
+    """``state`` as a mapping holding every key of ``required``; raises naming what is missing."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}: expected a dict (a state_dict()), got {type(state).__name__}")
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise KeyError(f"{where}: the state lacks {missing} (it has {sorted(map(str, state))})")
+    return state
+
+
+def _check_int(value: Any, name: str, where: str, least: int) -> int:
+    """An int >= ``least`` (ints, numpy ints, one-element integer tensors)."""
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None or out < least:
+        raise ValueError(f"{where}: {name} must be an int >= {least}, got {value!r}")
+    return out
 
 
 def _grads(params: Iterable[Any]):
@@ -79,7 +104,8 @@ class LossScaler:
         return {"cur_scale": self.cur_scale}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.cur_scale = _check_positive(state["cur_scale"], "cur_scale", "LossScaler.load_state_dict")
+        where = "LossScaler.load_state_dict"
+        self.cur_scale = _check_positive(_fields(state, ("cur_scale",), where)["cur_scale"], "cur_scale", where)
 
 
 class DynamicLossScaler(LossScaler):
@@ -131,13 +157,15 @@ class DynamicLossScaler(LossScaler):
                 "scale_factor": self.scale_factor, "scale_window": self.scale_window}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores a `state_dict`; every field is checked before any is applied (a bad one changes nothing)."""
         where = "DynamicLossScaler.load_state_dict"
-        missing = [k for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k not in state]
-        if missing:
-            raise KeyError(f"{where}: the state lacks {missing}")
+        state = _fields(state, ("cur_scale", "cur_iter", "last_overflow_iter"), where)
         cur_scale = _check_positive(state["cur_scale"], "cur_scale", where)
-        self.cur_scale = cur_scale
-        self.cur_iter = int(state["cur_iter"])
-        self.last_overflow_iter = int(state["last_overflow_iter"])
-        self.scale_factor = state.get("scale_factor", self.scale_factor)
-        self.scale_window = state.get("scale_window", self.scale_window)
+        cur_iter = _check_int(state["cur_iter"], "cur_iter", where, 0)
+        last_overflow_iter = _check_int(state["last_overflow_iter"], "last_overflow_iter", where, -1)
+        scale_factor = _check_positive(state.get("scale_factor", self.scale_factor), "scale_factor", where)
+        if scale_factor <= 1.0:
+            raise ValueError(f"{where}: scale_factor must be > 1, got {scale_factor!r}")
+        scale_window = _check_int(state.get("scale_window", self.scale_window), "scale_window", where, 1)
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = cur_scale, cur_iter, last_overflow_iter
+        self.scale_factor, self.scale_window = scale_factor, scale_window
