@@ -139,3 +139,88 @@ def test_copies_keep_the_options_and_train_on_like_the_original(cls, how):
         opt.step()
         opt2.step()
     assert all(torch.equal(p, q) for p, q in zip(ps, ps2))
+
+
+# ---------------------------------------------------------------- more of what user code rewrites between steps
+@pytest.mark.parametrize("cls", [ao.FusedNovoGrad, ao.NpuFusedBertAdam, ao.NpuFusedAdam], ids=lambda c: c.__name__)
+def test_an_int_beyond_int64_is_refused_before_anything_moves(cls):
+    """torch's ops take Python ints as int64: a larger int option would fail halfway through the update."""
+    ps, opt, gen = _two_groups(cls)
+    _grads(ps, gen)
+    opt.step()
+    key = "max_grad_norm" if cls is ao.NpuFusedBertAdam else "eps"
+    opt.param_groups[1][key] = 2**200 if key == "max_grad_norm" else 2**64
+    _grads(ps, gen)
+    snap = snapshot(opt, ps)
+    with pytest.raises(ValueError, match=r"param group 1: Invalid .*an int must fit in int64"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+    with pytest.raises(ValueError, match="an int must fit in int64"):
+        cls(ps, lr=1e-2, **{key: 2**64})
+
+
+@pytest.mark.parametrize("cls", [ao.FusedAdam, ao.FusedLAMB, ao.FusedNovoGrad, ao.FusedMixedPrecisionLamb],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("bad", [-1, float("nan"), "x"], ids=["negative", "nan", "str"])
+def test_nvidia_group_step_rewritten_to_a_non_count_is_refused(cls, bad):
+    ps, opt, gen = _two_groups(cls)
+    _grads(ps, gen)
+    opt.step()
+    opt.param_groups[1]["step"] = bad
+    _grads(ps, gen)
+    snap = snapshot(opt, ps)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: param group 1: 'step' must be a count >= 0"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+
+
+@pytest.mark.parametrize("cls", [ao.FusedLAMB, ao.FusedMixedPrecisionLamb], ids=lambda c: c.__name__)
+def test_lamb_with_a_global_norm_steps_without_any_grad(cls):
+    """No grad anywhere (a new optimizer, or one restored from a pickle or a checkpoint): the global norm is 0,
+    nothing is updated, and the group step counts on, as upstream's."""
+    ps, opt, gen = _two_groups(cls)
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+    _grads(ps, gen)
+    pickle.loads(pickle.dumps(opt)).step()  # the copy's params have no grads
+
+
+def test_add_param_group_names_what_is_missing():
+    _, opt, _ = _two_groups(ao.NpuFusedAdam)
+    with pytest.raises(KeyError, match="param_group must have a 'params' entry"):
+        opt.add_param_group({"lr": 0.1})
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=r"param_group\['params'\] must be a tensor or an iterable of tensors"):
+            opt.add_param_group({"params": bad})
+    assert len(opt.param_groups) == 2
+
+
+def test_load_state_dict_takes_param_groups_as_a_tuple():
+    ps, opt, gen = _two_groups(ao.NpuFusedAdam)
+    _grads(ps, gen)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"] = tuple(sd["param_groups"])  # torch accepts a tuple
+    _, opt2, _ = _two_groups(ao.NpuFusedAdam, seed=1)
+    opt2.load_state_dict(sd)
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("bad", ["lr='abc'", "lr=None", "eps=None", "betas='ab'", "state", "expanded"])
+def test_reference_lamb_checks_what_user_code_rewrote_before_any_update(bad):
+    """apex.optimizers.Lamb (torch ops, no combining) re-checks its groups, states and params at every step."""
+    ps, opt, gen = _two_groups(ao.Lamb)
+    _grads(ps, gen)
+    opt.step()
+    if bad == "state":
+        opt.state[ps[0]]["exp_avg"] = torch.zeros(7)
+    elif bad == "expanded":
+        ps[2].data = torch.randn(1).expand(4)
+    else:
+        key, value = bad.split("=")
+        opt.param_groups[0][key] = eval(value)
+    snap = snapshot(opt, ps)
+    with pytest.raises((TypeError, ValueError, RuntimeError), match="Lamb: "):
+        opt.step()
+    assert_unchanged(opt, ps, snap)

@@ -82,6 +82,8 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
+    if isinstance(value, int) and not -2**63 <= value < 2**63:  # torch's ops take Python ints as int64
+        raise ValueError(f"Invalid {name}: an int must fit in int64 (pass a float for larger values), got {value}")
     if abs(value) > _FLOAT32_MAX and not allow_inf:  # the update math runs in float32
         raise ValueError(f"Invalid {name}: expected a finite value (at most {_FLOAT32_MAX:.4g}), got {value}")
     bad_lo = value <= lo if lo_open else value < lo
@@ -180,12 +182,20 @@ def group_params(param_group) -> Optional[List[torch.Tensor]]:
     """
     if not isinstance(param_group, dict):
         raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+    if "params" not in param_group:
+        raise KeyError(f"param_group must have a 'params' entry (the tensors to optimize); it has "
+                       f"{sorted(map(str, param_group))}")
     params = param_group["params"]
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, (set, frozenset)):
         return None
-    param_group["params"] = params = list(params)
+    try:
+        materialised = list(params)
+    except TypeError:
+        raise TypeError(f"param_group['params'] must be a tensor or an iterable of tensors, got "
+                        f"{type(params).__name__}") from None
+    param_group["params"] = params = materialised
     return params
 
 
@@ -648,7 +658,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise TypeError(f"{name}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
         probes = []
-        for gi, g in enumerate(state_dict["param_groups"] if isinstance(state_dict["param_groups"], list) else ()):
+        for gi, g in enumerate(state_dict["param_groups"] if isinstance(state_dict["param_groups"], (list, tuple))
+                               else ()):
             if not isinstance(g, dict):
                 raise TypeError(f"{name}.load_state_dict: param group {gi} must be a dict, got {type(g).__name__}")
             probe = dict(self.defaults)

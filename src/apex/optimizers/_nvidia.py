@@ -18,6 +18,7 @@ bias correction.
 from __future__ import annotations
 
 import logging
+import math
 from itertools import chain
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -58,9 +59,30 @@ class NvidiaCompatMixin:
     def _prepare_counted_step(self):
         """`_prepare_step`, then the per-group step counts advanced: only once every grad has been accepted, so
         a rejected step leaves the counts as they were."""
+        self._check_group_steps()
         prepared = self._prepare_step()
         self._advance_group_steps()
         return prepared
+
+    def _check_group_steps(self) -> None:
+        """Every group's ``step`` (user code may rebind it) is a count >= 0, before anything is updated. A step
+        held in a device tensor is checked for its form only (reading it would wait for the device)."""
+        for gi, group in enumerate(self.param_groups):
+            step = group.get("step")
+            if step is None:
+                continue
+            value = step
+            if isinstance(step, torch.Tensor):
+                if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
+                    value = None
+                elif step.device.type == "cpu":
+                    value = step.item()
+                else:
+                    continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < 0):
+                raise ValueError(f"{type(self).__name__}: param group {gi}: 'step' must be a count >= 0 (a number "
+                                 f"or a one-element tensor), got {step!r}")
 
     @staticmethod
     def _use_group_step(s: FlatSet, group: dict) -> float:

@@ -118,6 +118,8 @@ def _segment_sums_sq(s: FlatSet) -> List[float]:
     arguments: from the flat buffer, or where autograd left the grads when the set is gathered."""
     a = s.args
     out = torch.zeros(s.nseg, dtype=torch.float64)
+    if s.n_skipped == s.nseg:  # no grad at all (a new optimizer, a restored one): there is no grad buffer to read
+        return out.tolist()
     a.skip = s.skip.data_ptr() if s.n_skipped else 0
     a.threads = _core.num_threads()
     grad_sum_sq_into(a, out)

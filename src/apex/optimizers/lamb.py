@@ -48,6 +48,25 @@ from .clip import grad_runs, prepared_grad_norm
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_flat_step", "lamb_moments", "lamb_trust_ratio"]
 
 
+def _check_live_state(name: str, gi: int, k: int, p: torch.Tensor, st: Optional[dict]) -> None:
+    """A param's state as the step will read it: moments shaped like the param, on its device, and a step
+    count (what user code may have rebound since the last step)."""
+    if not st:
+        return
+    where = f"{name}: state of param {k} in group {gi}"
+    for key in ("exp_avg", "exp_avg_sq"):
+        v = st.get(key)
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.shape != p.shape or v.device != p.device:
+            got = (f"{v.dtype} tensor of shape {tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor)
+                   else type(v).__name__)
+            raise ValueError(f"{where}: {key!r} must be a floating-point tensor of shape {tuple(p.shape)} on "
+                             f"{p.device}, got {got}")
+    step = st.get("step")
+    if not isinstance(step, (torch.Tensor, int, float)) or isinstance(step, bool) or (
+            isinstance(step, torch.Tensor) and step.numel() != 1):
+        raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got {step!r}")
+
+
 def _validate_lamb_group(group: dict) -> None:
     _check_adam_group(group)
     for key in ("adam", "use_global_grad_norm"):
@@ -284,7 +303,10 @@ class Lamb(torch.optim.Optimizer):
 
     def _check_step_inputs(self) -> None:
         """Everything a step could fail on, for every group, before the first param or state is touched."""
-        for group in self.param_groups:
+        name = type(self).__name__
+        for gi, group in enumerate(self.param_groups):
+            with naming(f"{name}: param group {gi}"):
+                _validate_lamb_group(group)  # options rewritten since add_param_group (a scheduler, user code)
             _check_params(self, group["params"])
             for k, p in enumerate(group["params"]):
                 g = p.grad
@@ -299,6 +321,10 @@ class Lamb(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"grad of param {k} has shape {tuple(g.shape)}; expected the param's {tuple(p.shape)}"
                     )
+                if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+                    raise RuntimeError(f"{name}: param {k} of group {gi} repeats memory (an expanded view, stride "
+                                       f"{tuple(p.stride())}): an in-place update cannot write it")
+                _check_live_state(name, gi, k, p, self.state.get(p))
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
