@@ -643,3 +643,94 @@ def test_o1_loss_casts_yield_to_a_user_registration():
     initialized("O1")
     assert F.l1_loss(torch.randn(3), torch.randn(3)).dtype == LOW
     assert F.mse_loss(torch.randn(3, dtype=LOW), torch.randn(3)).dtype == torch.float32
+
+
+# ---------------------------------------------------------------- mistakes: refused before anything changes
+@pytest.mark.parametrize("kw, match", [
+    ({"num_losses": 10**12}, "num_losses must be at most 65536"),
+    ({"loss_scale": 1e-45}, r"loss_scale must be in \[2\*\*-126, 2\*\*126\]"),
+    ({"loss_scale": 1e39}, r"loss_scale must be in \[2\*\*-126, 2\*\*126\]"),
+    ({"min_loss_scale": 1e-40}, r"min_loss_scale must be in \[2\*\*-126"),
+    ({"max_loss_scale": 2.0**127}, r"max_loss_scale must be in \[2\*\*-126"),
+    ({"dynamic_init_scale": 1e-45}, r"dynamic_init_scale must be in \[2\*\*-126"),
+])
+def test_initialize_refuses_counts_and_scales_it_cannot_honour(kw, match):
+    """A scale whose inverse is not a normal float32 unscales every grad to inf or 0 where no overflow check
+    sees it; a loss count is a scaler object each, made at initialize."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        amp.initialize(model, opt, opt_level="O1", verbosity=0, **kw)
+    assert _amp_state.session is None and not hasattr(opt, "_amp_stash")
+
+
+def test_initialize_checks_loaded_optimizer_state_before_casting_the_model():
+    import apex.optimizers as ao
+
+    model = torch.nn.Linear(4, 2)
+    opt = ao.NpuFusedAdam(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    good = opt.state[model.weight]["exp_avg"]
+    opt.state[model.weight]["exp_avg"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"key 'exp_avg': expected shape \(2, 4\)"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert model.weight.dtype == torch.float32 and _amp_state.session is None
+    opt.state[model.weight]["exp_avg"] = good
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)  # the same call, fixed, goes through
+    assert model.weight.dtype != torch.float32
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_error_inside_scale_loss_puts_the_grads_back(opt_level):
+    """The block raised after its backward: the accumulated grads are as before the block, none scaled."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    params = list(amp.master_params(opt))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(KeyError):
+        with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            raise KeyError("after backward")
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+    assert all(p.grad is None for p in model.parameters()) if opt_level == "O2" else True
+
+
+def test_master_params_refuses_a_non_optimizer_at_the_call():
+    for bad in (None, "x", torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match=r"amp\.master_params: expected an optimizer"):
+            amp.master_params(bad)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_error_inside_a_combined_scale_loss_never_steps_on_its_grads(opt_level):
+    """combine_grad: the failed block's grads live in the flat buffer with the earlier ones; the next step is
+    skipped, and the next block starts from zero grads, so its step is a plain one."""
+    import apex.optimizers as ao
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    twin = torch.nn.Linear(4, 2)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4)
+    runs = []
+    for m in (model, twin):
+        opt = ao.NpuFusedSGD(m.parameters(), lr=0.1)
+        m, opt = amp.initialize(m, opt, opt_level=opt_level, combine_grad=True, verbosity=0)
+        if m is model:
+            with pytest.raises(KeyError):
+                with amp.scale_loss(m(x).float().pow(2).mean(), opt) as scaled:
+                    scaled.backward()
+                    raise KeyError("after backward")
+            before = m.weight.detach().clone()
+            opt.step()  # skipped: nothing it could read is a clean grad
+            assert torch.equal(m.weight, before)
+        with amp.scale_loss(m(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        runs.append(m.weight.detach().clone())
+        amp.deinitialize()
+    assert torch.equal(runs[0], runs[1])

@@ -64,11 +64,12 @@ def test_dynamic_backoff_without_a_floor_stops_at_the_smallest_normal_float32():
         s.record_overflow(True)
         assert s.update_scale() is True
     assert s.loss_scale() == 2.0**-126
-    s.load(1e-320, 0)  # a subnormal scale from a checkpoint: the next backoff brings it up to the floor
-    s.clear_overflow_state()
-    s.record_overflow(True)
-    s.update_scale()
-    assert s.loss_scale() == 2.0**-126
+    # a scale whose inverse is not a normal float32 (a subnormal one, say) would unscale every grad to inf or 0
+    # unnoticed: a checkpoint holding one is refused, and the scaler keeps its state
+    for bad in (1e-320, 2.0**-127, 2.0**127):
+        with pytest.raises(ValueError, match=r"loss_scale'\] must be in \[2\*\*-126, 2\*\*126\]"):
+            s.load(bad, 0)
+        assert s.loss_scale() == 2.0**-126
 
 
 def test_scaler_custom_factors():

@@ -49,7 +49,11 @@ def maybe_log(msg: str, *args: Any, level: int = logging.INFO) -> None:
 def master_params(optimizer):
     """Yield the params the optimizer updates: the fp32 masters under O2, the model params otherwise.
 
-    This is what gradient clipping should see between ``scale_loss`` exit and ``step()``.
+    This is what gradient clipping should see between ``scale_loss`` exit and ``step()``. A generator, as
+    upstream's; a non-optimizer is refused at the call, not at the first iteration.
     """
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(f"amp.master_params: expected an optimizer (an object with param_groups), got "
+                        f"{type(optimizer).__name__}")
+    return (p for group in groups for p in group["params"])

@@ -367,7 +367,14 @@ class CombinedGrads:
         """Before a backward whose loss is multiplied by ``scale``."""
         discard = self.discard or self.stash.skip_pending is not None
         if self.buffers is None and (self.stash.pairs or not self.exited):
-            return  # O2 masters, or the first backward: its grads are combined (or read in place) at exit
+            # O2 masters, or the first backward: its grads are combined (or read in place) at exit. Grads to
+            # discard (a block that raised before any exit) are still the tensors autograd made: let them go.
+            if self.discard:
+                for p in ([m for _, m in self.stash.pairs] if self.stash.pairs
+                          else [p for g in self.optimizer.param_groups for p in g["params"]]):
+                    p.grad = None
+                self.discard = False
+            return
         if self.gathered or self.buffers is None:
             with torch.no_grad():
                 if self._prepare_in_place(scale, discard):

@@ -55,6 +55,7 @@ class AmpStash:
         self.check_combined_tensors = bool(props.check_combined_tensors)
         self.params_have_scaled_gradients = False
         self.skip_pending: Optional[Tuple[int, Any]] = None  # (loss_id, scaler) of the overflow to report
+        self.skip_after_error = False  # a combined scale_loss block raised: its grads are dropped, not stepped on
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp32 master, low-precision model param)
         self.master_ids: set = set()
         self.model_versions: List[int] = []
@@ -196,12 +197,22 @@ class AmpStash:
             model.grad = None
 
     def restore_after_error(self) -> None:
-        """The backward raised: put stashed grads back where nothing new arrived."""
+        """The scale_loss block raised (in its backward or after it): every grad is put back as it was before the
+        block, so the failed iteration's grads (scaled, maybe partial) are dropped, not left for the next step.
+
+        Combined grads: the backward added into the flat buffer in place, and taking its part out again would need
+        a copy of the buffer before every backward. The buffer is dropped at the next backward instead, and a
+        step() before another scale_loss exit is skipped: no scaled or partial grad reaches an update."""
+        if self.combined is not None:
+            self.combined.after_skip()
+            self.skip_after_error = True
+            return
         if self._stash_params is None:
             return
         for p, g in zip(self._stash_params, self._grad_stash):
-            if p.grad is None and g is not None:
-                p.grad = g
+            p.grad = g
+        for _, model in self.pairs:
+            model.grad = None  # prepare_backward cleared them: they hold only the failed backward's grads
         self._stash_params = self._grad_stash = None
 
     def post_backward(self, scale: float, check: bool, fold: bool) -> bool:
@@ -270,6 +281,11 @@ class AmpStash:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
         if self.skip_pending is not None:
             return self._skip()
+        if self.skip_after_error:
+            self.skip_after_error = False
+            maybe_log("Skipping step: the last scale_loss block raised, and the grads it left were dropped")
+            self.combined.after_skip()
+            return None
         opt = self.optimizer
         scale = self.combined.folded_scale() if self.combined is not None else None
         fused_torch = scale is not None and not self.ours

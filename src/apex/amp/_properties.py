@@ -18,6 +18,8 @@ from typing import Any, Dict
 
 import torch
 
+from .scaler import in_scale_range
+
 # Table entry meaning "the session's low-precision dtype", resolved per device.
 LOW = object()
 
@@ -172,4 +174,4 @@ def _loss_scale(value: Any):
         raise ValueError(f"amp.initialize: loss_scale must be 'dynamic' or a positive number, got {value!r}") from None
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"amp.initialize: loss_scale must be 'dynamic' or a positive number, got {value!r}")
-    return scale
+    return in_scale_range("amp.initialize", "loss_scale", scale)

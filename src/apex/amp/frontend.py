@@ -28,6 +28,9 @@ from ._optimizer import process_optimizer
 from ._properties import Properties, check_opt_level
 from .scaler import LossScaler, check_scale_value
 
+# More losses than any training script scales separately (GANs use two or three); each gets a scaler at initialize.
+MAX_LOSSES = 2 ** 16
+
 _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -194,11 +197,13 @@ def initialize(
     if not isinstance(fp32_state_dict, bool):
         raise TypeError(f"amp.initialize: fp32_state_dict must be a bool, got {fp32_state_dict!r}")
     num_losses = _check_int("num_losses", num_losses, 1)
+    if num_losses > MAX_LOSSES:  # one scaler object per loss is made now: a typo must not exhaust memory
+        raise ValueError(f"amp.initialize: num_losses must be at most {MAX_LOSSES}, got {num_losses}")
     scale_window = _check_int("scale_window", scale_window, 1)
     ddp_replica_count = _check_int("ddp_replica_count", ddp_replica_count, 1)
-    dynamic_init_scale = check_scale_value("dynamic_init_scale", dynamic_init_scale)
-    max_loss_scale = check_scale_value("max_loss_scale", max_loss_scale)
-    min_loss_scale = check_scale_value("min_loss_scale", min_loss_scale, allow_none=True)
+    dynamic_init_scale = check_scale_value("dynamic_init_scale", dynamic_init_scale, scale=True)
+    max_loss_scale = check_scale_value("max_loss_scale", max_loss_scale, scale=True)
+    min_loss_scale = check_scale_value("min_loss_scale", min_loss_scale, allow_none=True, scale=True)
     growth = check_scale_value("scale_growth_factor", scale_growth_factor)
     backoff = check_scale_value("scale_backoff_factor", scale_backoff_factor)
     if growth < 1.0:
@@ -233,6 +238,14 @@ def initialize(
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"Optimizer's parameters must be float32, float16 or bfloat16 for master "
                                     f"weights; optimizer {i} has a {p.dtype} param")
+
+    # existing optimizer state (a checkpoint loaded before initialize) is loaded again below, cast to the model's
+    # new dtype or moved to the fp32 masters: a state that load refuses must fail now, before a model is cast
+    if props.cast_model_type or props.master_weights:
+        for opt in opt_list:
+            check_loaded = getattr(opt, "_check_loaded", None)  # apex optimizers: load's checks, changing nothing
+            if opt.state and check_loaded is not None:
+                check_loaded(opt.state_dict())
 
     session = _Session(props, device_type, low)
     session.ddp_replica_count = ddp_replica_count

@@ -109,6 +109,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     for stash in stashes:
         scaler.record_overflow(stash.post_backward(scale, check=not use_flag, fold=True))
         stash.params_have_scaled_gradients = False
+        stash.skip_after_error = False  # a block after a failed one: its grads (the failed ones dropped) step
     if use_flag:
         scaler.record_overflow(_device.npu_get_overflow_flag() or loss_id in session.pending_flag_overflow)
         session.pending_flag_overflow.discard(loss_id)

@@ -45,6 +45,23 @@ def _positive(where: str, name: str, value: Any) -> float:
     return value
 
 
+# A loss scale and its inverse (the unscale factor) must both be normal float32 numbers: outside this range the
+# scaled loss or the unscaled grads overflow or flush to zero in every step, and no overflow check can catch it.
+SCALE_RANGE = (2.0 ** -126, 2.0 ** 126)
+
+
+def in_scale_range(where: str, name: str, value: float) -> float:
+    lo, hi = SCALE_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(f"{where}: {name} must be in [2**-126, 2**126] (its inverse must be a normal float32 too), "
+                         f"got {value}")
+    return value
+
+
+def _scale(where: str, name: str, value: Any) -> float:
+    return in_scale_range(where, name, _positive(where, name, value))
+
+
 def _count(where: str, name: str, value: Any, minimum: int) -> int:
     """A non-negative int (an integral float or 1-element integer tensor is accepted)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
@@ -78,8 +95,8 @@ class LossScaler:
         backoff_factor: float = 0.5,
     ) -> None:
         where = "LossScaler"
-        max_loss_scale = _positive(where, "max_loss_scale", max_loss_scale)
-        min_loss_scale = None if min_loss_scale is None else _positive(where, "min_loss_scale", min_loss_scale)
+        max_loss_scale = _scale(where, "max_loss_scale", max_loss_scale)
+        min_loss_scale = None if min_loss_scale is None else _scale(where, "min_loss_scale", min_loss_scale)
         if min_loss_scale is not None and min_loss_scale > max_loss_scale:
             raise ValueError(f"{where}: min_loss_scale ({min_loss_scale}) is larger than max_loss_scale "
                              f"({max_loss_scale})")
@@ -92,12 +109,12 @@ class LossScaler:
         window = _count(where, "scale_window", scale_window, 1)
         if loss_scale == "dynamic":
             self.dynamic = True
-            scale = min(max_loss_scale, _positive(where, "init_scale", init_scale))
+            scale = min(max_loss_scale, _scale(where, "init_scale", init_scale))
         elif isinstance(loss_scale, str):
             raise ValueError(f"{where}: loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
         else:
             self.dynamic = False
-            scale = _positive(where, "loss_scale", loss_scale)
+            scale = _scale(where, "loss_scale", loss_scale)
         self._loss_scale = scale
         self._max_loss_scale = max_loss_scale
         self._min_loss_scale = min_loss_scale
@@ -175,14 +192,14 @@ class LossScaler:
     def check_state(key: str, loss_scale: Any, unskipped: Any) -> tuple:
         """(scale, unskipped) validated; TypeError/ValueError naming ``key`` and the entry otherwise."""
         where = "amp.load_state_dict"
-        return (_positive(where, f"{key}['loss_scale']", loss_scale),
+        return (_scale(where, f"{key}['loss_scale']", loss_scale),
                 _count(where, f"{key}['unskipped']", unskipped, 0))
 
     def load(self, loss_scale: float, unskipped: int) -> None:
         """Sets the state after checking it (nothing changes when a value is rejected).
 
         The scale is taken as saved, even outside [min_loss_scale, max_loss_scale]: the next
-        growth or backoff brings it back inside.
+        growth or backoff brings it back inside. It must be in `SCALE_RANGE` (its inverse a normal float32).
         """
         scale, count = self.check_state("loss_scale", loss_scale, unskipped)
         self._loss_scale = scale
@@ -193,8 +210,9 @@ class LossScaler:
         return f"LossScaler({kind}, loss_scale={self._loss_scale}, unskipped={self._unskipped})"
 
 
-def check_scale_value(name: str, value, allow_none: bool = False) -> Optional[float]:
-    """A finite positive float (or None when allowed); raises TypeError/ValueError naming the option."""
+def check_scale_value(name: str, value, allow_none: bool = False, scale: bool = False) -> Optional[float]:
+    """A finite positive float (or None when allowed), within `SCALE_RANGE` when it is a loss ``scale``; raises
+    TypeError/ValueError naming the option."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -203,4 +221,4 @@ def check_scale_value(name: str, value, allow_none: bool = False) -> Optional[fl
     value = float(value)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"amp.initialize: {name} must be a finite positive number, got {value}")
-    return value
+    return in_scale_range("amp.initialize", name, value) if scale else value
