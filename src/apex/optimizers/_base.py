@@ -40,6 +40,7 @@ from .._tensor_utils import data_ptr, zero_grad_
 from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
 from ._state_check import COUNT, PARAM_SHAPED, STEP, check_unique_params, naming, validate_loaded_state
+from ._state_watch import StateWatch, WatchedStates
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -268,6 +269,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _init_combined(self) -> None:
         self._groups: Dict[int, _GroupCache] = {}
         self._force_rebuild = False
+        self._watch = StateWatch()  # set when user code rebinds a state entry (see _state_watch)
         self._rebuilt = False
         self.recombine_count = 0
         self.last_executor: Optional[str] = None
@@ -363,7 +365,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         The per-step cost: one data_ptr per param, as one map() over the group.
         """
         c = self._groups.get(gi)
-        if c is None or self._force_rebuild:
+        if c is None or self._force_rebuild or self._watch.dirty:
             return None
         ps = group["params"]
         if ps is not c.params or len(ps) != c.n or list(map(data_ptr, ps)) != c.ptrs:
@@ -377,6 +379,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if s.out_params is not None and not s.out_intact():
                 return None
         return c.sets
+
+    def _watch_state(self) -> None:
+        """``self.state`` as a watched mapping (see `_state_watch`). One this optimizer did not make (after
+        torch's ``__init__``, a load, an unpickle, or ``opt.state = ...``) is wrapped and counts as rebound."""
+        st = self.state
+        if type(st) is not WatchedStates or st._watch is not self._watch:
+            self.state = WatchedStates(self._watch, st)
+            self._watch.dirty = True
 
     def _check_rebuild(self, group: dict) -> None:
         """Everything a re-combine of `group` would reject, checked before anything is rebound."""
@@ -420,6 +430,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         plans = []
         for gi, group in enumerate(self.param_groups):
             self._check_step_group(gi, group)
+        self._watch_state()
         for gi, group in enumerate(self.param_groups):
             sets = self._intact_sets(gi, group)
             if sets is None:
@@ -440,7 +451,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                     healed |= bool(todo[1])
                 else:
                     healed |= s.sync_grads(todo) > 0 and counts
-        self._force_rebuild = False
+        self._force_rebuild = self._watch.dirty = False
         self._count_event(healed)
         return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
 
@@ -502,13 +513,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def _all_sets(self) -> List[FlatSet]:
         """Every flat set, (re-)combined where params moved; grads are not synced (see FlatSet.sync_grads)."""
         out: List[FlatSet] = []
+        self._watch_state()
         for gi, group in enumerate(self.param_groups):
             sets = self._intact_sets(gi, group)
             if sets is None:
                 self._check_rebuild(group)
                 sets = self._build_group(gi, group)
             out += sets
-        self._force_rebuild = False
+        self._force_rebuild = self._watch.dirty = False
         return out
 
     def _count_event(self, healed: bool) -> None:

@@ -53,6 +53,7 @@ from .._tensor_utils import (
     stride,
 )
 from ..contrib.combine_tensors import combine_tensors, plan_layout
+from ._state_watch import bind
 
 _repeat = itertools.repeat
 _eq = operator.eq
@@ -97,12 +98,26 @@ def check_states(params: Sequence[torch.Tensor], state: Dict[torch.Tensor, dict]
         if not st:
             continue
         for name in names:
-            old = st.get(name)
-            if isinstance(old, torch.Tensor) and old.numel() != p.numel():
+            if name not in st:
+                continue  # a missing entry starts fresh, as torch's lazy init
+            old = st[name]
+            if not isinstance(old, torch.Tensor) or not old.is_floating_point():
+                got = f"a {old.dtype} tensor" if isinstance(old, torch.Tensor) else type(old).__name__
+                raise TypeError(f"state {name!r} of param {k} must be a floating-point tensor, got {got}")
+            if old.device.type == "meta" and p.device.type != "meta":
+                raise ValueError(f"state {name!r} of param {k} is a meta tensor, which holds no values")
+            if old.numel() != p.numel():
                 raise ValueError(
                     f"state {name!r} of param {k} has {old.numel()} elements; expected {p.numel()} "
                     f"(param shape {tuple(p.shape)})"
                 )
+        if "step" in st:
+            step = st["step"]
+            value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex() \
+                else step
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                    or value == float("inf"):
+                raise ValueError(f"state 'step' of param {k} must be a count >= 0, got {step!r}")
 
 
 def _copy_many(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
@@ -191,7 +206,7 @@ class FlatSet:
                 else:
                     first[k] = 1  # never written: the optimizer's first-update rule applies
                 if st is not None:
-                    st[name] = views[k]
+                    bind(st, name, views[k])
 
         self.seg = torch.tensor([*self.offsets, self.total], dtype=torch.int64)
         self.seg_end = torch.tensor(ends, dtype=torch.int64)  # kernels stop each slot here: padding untouched
@@ -202,7 +217,7 @@ class FlatSet:
                 if st and "step" in st:
                     self.steps[k] = float(st["step"])
                 if st is not None:
-                    st["step"] = self.steps[k]
+                    bind(st, "step", self.steps[k])
         self.skip = torch.zeros(self.nseg, dtype=torch.uint8)
         self.first = torch.tensor(first, dtype=torch.uint8)
         self._n_first = sum(first)
@@ -683,9 +698,9 @@ class FlatSet:
                 continue
             st = state[p]
             if self.has_step:
-                st["step"] = self.steps[k]
+                bind(st, "step", self.steps[k])
             for name in self.state_names:
-                st[name] = self.state_views[name][k]
+                bind(st, name, self.state_views[name][k])
             self.exposed[k] = True
             self._n_unexposed -= 1
 

@@ -28,6 +28,7 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ._base import _GroupCache, check_betas
 from ._flat import FlatSet, check_grad
+from ._state_watch import bind
 
 logger = logging.getLogger("apex.optimizers")
 
@@ -340,7 +341,7 @@ class ShadowParamsMixin:
         """The base check compares a group's first set with its first param; a shadow set holds fp32 copies
         of the group's low-precision params, so it is checked against the params it writes instead."""
         c = self._groups.get(gi)
-        if c is None or self._force_rebuild or not c.sets or not isinstance(c.sets[0], ShadowSet):
+        if c is None or self._force_rebuild or self._watch.dirty or not c.sets or not isinstance(c.sets[0], ShadowSet):
             return super()._intact_sets(gi, group)
         ps = group["params"]
         if ps is not c.params or len(ps) != c.n or [p.data_ptr() for p in ps] != c.ptrs:
@@ -416,4 +417,4 @@ class ShadowParamsMixin:
                 continue
             for name, value in entry.items():
                 if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
-                    self.state[p][name] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                    bind(self.state[p], name, value.detach().to(device=p.device, dtype=torch.float32, copy=True))

@@ -47,6 +47,7 @@ from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._nvidia import NvidiaCompatMixin
 from ._state_check import SCALAR
+from ._state_watch import bind
 from .clip import grad_runs, grad_sum_sq_into
 
 __all__ = ["FusedNovoGrad"]
@@ -75,7 +76,7 @@ class _Norms:
             if old is not None:
                 self.gn[k] = float(old)
                 self.seen[k] = True
-                st["exp_avg_sq"] = self.gn[k]
+                bind(st, "exp_avg_sq", self.gn[k])
         self.n_unseen = int((~self.seen).sum())
 
 
@@ -186,7 +187,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
         active = (s.skip == 0) if s.n_skipped else torch.ones(s.nseg, dtype=torch.bool)
         new = active & ~aux.seen
         for k in torch.nonzero(new).flatten().tolist():
-            self.state[s.params[k]]["exp_avg_sq"] = aux.gn[k]
+            bind(self.state[s.params[k]], "exp_avg_sq", aux.gn[k])
         aux.seen |= active
         aux.n_unseen = int((~aux.seen).sum())
 
