@@ -734,3 +734,16 @@ def test_an_error_inside_a_combined_scale_loss_never_steps_on_its_grads(opt_leve
         runs.append(m.weight.detach().clone())
         amp.deinitialize()
     assert torch.equal(runs[0], runs[1])
+
+
+def test_state_dict_and_scale_loss_name_bad_arguments():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    with pytest.raises(TypeError, match=r"amp\.state_dict: destination must be a dict"):
+        amp.state_dict("x")
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # an index no loss can have
+        amp.load_state_dict({"loss_scaler" + "9" * 5000: {"loss_scale": 1.0, "unskipped": 0}})
+    with pytest.raises(TypeError, match="scale_loss: delay_unscale must be a bool"):
+        with amp.scale_loss(model(torch.randn(2, 4)).sum(), opt, delay_unscale=torch.ones(2)):
+            pass

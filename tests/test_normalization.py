@@ -336,3 +336,21 @@ def test_rms_norm_exports_to_onnx_opset_18(dynamo, device):
         ops = {node.op_type for node in graph.node}
         assert [i.name for i in graph.input][:1] == ["x_in"]
         assert "ReduceMean" in ops or "LayerNormalization" in ops, ops
+
+
+def test_bad_eps_and_inputs_are_named():
+    from apex.normalization import FusedLayerNorm, FusedRMSNorm
+    from apex.normalization.fused_layer_norm import fused_layer_norm, fused_layer_norm_affine
+
+    for cls in (FusedLayerNorm, FusedRMSNorm):
+        for eps in (float("nan"), float("inf"), 10**400, -1.0):
+            with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+                cls(4, eps=eps)
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match="input must be a dense"):
+        fused_layer_norm(x.to_sparse(), (4,))
+    nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    with pytest.raises(TypeError, match="a nested tensor"):
+        FusedLayerNorm(4)(nested)
+    with pytest.raises(TypeError, match=r"weight must be a floating-point tensor or None, got a torch\.int64 tensor"):
+        fused_layer_norm_affine(x, torch.ones(4, dtype=torch.long), torch.zeros(4), (4,))

@@ -224,3 +224,15 @@ def test_reference_lamb_checks_what_user_code_rewrote_before_any_update(bad):
     with pytest.raises((TypeError, ValueError, RuntimeError), match="Lamb: "):
         opt.step()
     assert_unchanged(opt, ps, snap)
+
+
+def test_step_names_a_closure_that_is_not_callable():
+    _, opt, _ = _two_groups(ao.NpuFusedAdam)
+    with pytest.raises(TypeError, match="the closure must be a callable"):
+        opt.step(5)
+
+
+@pytest.mark.parametrize("key", ["decoupled_decay", "lr_in_momentum"])
+def test_rmsprop_tf_flags_without_a_truth_value_are_refused_at_construction(key):
+    with pytest.raises(TypeError, match=f"Invalid {key}: expected a bool"):
+        ao.NpuFusedRMSpropTF([torch.nn.Parameter(torch.randn(3))], **{key: torch.ones(2)})

@@ -136,3 +136,10 @@ def test_state_dict_matches_torch_batchnorm():
     sync = convert_syncbn_model(torch.nn.BatchNorm2d(3))
     assert set(sync.state_dict()) == set(torch.nn.BatchNorm2d(3).state_dict())
     torch.nn.BatchNorm2d(3).load_state_dict(sync.state_dict())
+
+
+def test_a_process_group_of_the_wrong_type_is_refused_at_construction():
+    from apex.parallel import SyncBatchNorm
+
+    with pytest.raises(TypeError, match=r"process_group must be a torch\.distributed process group"):
+        SyncBatchNorm(4, process_group="x")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import MutableMapping
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -346,13 +347,15 @@ def deinitialize() -> None:
     _amp_state.loss_scalers = []
 
 
-_KEY = re.compile(r"loss_scaler(\d+)$")
+_KEY = re.compile(r"loss_scaler(\d{1,9})$")  # an index beyond 9 digits is no loss amp can have (MAX_LOSSES)
 
 
 def state_dict(destination=None):
     """``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` (upstream's format)."""
     if destination is None:
         destination = OrderedDict()
+    elif not isinstance(destination, MutableMapping):
+        raise TypeError(f"amp.state_dict: destination must be a dict (or None), got {type(destination).__name__}")
     for idx, scaler in enumerate(_amp_state.loss_scalers):
         destination[f"loss_scaler{idx}"] = scaler.state()
     return destination

@@ -63,6 +63,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss: loss must be a tensor, got {type(loss).__name__}")
     optimizers = _optimizer_list(optimizers)
+    for name, flag in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
+        if not isinstance(flag, (bool, int)):  # (upstream's scripts pass 0/1 too)
+            raise TypeError(f"scale_loss: {name} must be a bool, got {type(flag).__name__}")
     scalers = _amp_state.loss_scalers
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
         raise ValueError(

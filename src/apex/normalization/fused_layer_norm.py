@@ -27,8 +27,9 @@ instead of saving the input) is accepted and recorded; it changes nothing here.
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -72,20 +73,35 @@ def _shape(normalized_shape: ShapeLike, where: str) -> Tuple[int, ...]:
     return shape
 
 
+def _as_float(value: numbers.Real) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range
+        return math.inf
+
+
+def _check_eps(where: str, eps: Any) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= _as_float(eps) < math.inf:
+        raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
+
+
 def _check(where: str, x: torch.Tensor, shape: Tuple[int, ...], eps: float,
            params: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: input must be a floating-point tensor, got {got}")
+    if x.is_nested or x.layout != torch.strided:
+        raise TypeError(f"{where}: input must be a dense (strided) tensor, got "
+                        f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
     if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
         raise ValueError(f"{where}: input of shape {tuple(x.shape)} does not end with normalized_shape {shape}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
-        raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
+    _check_eps(where, eps)
     for name, p in params:
         if p is None:
             continue
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-            raise TypeError(f"{where}: {name} must be a floating-point tensor or None, got {type(p).__name__}")
+            got = f"a {p.dtype} tensor" if isinstance(p, torch.Tensor) else type(p).__name__
+            raise TypeError(f"{where}: {name} must be a floating-point tensor or None, got {got}")
         if tuple(p.shape) != shape:
             raise ValueError(f"{where}: {name} has shape {tuple(p.shape)}, expected normalized_shape {shape}")
         if p.device != x.device:
@@ -276,8 +292,7 @@ class FusedLayerNorm(nn.Module):
                  memory_efficient: bool = False) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_shape(normalized_shape, type(self).__name__))
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
-            raise ValueError(f"{type(self).__name__}: eps must be a number >= 0, got {eps!r}")
+        _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)
         self.memory_efficient = bool(memory_efficient)
@@ -315,8 +330,7 @@ class FusedRMSNorm(nn.Module):
                  memory_efficient: bool = False) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_shape(normalized_shape, type(self).__name__))
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
-            raise ValueError(f"{type(self).__name__}: eps must be a number >= 0, got {eps!r}")
+        _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)
         self.memory_efficient = bool(memory_efficient)

@@ -96,7 +96,8 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
 
 
 # group options read as booleans by the updates (NVIDIA's and torch's names)
-_FLAG_OPTIONS = ("amsgrad", "bias_correction", "centered", "grad_averaging", "init_zero", "nesterov")
+_FLAG_OPTIONS = ("amsgrad", "bias_correction", "centered", "decoupled_decay", "grad_averaging", "init_zero",
+                 "lr_in_momentum", "nesterov")
 
 
 def check_flags(group: dict) -> None:
@@ -158,6 +159,9 @@ def _call_closure(closure: Optional[Callable[[], Any]]) -> Any:
     """``closure()`` with grad enabled (steps run under no_grad), or None without a closure."""
     if closure is None:
         return None
+    if not callable(closure):
+        raise TypeError(f"step(closure): the closure must be a callable returning the loss (or None), got "
+                        f"{type(closure).__name__}")
     with torch.enable_grad():
         return closure()
 

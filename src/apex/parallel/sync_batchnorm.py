@@ -156,6 +156,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  fuse_relu: bool = False, device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
                          track_running_stats=track_running_stats, device=device, dtype=dtype)
+        pg_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+        if process_group is not None and pg_type is not None and not isinstance(process_group, pg_type):
+            raise TypeError(f"SyncBatchNorm: process_group must be a torch.distributed process group (or None for "
+                            f"the default group), got {type(process_group).__name__}")
         self.process_group = process_group
         self.channel_last = bool(channel_last)
         self.fuse_relu = bool(fuse_relu)
