@@ -747,3 +747,85 @@ def test_state_dict_and_scale_loss_name_bad_arguments():
     with pytest.raises(TypeError, match="scale_loss: delay_unscale must be a bool"):
         with amp.scale_loss(model(torch.randn(2, 4)).sum(), opt, delay_unscale=torch.ones(2)):
             pass
+
+
+# ---------------------------------------------------------------- training-loop sequences against their meaning
+_CASES = [("O1", None), ("O2", None), ("O1", True), ("O2", True)]
+
+
+def _linear(opt_level, combine, opt_cls=torch.optim.SGD, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    opt = opt_cls(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level=opt_level, combine_grad=combine, verbosity=0, **kw)
+
+
+@pytest.mark.parametrize("opt_level, combine", _CASES)
+def test_a_delayed_block_between_normal_ones_accumulates_each_grad_once(opt_level, combine):
+    """d(sum(w x))/dw = x per block: three blocks (the middle one delay_unscale) accumulate 3x, whatever order."""
+    model, opt = _linear(opt_level, combine, loss_scale=128.0)
+    x = torch.ones(1, 3)
+    opt.zero_grad()
+    for k in range(3):
+        with amp.scale_loss(model(x).float().sum(), opt, delay_unscale=(k == 1)) as scaled:
+            scaled.backward()
+    grad = next(iter(amp.master_params(opt))).grad.float()
+    assert torch.equal(grad, torch.full((1, 3), 3.0))
+
+
+@pytest.mark.parametrize("combine", [None, True])
+@pytest.mark.parametrize("opt_cls", ["SGD", "NpuFusedSGD"])
+def test_o2_masters_follow_a_model_loaded_mid_run(opt_cls, combine):
+    """model.load_state_dict after training began: the next step starts from the loaded weights (at w = 0 the
+    grad of (w x)^2 is 0, so SGD leaves them at 0), not from the masters of before the load."""
+    import apex.optimizers as ao
+
+    cls = torch.optim.SGD if opt_cls == "SGD" else ao.NpuFusedSGD
+    model, opt = _linear("O2", combine, opt_cls=cls)
+    x = torch.randn(8, 3)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    model.load_state_dict({"weight": torch.zeros(1, 3)})
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not model.weight.any() and not next(iter(amp.master_params(opt))).any()
+
+
+@pytest.mark.parametrize("combine", [None, True])
+def test_o2_masters_keep_their_precision_when_nothing_changed_the_model(combine):
+    """Steps too small for the bf16 model to see must still move the fp32 masters (a delayed first block
+    included): the masters are re-read from the model only where the user changed it."""
+    model, opt = _linear("O2", combine)
+    x = torch.ones(1, 3)
+    for _ in range(3):
+        opt.zero_grad()
+        for k in range(2):
+            with amp.scale_loss(model(x).float().sum() * 1e-4, opt, delay_unscale=(k == 0)) as scaled:
+                scaled.backward()
+        opt.step()
+    master = next(iter(amp.master_params(opt)))
+    assert not torch.equal(master, model.weight.float())
+
+
+@pytest.mark.parametrize("combine", [None, True])
+def test_o2_model_zero_grad_without_a_step_drops_the_master_grads(combine):
+    """An iteration abandoned after its backward (no step), then model.zero_grad(): the next iteration's master
+    grads are its own, as O1's grads are."""
+    model, opt = _linear("O2", combine)
+    x = torch.ones(1, 3)
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    model.zero_grad()
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    master = next(iter(amp.master_params(opt)))
+    assert torch.equal(master.grad.float(), torch.ones(1, 3))
+    before = master.detach().clone()
+    opt.step()
+    torch.testing.assert_close(master - before, torch.full((1, 3), -0.1))

@@ -59,7 +59,6 @@ class AmpStash:
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp32 master, low-precision model param)
         self.master_ids: set = set()
         self.model_versions: List[int] = []
-        self.masters_synced = False
         # apex optimizers (the DESIGN-NOTES protocol) vs anything else
         self.ours = callable(getattr(optimizer, "combined_grad_buffers", None)) and hasattr(
             optimizer, "apex_grad_scale"
@@ -142,18 +141,47 @@ class AmpStash:
             self.attached = True
             self.attach_checked = False
 
-    def sync_masters_once(self) -> None:
-        """Before the first backward: masters follow model weights loaded after amp.initialize.
+    def sync_masters(self) -> None:
+        """Before a backward: masters follow model weights changed since amp last wrote or read them (a checkpoint
+        loaded after amp.initialize, ``model.load_state_dict`` mid-run, an in-place edit under no_grad), found by
+        the params' version counters. Elements where the model still holds its master rounded to the model dtype
+        keep the master (its precision: a checkpoint that restored both, in either order, agrees there).
 
-        (Upstream created masters lazily at this point for the same reason.)
+        (Upstream created masters lazily before the first backward, and followed no later change.)
         """
-        if self.masters_synced:
+        changed = [i for i, ((_, model), seen) in enumerate(zip(self.pairs, self.model_versions))
+                   if model._version != seen]
+        if not changed:
             return
-        self.masters_synced = True
         with torch.no_grad():
-            for (master, model), version in zip(self.pairs, self.model_versions):
-                if model._version != version:
-                    master.copy_(model)
+            for i in changed:
+                master, model = self.pairs[i]
+                kept = model == master.to(model.dtype)
+                master.copy_(torch.where(kept, master, model.to(master.dtype)))
+        self.record_model_versions()
+
+    def drop_master_grads(self, model_ids: frozenset) -> None:
+        """``model.zero_grad()`` under master weights: the masters of those model params lose the grads they
+        accumulated since the last step, as the model params lost theirs, including what a delayed block set
+        aside for the next exit. Combined grads keep one flag for all masters: dropped when the zeroed models hold
+        every param the optimizer has masters for."""
+        if not self.pairs:
+            return
+        if self.combined is not None:
+            if all(id(model) in model_ids for _, model in self.pairs):  # (one flag for all of the set's masters)
+                self.combined.masters_have_grads = False
+            return
+        for master, model in self.pairs:
+            if id(model) in model_ids:
+                master.grad = None
+        if self._stash_params is not None:
+            dropped = {id(m) for m, model in self.pairs if id(model) in model_ids}
+            self._grad_stash = [None if id(p) in dropped else g for p, g in zip(self._stash_params, self._grad_stash)]
+
+    def record_model_versions(self) -> None:
+        """The model params' version counters after amp's own writes (or reads) of them: later changes are the
+        user's (see `sync_masters`)."""
+        self.model_versions = [model._version for _, model in self.pairs]
 
     def check_attached_copy(self) -> None:
         """Once, after the first real step: did the optimizer copy every master into its model param?
@@ -184,7 +212,7 @@ class AmpStash:
     def prepare_backward(self, scale: float) -> None:
         """Before a scaled backward (not called while grads are already scaled from delay_unscale)."""
         if self.master_weights:
-            self.sync_masters_once()
+            self.sync_masters()
         if self.combined is not None:
             self.combined.prepare(scale)  # before the first exit: nothing (the fresh grads are combined there)
             return
@@ -305,6 +333,8 @@ class AmpStash:
         if self.attached and not self.attach_checked:
             self.check_attached_copy()
         self.copy_masters_to_model()
+        if self.pairs:
+            self.record_model_versions()  # the step wrote the model params (here, or through attach_model_params)
         if self.combined is not None:
             self.combined.after_step(unscaled_in_place=fused_torch)
         else:
@@ -421,7 +451,7 @@ class AmpStash:
                     p.copy_(saved[i])
                 else:  # a checkpoint without masters: take them from the (loaded) model
                     p.copy_(model)
-        self.masters_synced = True
+        self.record_model_versions()
         if self.combined is not None:
             self.combined.invalidate()
 
@@ -443,8 +473,6 @@ def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStas
     props = session.properties
     if stash.master_weights:
         stash.make_masters()
-    else:
-        stash.masters_synced = True
     if props.combine_grad:
         stash.combined = CombinedGrads(stash)
         if props.fold_unscale:

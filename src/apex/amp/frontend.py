@@ -56,13 +56,12 @@ class _Session:
         self.ddp_replica_count = 4
 
     def on_model_zero_grad(self, model: torch.nn.Module, set_to_none: bool) -> None:
-        if set_to_none:
-            return  # grads are None now: nothing to accumulate onto
         ids = frozenset(id(p) for p in model.parameters())
         for opt in self.optimizers:
-            combined = opt._amp_stash.combined
-            if combined is not None:
-                combined.mark_zeroed(ids)
+            stash = opt._amp_stash
+            stash.drop_master_grads(ids)  # O2: the masters' grads are the model's, accumulated
+            if stash.combined is not None and not set_to_none:  # (set to None: nothing to accumulate onto)
+                stash.combined.mark_zeroed(ids)
 
     def teardown(self) -> None:
         self.function_patches.restore()
@@ -294,7 +293,7 @@ def initialize(
             session.model_patches.append(patch_forward(model, session, None, cast_model_outputs, autocast=autocast))
     for opt in opt_list:
         process_optimizer(opt, session)
-    if props.combine_grad:
+    if props.combine_grad or props.master_weights:
         for model in model_list:
             session.model_patches.append(patch_zero_grad(model, session.on_model_zero_grad))
 

@@ -86,7 +86,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     for stash in stashes:
         if stash.combined is not None:
             stash.prepare_backward(scale)  # pending-scale bookkeeping handles delayed and accumulated grads
-        elif not delay_unscale and not stash.params_have_scaled_gradients:
+        elif not stash.params_have_scaled_gradients:
+            # the first backward since the grads were last unscaled, delayed or not: unscaled grads (an earlier
+            # block's) are set aside, to be added back unscaled at the next real exit, never divided again
             stash.prepare_backward(scale)
     if ddp is not None:
         _ddp.call(ddp, "before_backward", [stash.combined for stash in stashes], delay_unscale)
