@@ -829,3 +829,21 @@ def test_o2_model_zero_grad_without_a_step_drops_the_master_grads(combine):
     before = master.detach().clone()
     opt.step()
     torch.testing.assert_close(master - before, torch.full((1, 3), -0.1))
+
+
+@pytest.mark.parametrize("opt_level, combine", _CASES)
+@pytest.mark.parametrize("delay", ["delay_overflow_check", "delay_unscale"])
+def test_an_overflow_in_a_delayed_block_skips_the_step(opt_level, combine, delay):
+    model, opt = _linear(opt_level, combine)
+    x = torch.ones(1, 3)
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().sum(), opt, **{delay: True}) as scaled:
+        scaled.backward()
+        model.weight.grad[0, 0] = float("inf")
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    before = model.weight.detach().clone()
+    scale = amp._amp_state.loss_scalers[0].loss_scale()
+    assert scale == 2.0**15  # backed off once
+    opt.step()
+    assert torch.equal(model.weight, before)

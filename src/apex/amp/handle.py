@@ -120,7 +120,15 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         session.pending_flag_overflow.discard(loss_id)
     if ddp is not None:  # every rank skips together
         scaler.record_overflow(bool(_ddp.call(ddp, "agree_overflow", scaler.has_overflow())))
-    should_skip = False if delay_overflow_check else scaler.update_scale()
+    # an overflow found at a delay_overflow_check exit is acted on at the next exit that checks: the grads that
+    # held it were unscaled and set aside, and the later exits' checks only see their own backward's grads
+    if delay_overflow_check:
+        scaler.carried_overflow = scaler.carried_overflow or scaler.has_overflow()
+        should_skip = False
+    else:
+        scaler.record_overflow(scaler.carried_overflow)
+        scaler.carried_overflow = False
+        should_skip = scaler.update_scale()
     if should_skip:
         for stash in stashes:
             if stash.skip_pending is None:

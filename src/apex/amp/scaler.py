@@ -117,6 +117,7 @@ class LossScaler:
             scale = _scale(where, "loss_scale", loss_scale)
         self._loss_scale = scale
         self._max_loss_scale = max_loss_scale
+        self.carried_overflow = False  # found at a delay_overflow_check exit, not yet acted on (see scale_loss)
         self._min_loss_scale = min_loss_scale
         self._scale_seq_len = window
         self._growth_factor = growth
