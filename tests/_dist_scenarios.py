@@ -434,12 +434,14 @@ def syncbn_inplace_relu(rank, world, channel_last=False):
             "positive": bool((ya >= 0).all()), "grad_nonzero": bool(a.grad.abs().sum() > 0)}
 
 
-def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, momentum=0.1, dims=4, steps=2):
-    """SyncBatchNorm over ranks vs BatchNorm over the whole batch in float64: outputs, grads, running stats."""
+def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, momentum=0.1, dims=4, steps=2, sizes=None,
+           offset=3.0):
+    """SyncBatchNorm over ranks vs BatchNorm over the whole batch in float64: outputs, grads, running stats.
+    ``sizes``: the local batch of each rank (an empty one included); ``offset``: the inputs' mean."""
     dt = getattr(torch, dtype)
     c = 3
     g = torch.Generator().manual_seed(7)
-    shape_per_rank = [2 + r for r in range(world)]  # uneven local batches
+    shape_per_rank = list(sizes) if sizes else [2 + r for r in range(world)]  # uneven local batches
     n = sum(shape_per_rank)
     spatial = (5, 4) if dims == 4 else (() if dims == 2 else (6,))
     bn = SyncBatchNorm(c, momentum=momentum, affine=affine, channel_last=channel_last).to(dt)
@@ -456,7 +458,7 @@ def syncbn(rank, world, dtype="float64", channel_last=False, affine=True, moment
     lo = sum(shape_per_rank[:rank])
     out = {}
     for step in range(steps):
-        x = torch.randn(n, c, *spatial, generator=g, dtype=torch.float64) * 2 + 3
+        x = torch.randn(n, c, *spatial, generator=g, dtype=torch.float64) * 2 + offset
         dy = torch.randn(n, c, *spatial, generator=g, dtype=torch.float64)
         xr = ref_in = x.clone().requires_grad_(True)
         y_ref = ref(ref_in)

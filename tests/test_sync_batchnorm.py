@@ -41,6 +41,9 @@ def _check(res, dtype, affine=True):
     (2, "float32", dict(channel_last=True)),
     (2, "float32", dict(dims=2, momentum=None)),
     (3, "float32", {}),
+    (2, "float64", dict(sizes=[0, 4], dims=3)),  # an empty local batch (its backward too)
+    (2, "float64", dict(sizes=[0, 5], channel_last=True)),
+    (2, "float64", dict(offset=1e5)),  # a mean large against the spread: no cancellation in the variance
     pytest.param(2, "float64", dict(affine=False, dims=3), marks=pytest.mark.full),
     pytest.param(3, "float64", dict(channel_last=True, dims=3), marks=pytest.mark.full),
 ])

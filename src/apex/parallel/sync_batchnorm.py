@@ -30,6 +30,7 @@ parallelism then averages them across ranks, as for any parameter).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -54,7 +55,8 @@ def _split_channels(x: torch.Tensor, channel_last: bool) -> Tuple[torch.Tensor, 
         c = x.shape[-1]
         return x.reshape(-1, c), (0,), (1, c)
     c = x.shape[1]
-    return x.reshape(x.shape[0], c, -1), (0, 2), (1, c, 1)
+    # the spatial size spelled out: an empty local batch (0 elements) leaves -1 undetermined
+    return x.reshape(x.shape[0], c, math.prod(x.shape[2:])), (0, 2), (1, c, 1)
 
 
 def _channel_axes(x: torch.Tensor, channel_last: bool) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
@@ -81,18 +83,24 @@ class _SyncBatchNormCPU(torch.autograd.Function):
             var_l, mean_l = torch.var_mean(xc, dim=dims, correction=0)
         else:
             var_l = mean_l = torch.zeros(c, dtype=compute, device=x.device)
-        # sums and sums of squares, formed from accurate local moments, summed in float64
-        mean64, var64 = mean_l.double(), var_l.double()
-        packed = torch.cat([torch.full((1,), float(n_local), dtype=torch.float64, device=x.device),
-                            mean64 * n_local, (var64 + mean64 * mean64) * n_local])
-        with collective("apex.parallel.SyncBatchNorm: all-reduce of the batch statistics", group):
-            dist.all_reduce(packed, group=group_or_world(group))
-        count = packed[0].item()
+        # Each rank's count, mean and sum of squared deviations (float64), gathered and combined as in the
+        # parallel variance formula: M2 = sum(M2_r + n_r (mean_r - mean)^2). Summing x and x^2 instead loses the
+        # variance to cancellation when the mean is large against the spread (float64 inputs offset by 1e8:
+        # output errors near 1).
+        local = torch.cat([torch.full((1,), float(n_local), dtype=torch.float64, device=x.device),
+                           mean_l.double(), var_l.double() * n_local])
+        pg = group_or_world(group)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(pg))]
+        with collective("apex.parallel.SyncBatchNorm: all-gather of the batch statistics", group):
+            dist.all_gather(parts, local, group=pg)
+        stats = torch.stack(parts)
+        counts, means, m2s = stats[:, :1], stats[:, 1:1 + c], stats[:, 1 + c:]
+        count = counts.sum().item()
         if count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got {int(count)} over all ranks "
                              f"(input size {list(x.shape)})")
-        mean = packed[1:1 + c] / count
-        var = (packed[1 + c:] / count - mean * mean).clamp_min_(0.0)
+        mean = (counts * means).sum(0) / count
+        var = ((m2s + counts * (means - mean).square()).sum(0) / count).clamp_min_(0.0)
         invstd = torch.rsqrt(var + eps)
         if running_mean is not None:
             with torch.no_grad():
