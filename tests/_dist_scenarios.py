@@ -571,3 +571,25 @@ def syncbn_torch_ddp(rank, world, steps=3, channel_last=False):
     running = (model[1].running_mean.clone(), model[1].running_var.clone(), ref[1].running_mean.clone(),
                ref[1].running_var.clone())
     return {"outs": outs, "params": params, "running": running}
+
+
+def amp_unused_on_one_rank(rank, world, opt_level="O2", optimizer="sgd"):
+    """combine_ddp: a param used on rank 0 only, at the first step (when the buffers are built): every rank
+    steps it with the reduced grad, so the ranks stay equal."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 1), "b": torch.nn.Linear(4, 1)})
+    opt = (torch.optim.SGD(model.parameters(), lr=1.0) if optimizer == "sgd"
+           else NpuFusedSGD(model.parameters(), lr=1.0))
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, combine_grad=True, combine_ddp=True, verbosity=0)
+    x = torch.ones(2, 4, dtype=next(model.parameters()).dtype)
+    before = [p.detach().float().clone() for p in amp.master_params(opt)]
+    try:
+        for step in range(2):
+            loss = model["a"](x).sum() + (model["b"](x).sum() if rank == 0 or step else 0)
+            with amp.scale_loss(loss.float(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        return {"moved": [(p.detach().float() - b).clone() for p, b in zip(amp.master_params(opt), before)]}
+    finally:
+        amp.deinitialize()

@@ -109,6 +109,16 @@ def test_combine_ddp_options(case):
     _check_train(results, case["opt_level"])
 
 
+@pytest.mark.parametrize("opt_level,optimizer", [("O2", "sgd"), ("O2", "fused_sgd"), ("O1", "sgd")])
+def test_a_param_used_on_one_rank_at_the_first_step_is_stepped_everywhere(opt_level, optimizer):
+    """The reduced grad reaches every rank's master (O2: the model param that got it binds its master's grad),
+    so all ranks take the same step: each param moved the same on both ranks, b by the same as a's bias."""
+    r0, r1 = run(2, "amp_unused_on_one_rank", opt_level=opt_level, optimizer=optimizer)
+    for a, b in zip(r0["moved"], r1["moved"]):
+        assert torch.equal(a, b)
+    assert all(bool(m.ne(0).all()) for m in r0["moved"])
+
+
 @pytest.mark.parametrize("opt_level,optimizer", [
     ("O2", "fused_adam"), pytest.param("O1", "sgd", marks=pytest.mark.full)])
 def test_syncbn_model_under_combine_ddp(opt_level, optimizer):

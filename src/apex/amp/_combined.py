@@ -546,6 +546,10 @@ class CombinedGrads:
                     if b.lows:
                         self._sync_lows(b, before_backward=False)
             _ddp.call(self.stash.session.ddp, "before_unscale", self)  # combine_ddp: all-reduce hook point
+            if self.stash.session.ddp is not None:
+                for b in self.buffers:
+                    if b.lows:  # O2: a model param unused here got the reduced grad: its master needs one too
+                        self._sync_lows(b, before_backward=False)
             return self._unscale_pass(scale, check, fold)
 
     def _unscale_pass(self, scale: float, check: bool, fold: bool) -> bool:
