@@ -106,6 +106,7 @@ def test_under_autocast_runs_in_the_autocast_dtype(device):
     (lambda: MLP([4, 0]), ValueError, "at least two positive ints"),
     (lambda: MLP("48"), ValueError, "at least two positive ints"),
     (lambda: MLP([4, 2], activation="tanh"), TypeError, "activation must be 'none', 'relu' or 'sigmoid'"),
+    (lambda: MLP([4, 2], activation=[]), TypeError, "activation must be 'none', 'relu' or 'sigmoid'"),
     (lambda: MLP([4, 2])(torch.randn(3, 5)), ValueError, r"weight 0 has shape \(2, 4\); expected \(out, 5\)"),
     (lambda: MLP([4, 2])(torch.ones(3, 4, dtype=torch.int64)), TypeError, "floating-point tensor"),
     (lambda: mlp_function(2, 1, torch.ones(1, 2), torch.ones(2, 2)), ValueError, "bias must be 0 or 1"),

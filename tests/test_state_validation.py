@@ -159,6 +159,8 @@ def _corruptions(sd):
          "expected shape"),
         ("int dtype", lambda s: s["state"][key].__setitem__(shaped, torch.zeros(3, 4, dtype=torch.int64)),
          TypeError, "floating point"),
+        ("meta", lambda s: s["state"][key].__setitem__(shaped, torch.zeros(3, 4, device="meta")), ValueError,
+         "a meta tensor holds no values"),
         ("missing entry", lambda s: s["state"][key].pop(shaped), ValueError, "lacks")
         if sum(isinstance(v, torch.Tensor) and v.shape == (3, 4) for v in entry.values()) > 1 else None,
         ("unknown id", lambda s: s["state"].__setitem__(999, {}), ValueError, "999"),

@@ -100,7 +100,7 @@ class MLP(nn.Module):
         if sizes is None or len(sizes) < 2 or any(
                 isinstance(s, bool) or not isinstance(s, numbers.Integral) or s <= 0 for s in sizes):
             raise ValueError(f"MLP: mlp_sizes must be a list of at least two positive ints, got {mlp_sizes!r}")
-        if activation not in _ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in _ACTIVATIONS:  # (a list is unhashable)
             raise TypeError(f"MLP: activation must be 'none', 'relu' or 'sigmoid', got {activation!r}")
         self.num_layers = len(sizes) - 1
         self.mlp_sizes = [int(s) for s in sizes]

@@ -84,6 +84,8 @@ def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
             raise TypeError(f"{what}: expected a floating point tensor, got dtype {value.dtype}")
         if value.shape != p.shape:
             raise ValueError(f"{what}: expected shape {tuple(p.shape)} (the param's), got {tuple(value.shape)}")
+        if value.device.type == "meta" and p.device.type != "meta":
+            raise ValueError(f"{what}: a meta tensor holds no values to load")
     elif kind in (STEP, COUNT):
         check_step_value(value, what)
     elif kind == SCALAR:
