@@ -34,7 +34,36 @@ def _touch(d: Any) -> None:
         watch.dirty = True
 
 
-class WatchedState(dict):
+class _WatchedWrites:
+    """The writes both watched mappings notice the same way: removals, ``|=`` (through ``update``); each
+    class says how it stores and updates."""
+
+    __slots__ = ()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        _touch(self)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        _touch(self)
+        return out
+
+    def popitem(self):
+        out = super().popitem()
+        _touch(self)
+        return out
+
+    def clear(self) -> None:
+        super().clear()
+        _touch(self)
+
+
+class WatchedState(_WatchedWrites, dict):
     """One param's state dict; every write sets its `StateWatch`."""
 
     __slots__ = ("_watch",)
@@ -45,29 +74,6 @@ class WatchedState(dict):
 
     def __setitem__(self, key, value) -> None:
         dict.__setitem__(self, key, value)
-        _touch(self)
-
-    def __delitem__(self, key) -> None:
-        dict.__delitem__(self, key)
-        _touch(self)
-
-    def __ior__(self, other):
-        dict.update(self, other)
-        _touch(self)
-        return self
-
-    def pop(self, *args):
-        out = dict.pop(self, *args)
-        _touch(self)
-        return out
-
-    def popitem(self):
-        out = dict.popitem(self)
-        _touch(self)
-        return out
-
-    def clear(self) -> None:
-        dict.clear(self)
         _touch(self)
 
     def update(self, *args, **kwargs) -> None:
@@ -87,7 +93,7 @@ def _plain_states(items: Iterable) -> defaultdict:
     return defaultdict(dict, ((k, dict(v) if isinstance(v, dict) else v) for k, v in items))
 
 
-class WatchedStates(defaultdict):
+class WatchedStates(_WatchedWrites, defaultdict):
     """An optimizer's ``state`` (param -> `WatchedState`); replacing or removing a param's dict sets the watch,
     reading a missing one makes an empty watched dict (torch's ``defaultdict(dict)`` behaviour) and does not."""
 
@@ -106,28 +112,6 @@ class WatchedStates(defaultdict):
 
     def __setitem__(self, key, value) -> None:
         dict.__setitem__(self, key, WatchedState(value, self._watch) if isinstance(value, dict) else value)
-        _touch(self)
-
-    def __delitem__(self, key) -> None:
-        dict.__delitem__(self, key)
-        _touch(self)
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-    def pop(self, *args):
-        out = dict.pop(self, *args)
-        _touch(self)
-        return out
-
-    def popitem(self):
-        out = dict.popitem(self)
-        _touch(self)
-        return out
-
-    def clear(self) -> None:
-        dict.clear(self)
         _touch(self)
 
     def update(self, *args, **kwargs) -> None:
