@@ -56,11 +56,15 @@ class _Session:
         self.ddp_replica_count = 4
 
     def on_model_zero_grad(self, model: torch.nn.Module, set_to_none: bool) -> None:
+        stashes = [opt._amp_stash for opt in self.optimizers]
+        # grads set to None and no masters (O1, the default zero_grad, every Trainer step): nothing to
+        # accumulate onto, so no walk over the model's params
+        if not any(s.pairs or (s.combined is not None and not set_to_none) for s in stashes):
+            return
         ids = frozenset(id(p) for p in model.parameters())
-        for opt in self.optimizers:
-            stash = opt._amp_stash
+        for stash in stashes:
             stash.drop_master_grads(ids)  # O2: the masters' grads are the model's, accumulated
-            if stash.combined is not None and not set_to_none:  # (set to None: nothing to accumulate onto)
+            if stash.combined is not None and not set_to_none:
                 stash.combined.mark_zeroed(ids)
 
     def teardown(self) -> None:
