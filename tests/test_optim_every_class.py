@@ -59,7 +59,7 @@ SPECS = {
     "bert_adam": (NpuFusedBertAdam, dict(lr=0.01, warmup=0.1, t_total=100, schedule="warmup_cosine"), None,
                   "bert_adam_step"),
     "adadelta": (NpuFusedAdadelta, dict(lr=1.0, weight_decay=0.01), torch.optim.Adadelta, "adadelta_step"),
-    "lamb": (NpuFusedLamb, dict(lr=0.01, weight_decay=0.01), None, "lamb_stage2"),
+    "lamb": (NpuFusedLamb, dict(lr=0.01, weight_decay=0.01), None, "lamb_step"),
     "rmsprop": (NpuFusedRMSprop, dict(lr=0.01, momentum=0.9, centered=True), torch.optim.RMSprop, "rmsprop_step"),
     "rmsprop_tf": (NpuFusedRMSpropTF, dict(lr=0.01, momentum=0.9), None, "rmsprop_tf_step"),
 }

@@ -367,6 +367,8 @@ void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool
     throw py::value_error(std::string(name) + ": FLAG_BIAS_CORRECTION needs per-segment steps");
   if (needs_out && a.nseg > 0 && !a.seg_out)
     throw py::value_error(std::string(name) + ": seg_out (per-segment output) is required");
+  if (which == &OptimKernels::lamb && (a.flags & kTrustRatio) && a.nseg > 0 && !a.seg_mul)
+    throw py::value_error(std::string(name) + ": FLAG_TRUST_RATIO needs seg_mul (the per-segment ratios it writes)");
   if (which == &OptimKernels::adamp_stage_a && a.nseg > 0 && !a.seg_mul)
     throw py::value_error(std::string(name) + ": seg_mul (per-row projection scale) is required");
   OptFn fn = OK().*which;
@@ -632,6 +634,7 @@ PYBIND11_MODULE(apex_C, m) {
   bind("bert_adam_step", &OptimKernels::bert_adam, false, false, [](const OptArgs&) { return 3; });
   bind("lamb_stage1", &OptimKernels::lamb_stage1, false, true, [](const OptArgs&) { return 3; });
   bind("lamb_stage2", &OptimKernels::lamb_stage2, false, false, [](const OptArgs&) { return 3; });
+  bind("lamb_step", &OptimKernels::lamb, false, true, [](const OptArgs&) { return 3; });
   bind("row_dots", &OptimKernels::row_dots, false, true, [](const OptArgs&) { return 0; });
   bind("grad_sum_sq", &OptimKernels::grad_sum_sq, false, true, [](const OptArgs&) { return 0; });
   bind("adamp_stage_a", &OptimKernels::adamp_stage_a, true, true, [](const OptArgs&) { return 3; });
@@ -655,6 +658,8 @@ PYBIND11_MODULE(apex_C, m) {
   m.attr("FLAG_BIAS_CORRECTION") = static_cast<int>(kBiasCorrection);
   m.attr("FLAG_BETA3") = static_cast<int>(kBeta3);
   m.attr("FLAG_F32_STATES") = static_cast<int>(kF32States);
+  m.attr("FLAG_TRUST_RATIO") = static_cast<int>(kTrustRatio);
+  m.attr("FLAG_CLAMP_WEIGHT_NORM") = static_cast<int>(kClampWeightNorm);
   m.attr("DTYPE_F32") = static_cast<int>(F32);
   m.attr("DTYPE_F16") = static_cast<int>(F16);
   m.attr("DTYPE_BF16") = static_cast<int>(BF16);

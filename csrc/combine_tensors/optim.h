@@ -55,6 +55,8 @@ enum OptFlags : int {
   // Adam only: fp16/bf16 params and grads with float32 states and no out (NVIDIA FusedAdam's layout: each
   // param updated in fp32 from its stored value and rounded once, the moments kept in fp32).
   kF32States = 1 << 9,
+  kTrustRatio = 1 << 10,       // lamb: seg_mul receives the per-segment trust ratio ||p|| / ||u||
+  kClampWeightNorm = 1 << 11,  // lamb with kTrustRatio: ||p|| clamped to hp[10] first (the NPU patch's LAMB)
 };
 
 struct OptimKernels {
@@ -79,6 +81,12 @@ struct OptimKernels {
   // LAMB stage 2: p -= lr * seg_mul[k] * u (u recomputed from the updated m, v).
   // hp: lr, eps, weight_decay, beta1, beta2 (betas only used with kBiasCorrection).
   void (*lamb_stage2)(const OptArgs&);
+  // LAMB in one call: stage 1, the trust ratios, stage 2. hp[0..4]: stage 1's; hp[5..9]: stage 2's.
+  // kTrustRatio: seg_mul is an output, written per segment with min(||p||, hp[10] under kClampWeightNorm) /
+  // ||u|| from stage 1's double sums in seg_out (square roots and quotient in double, rounded once to float),
+  // 1 where either norm is 0, NaN where either is NaN (as torch.where over the same doubles); stage 2
+  // multiplies by it. Without kTrustRatio stage 2 gets no multiplier and seg_mul is not touched.
+  void (*lamb)(const OptArgs&);
   // Per-segment dot products of the grad and param: seg_out[3k..3k+2] = (g.p, g.g, p.p); grads scaled by
   // grad_scale. Segments here are rows (AdamP's channel views).
   void (*row_dots)(const OptArgs&);

@@ -4,6 +4,8 @@
 instead of the flat grad buffer; the arithmetic is the same, so every kernel must give bitwise the
 same params, states and per-slot outputs either way, at every SIMD level and in every dtype.
 `_raw_scale_gather_` is amp's in-place unscale + non-finite check over separate buffers.
+`lamb_step` (LAMB's two stages and the trust ratios in one call) is checked here against the two stage calls
+with the ratios formed in numpy, over the same slot layouts.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ KERNELS = [
     ("rmsprop_tf_step", [1e-2, 0.9, 1e-10, 0.01, 0.9], F.FLAG_LR_IN_MOMENTUM | F.FLAG_DECOUPLED, 0),
     ("bert_adam_step", [1e-3, 0.9, 0.999, 1e-6, 0.01], 0, 0),
     ("lamb_stage1", [0.9, 0.999, 1e-6, 0.01, 0.1], F.FLAG_BIAS_CORRECTION | F.FLAG_BETA3, 2),
+    ("lamb_step", [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01, 0.9, 0.999, 0.5],
+     F.FLAG_BIAS_CORRECTION | F.FLAG_BETA3 | F.FLAG_TRUST_RATIO | F.FLAG_CLAMP_WEIGHT_NORM, 2),
     ("row_dots", [], 0, 3),
     ("grad_sum_sq", [], 0, 1),
     ("adamp_stage_a", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_NESTEROV, 1),
@@ -352,3 +356,94 @@ def test_f32_states_flag_is_checked():
     a.out, a.odt = out.ctypes.data, BF16
     with pytest.raises(ValueError, match="FLAG_F32_STATES needs"):
         apex_C.adam_step(a)
+
+
+# ------------------------------------------------------------------ lamb_step
+def _ratios(norms: np.ndarray, clamp) -> np.ndarray:
+    """The trust ratios as the optimizers formed them with torch ops: float64 square roots of the summed
+    squares, ||p|| clamped, 1 where either norm is 0, then rounded to float32."""
+    sq = np.sqrt(norms.reshape(-1, 2))
+    w, u = sq[:, 0], sq[:, 1]
+    if clamp is not None:
+        w = np.where(w > clamp, clamp, w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((w == 0) | (u == 0), 1.0, w / u).astype(np.float32)
+
+
+LAMB_MODES = {  # flags on top of the stage flags, the weight-norm clamp (hp[10]) and whether ratios are formed
+    "ratio": (F.FLAG_TRUST_RATIO, None),
+    "ratio-clamped": (F.FLAG_TRUST_RATIO | F.FLAG_CLAMP_WEIGHT_NORM, 0.3),
+    "no-ratio": (0, None),
+}
+
+
+@pytest.mark.parametrize("mode", LAMB_MODES)
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["bc", "nobc"])
+@pytest.mark.parametrize("dt", DTYPES.values(), ids=DTYPES.keys())
+def test_lamb_step_equals_the_two_stages(level, mode, bias_correction, dt):
+    rng = np.random.default_rng(13)
+    skip = [0, 0, 0, 1, 0, 0]  # a skipped slot keeps everything, its ratio included
+    case = Case(rng, dt, dt, nstates=2, skip=skip)
+    case.p[case.seg[2]:case.seg_end[2]] = 0  # a zero param: ratio 1
+    extra, clamp = LAMB_MODES[mode]
+    flags = F.FLAG_BETA3 | (F.FLAG_BIAS_CORRECTION if bias_correction else 0)
+    hp1, hp2 = [0.9, 0.999, 1e-6, 0.01, 0.1], [1e-2, 1e-6, 0.01, 0.9, 0.999]
+
+    ref = case.copy()
+    a = ref.args(True, hp1, flags, nout=2)
+    apex_C.lamb_stage1(a)
+    ratio = _ratios(ref.seg_out, clamp)
+    a.hp, a.seg_out = hp2, 0
+    if extra:
+        a.seg_mul = ratio.ctypes.data
+    else:
+        a.seg_mul = 0
+    apex_C.lamb_stage2(a)
+
+    one = case.copy()
+    one.seg_mul = np.full(len(case.sizes), -7.0, dtype=np.float32)  # written only with FLAG_TRUST_RATIO
+    a = one.args(True, hp1 + hp2 + [clamp or 0.0], flags | extra, nout=2)
+    apex_C.lamb_step(a)
+    assert same_bits(one.p, ref.p) and all(same_bits(x, y) for x, y in zip(one.s, ref.s))
+    assert same_bits(one.seg_out, ref.seg_out)
+    if extra:
+        assert same_bits(one.seg_mul, ratio)
+        assert one.seg_mul[2] == 1.0
+        if clamp is not None:
+            assert (np.sqrt(one.seg_out.reshape(-1, 2)[:, 0]) > clamp).any()  # the clamp mattered somewhere
+    else:
+        assert (one.seg_mul == -7.0).all()
+    assert not same_bits(one.p, case.p)
+    for k, sk in enumerate(skip):
+        if sk:
+            assert same_bits(one.p[case.seg[k]:case.seg_end[k]], case.p[case.seg[k]:case.seg_end[k]])
+
+
+def test_lamb_step_nan_norm_gives_nan_ratio():
+    # a NaN grad makes ||u|| NaN: the ratio is NaN (torch.where picks w / u), as the torch executor computes it
+    rng = np.random.default_rng(2)
+    case = Case(rng, F32, F32, nstates=2, sizes=(8, 8))
+    case.own[1][3] = np.nan
+    a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01, 0.9, 0.999, 10.0],
+                  F.FLAG_TRUST_RATIO | F.FLAG_CLAMP_WEIGHT_NORM, nout=2)
+    apex_C.lamb_step(a)
+    assert np.isfinite(case.seg_mul[0]) and np.isnan(case.seg_mul[1])
+
+
+def test_lamb_step_argument_errors():
+    rng = np.random.default_rng(4)
+    case = Case(rng, F32, F32, nstates=2)
+    a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01], F.FLAG_TRUST_RATIO, nout=2)
+    before = case.p.copy()
+    a.seg_mul = 0
+    with pytest.raises(ValueError, match="FLAG_TRUST_RATIO needs seg_mul"):
+        apex_C.lamb_step(a)
+    a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01], 0, nout=2)
+    a.seg_out = 0
+    with pytest.raises(ValueError, match="seg_out"):
+        apex_C.lamb_step(a)
+    a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01], 0, nout=2)
+    a.s1 = 0
+    with pytest.raises(ValueError, match="state slot s1"):
+        apex_C.lamb_step(a)
+    assert same_bits(case.p, before)

@@ -16,9 +16,9 @@ then per param group, with the group's step count ``t``::
     r  = ||p|| / ||u||  per tensor               only when weight_decay != 0 or use_nvlamb; r = 1 if either norm is 0
     p  = p - lr * r * u
 
-Executors: on CPU the apex_C ``grad_sum_sq`` pass for the global norm, then two kernel passes
-per group x dtype (``lamb_stage1``: m, v and the per-tensor norms of p and u;
-``lamb_stage2``: the update with the trust ratios). Both grad reads take the grads where
+Executors: on CPU the apex_C ``grad_sum_sq`` pass for the global norm, then one ``lamb_step``
+call per group x dtype making two passes (stage 1: m, v and the per-tensor norms of p and u;
+the trust ratios from those norms; stage 2: the update). Both grad reads take the grads where
 autograd left them after ``zero_grad(set_to_none=True)`` (no copy), except with
 ``adam_w_mode=False`` and a non-zero weight decay, where the L2 term is formed first in a
 scratch buffer from the flat grad buffer (two more cheap passes). Elsewhere the same math
@@ -139,7 +139,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         self._clip = self._global_clip(prepared)
         self._update(prepared)
 
-    _gather_grads = True  # lamb_stage1 reads grads only through OptArgs (lamb_stage2 reads none)
+    _gather_grads = True  # lamb_step reads grads only through OptArgs (in its stage 1)
     _reads_values = True  # the global grad norm (max_grad_norm clipping) is read on the host
 
     def _gathers(self, s: FlatSet, group: dict) -> bool:
@@ -189,15 +189,13 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
             a.grad_scale = 1.0
             kernel_wd = 0.0
         try:
-            a.hp = [b1, b2, eps, kernel_wd, self._beta3(group)]
+            # stage 1's hyperparameters, then stage 2's; the kernel forms the trust ratios between the stages
+            a.hp = [b1, b2, eps, kernel_wd, self._beta3(group), float(group["lr"]), eps, kernel_wd, b1, b2]
             a.seg_out = scratch.norms.data_ptr()
-            _core.ext.lamb_stage1(a)
             if self._uses_ratio(group):
-                sq = scratch.norms.view(-1, 2).sqrt()
-                scratch.ratio.copy_(_nvidia_trust_ratio(sq[:, 0], sq[:, 1]))
+                a.flags = flags | _core.ext.FLAG_TRUST_RATIO
                 a.seg_mul = scratch.ratio.data_ptr()
-            a.hp = [float(group["lr"]), eps, kernel_wd, b1, b2]
-            _core.ext.lamb_stage2(a)
+            _core.ext.lamb_step(a)
         finally:
             a.seg_out = 0
             a.seg_mul = 0

@@ -16,9 +16,10 @@ they are); the global norm is taken over the grads of all param groups
 (params without a grad excluded) and applied to every group whose
 ``use_global_grad_norm`` is set.
 
-Executors: on CPU two apex_C passes per group x dtype (stage 1 updates m, v and
-returns per-param ||p||^2 and ||u||^2, reading fresh grads where autograd left them
-unless a global norm is asked for; stage 2 applies the trust ratios), plus
+Executors: on CPU one apex_C call per group x dtype (``lamb_step``) making two passes:
+stage 1 updates m, v and sums per-param ||p||^2 and ||u||^2, reading fresh grads where
+autograd left them unless a global norm is asked for; the trust ratios are formed from
+those sums in the same call; stage 2 applies them. Plus
 one ``sum_sq`` pass over the flat grads for the global norm when asked; elsewhere the same math as
 torch ops on flat slices. Low-precision m, v are stored before u is formed in
 both executors, so u is computed from the stored moments.
@@ -222,7 +223,8 @@ class NpuFusedLamb(CombinedOptimizer):
         a.threads = _core.num_threads()
         a.flags = 0  # no bias correction
         a.grad_scale = float(self._group_mul(group))
-        a.hp = [b1, b2, eps, wd]
+        # stage 1's hyperparameters (beta3 unused: m takes 1 - beta1), then stage 2's, then the weight-norm clamp
+        a.hp = [b1, b2, eps, wd, 0.0, group["lr"], eps, wd, 0.0, 0.0, LAMB_WEIGHT_NORM_CLAMP]
         a.seg_out = plan.norms.data_ptr()
         if s.gathered:
             plan.gtab[0::2].copy_(s.gtab)
@@ -230,15 +232,12 @@ class NpuFusedLamb(CombinedOptimizer):
         else:
             a.g = s.flat_g.data_ptr()  # the set makes its flat grad buffer on demand
             a.gtab = 0
-        _core.ext.lamb_stage1(a)  # stage 2 reads no grads; the table (or g) only satisfies the argument check
         if group["adam"]:
             a.seg_mul = 0  # the kernel's default multiplier is 1
         else:
-            sq = plan.norms.view(-1, 2).sqrt()
-            plan.ratio.copy_(lamb_trust_ratio(sq[:, 0], sq[:, 1]))
+            a.flags = _core.ext.FLAG_TRUST_RATIO | _core.ext.FLAG_CLAMP_WEIGHT_NORM
             a.seg_mul = plan.ratio.data_ptr()
-        a.hp = [group["lr"], eps, wd]
-        _core.ext.lamb_stage2(a)
+        _core.ext.lamb_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         b1, b2 = group["betas"]
