@@ -126,9 +126,39 @@ def test_copies_pickles_and_state_dicts_are_plain_dicts():
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     torch.load(buf, weights_only=True)
-    clone = pickle.loads(pickle.dumps(opt))
-    assert all(type(v) is dict for v in clone.state.values())
+    data = pickle.dumps(opt)
+    assert b"Watched" not in data  # the stream holds plain dicts (rebuilt by _plain_states), never the classes
+    clone = pickle.loads(data)
+    # the clone watches its own dicts (a dict taken from it before its first step stays its state)
+    assert all(v._watch is clone._watch is not opt._watch for v in clone.state.values())
     clone.state[clone.param_groups[0]["params"][0]]["exp_avg"] = torch.zeros(3, 4)  # never flags the original
     rc = opt.recombine_count
     _step(ps, tp, opt, twin, gen)
     assert opt.recombine_count == rc
+
+
+@pytest.mark.parametrize("when", ["before the first step", "after a load", "after an unpickle"])
+def test_a_dict_taken_before_the_step_stays_the_params_state(when):
+    """torch fills the per-param dict it handed out (``st = opt.state[p]`` before the first step, or after a
+    load), so an edit through that reference reaches its next step; ours binds into the same dict."""
+    ps, tp, opt, twin = _pair(ao.NpuFusedAdam, torch.optim.Adam, lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    if when == "after a load":
+        _step(ps, tp, opt, twin, gen)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        twin.load_state_dict(copy.deepcopy(twin.state_dict()))
+    elif when == "after an unpickle":
+        opt = pickle.loads(pickle.dumps(opt))
+        ps = [p for g in opt.param_groups for p in g["params"]]
+        for p, q in zip(ps, tp):
+            p.data.copy_(q.data)
+    held, twin_held = opt.state[ps[0]], twin.state[tp[0]]
+    _step(ps, tp, opt, twin, gen)
+    assert opt.state[ps[0]] is held and "exp_avg" in held
+    held["exp_avg"] = torch.full((3, 4), 0.25)
+    twin_held["exp_avg"] = torch.full((3, 4), 0.25)
+    for _ in range(2):
+        _step(ps, tp, opt, twin, gen)
+    for a, b in zip(ps, tp):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[ps[0]]["exp_avg"], twin.state[tp[0]]["exp_avg"], rtol=1e-5, atol=1e-6)

@@ -269,6 +269,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict):
         self._init_combined()
         super().__init__(params, defaults)
+        # watched from the start: a per-param dict taken before the first step (``opt.state[p]``) is then the
+        # one the first step binds its views into, as torch fills the dict it handed out
+        self._watch_state()
 
     def _init_combined(self) -> None:
         self._groups: Dict[int, _GroupCache] = {}
@@ -301,6 +304,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             self._init_combined()
         super().__setstate__(state)
         self.__dict__.update(options)
+        self._watch_state()
 
     @property
     def executor(self) -> str:
@@ -715,6 +719,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._check_loaded(state_dict)
         masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
         super().load_state_dict(state_dict)
+        self._watch_state()  # torch's load made new dicts: watched before user code can take one
         self.loaded_amp_masters = masters
         for g in self.param_groups:
             for key, value in self.defaults.items():  # checkpoints of older versions lack newer options

@@ -7,6 +7,8 @@ that rebinds an entry (``state[p]["exp_avg"] = torch.zeros_like(p)`` to reset a 
 ``state`` and its per-param dicts are dict subclasses that set one shared flag on any write; the next step sees
 the flag (O(1), not a walk over the params) and re-combines, which validates the entries and copies them into
 new flat buffers. The optimizer's own writes (binding views) go through ``dict.__setitem__`` and set nothing.
+The optimizer's ``state`` is watched from its construction, load and unpickling on, so a per-param dict user
+code takes before a step is the one the step binds into (as torch fills the dict it handed out).
 
 Copies and pickles of these dicts are plain dicts (``__reduce_ex__``): a ``state_dict()``, a ``copy.copy`` by
 checkpoint code or a pickled optimizer never carries these classes, so files still load with
