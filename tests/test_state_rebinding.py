@@ -107,13 +107,21 @@ def test_a_bad_rebound_value_is_refused_before_anything_moves(bad, error, match)
     assert all(torch.equal(a, b) for a, b in zip(before, ps))
 
 
-@pytest.mark.parametrize("bad", ["x", -1, float("nan"), torch.tensor([1.0, 2.0])])
-def test_a_bad_rebound_step_is_refused(bad):
+@pytest.mark.parametrize("bad, error, match", [
+    ("x", TypeError, "expected a number"),
+    (torch.tensor([1.0, 2.0]), TypeError, "expected a number or a 1-element real tensor"),
+    (-1, ValueError, "expected a finite step count >= 0"),
+    (float("nan"), ValueError, "expected a finite step count >= 0"),
+    (2.0**200, ValueError, "expected a finite step count >= 0"),
+], ids=["str", "two-element", "negative", "nan", "beyond-float32"])
+def test_a_bad_rebound_step_is_refused(bad, error, match):
+    """The same check (and exception types) as a checkpoint's step: TypeError for the form, ValueError for the
+    value."""
     ps, tp, opt, twin = _pair(ao.NpuFusedAdam, torch.optim.Adam, lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     _step(ps, tp, opt, twin, gen)
     opt.state[ps[1]]["step"] = bad
-    with pytest.raises(ValueError, match="state 'step' of param 1 must be a count >= 0"):
+    with pytest.raises(error, match=f"state 'step' of param 1: {match}"):
         _step(ps, tp, opt, twin, gen)
 
 

@@ -161,15 +161,20 @@ def test_an_int_beyond_int64_is_refused_before_anything_moves(cls):
 
 @pytest.mark.parametrize("cls", [ao.FusedAdam, ao.FusedLAMB, ao.FusedNovoGrad, ao.FusedMixedPrecisionLamb],
                          ids=lambda c: c.__name__)
-@pytest.mark.parametrize("bad", [-1, float("nan"), "x"], ids=["negative", "nan", "str"])
-def test_nvidia_group_step_rewritten_to_a_non_count_is_refused(cls, bad):
+@pytest.mark.parametrize("bad, error, match", [
+    (-1, ValueError, "expected a finite step count >= 0"),
+    (float("nan"), ValueError, "expected a finite step count >= 0"),
+    ("x", TypeError, "expected a number"),
+    (torch.tensor([True]), TypeError, "expected a number or a 1-element real tensor"),
+], ids=["negative", "nan", "str", "bool-tensor"])
+def test_nvidia_group_step_rewritten_to_a_non_count_is_refused(cls, bad, error, match):
     ps, opt, gen = _two_groups(cls)
     _grads(ps, gen)
     opt.step()
     opt.param_groups[1]["step"] = bad
     _grads(ps, gen)
     snap = snapshot(opt, ps)
-    with pytest.raises(ValueError, match=rf"{cls.__name__}: param group 1: 'step' must be a count >= 0"):
+    with pytest.raises(error, match=rf"{cls.__name__}: param group 1: 'step': {match}"):
         opt.step()
     assert_unchanged(opt, ps, snap)
 
@@ -207,7 +212,8 @@ def test_load_state_dict_takes_param_groups_as_a_tuple():
     assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
 
 
-@pytest.mark.parametrize("bad", ["lr='abc'", "lr=None", "eps=None", "betas='ab'", "state", "expanded"])
+@pytest.mark.parametrize("bad", ["lr='abc'", "lr=None", "eps=None", "betas='ab'", "state", "expanded", "step=-1",
+                                 "step='x'"])
 def test_reference_lamb_checks_what_user_code_rewrote_before_any_update(bad):
     """apex.optimizers.Lamb (torch ops, no combining) re-checks its groups, states and params at every step."""
     ps, opt, gen = _two_groups(ao.Lamb)
@@ -215,6 +221,8 @@ def test_reference_lamb_checks_what_user_code_rewrote_before_any_update(bad):
     opt.step()
     if bad == "state":
         opt.state[ps[0]]["exp_avg"] = torch.zeros(7)
+    elif bad.startswith("step="):
+        opt.state[ps[1]]["step"] = eval(bad[5:])
     elif bad == "expanded":
         ps[2].data = torch.randn(1).expand(4)
     else:

@@ -53,6 +53,7 @@ from .._tensor_utils import (
     stride,
 )
 from ..contrib.combine_tensors import combine_tensors, plan_layout
+from ._state_check import check_step_value
 from ._state_watch import bind
 
 _repeat = itertools.repeat
@@ -112,12 +113,7 @@ def check_states(params: Sequence[torch.Tensor], state: Dict[torch.Tensor, dict]
                     f"(param shape {tuple(p.shape)})"
                 )
         if "step" in st:
-            step = st["step"]
-            value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex() \
-                else step
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-                    or value == float("inf"):
-                raise ValueError(f"state 'step' of param {k} must be a count >= 0, got {step!r}")
+            check_step_value(st["step"], f"state 'step' of param {k}")
 
 
 def _copy_many(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:

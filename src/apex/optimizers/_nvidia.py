@@ -18,7 +18,6 @@ bias correction.
 from __future__ import annotations
 
 import logging
-import math
 from itertools import chain
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -28,6 +27,7 @@ from .. import _core
 from .._tensor_utils import zero_grad_
 from ._base import _GroupCache, check_betas
 from ._flat import FlatSet, check_grad
+from ._state_check import check_step_value
 from ._state_watch import bind
 
 logger = logging.getLogger("apex.optimizers")
@@ -70,20 +70,8 @@ class NvidiaCompatMixin:
         held in a device tensor is checked for its form only (reading it would wait for the device)."""
         for gi, group in enumerate(self.param_groups):
             step = group.get("step")
-            if step is None:
-                continue
-            value = step
-            if isinstance(step, torch.Tensor):
-                if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
-                    value = None
-                elif step.device.type == "cpu":
-                    value = step.item()
-                else:
-                    continue
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or value < 0):
-                raise ValueError(f"{type(self).__name__}: param group {gi}: 'step' must be a count >= 0 (a number "
-                                 f"or a one-element tensor), got {step!r}")
+            if step is not None:
+                check_step_value(step, f"{type(self).__name__}: param group {gi}: 'step'", host_only=True)
 
     @staticmethod
     def _use_group_step(s: FlatSet, group: dict) -> float:

@@ -57,19 +57,31 @@ def check_unique_params(owner: str, groups: Sequence[dict], params: Sequence[Any
             )
 
 
+def _real_tensor_form(value: torch.Tensor, what: str) -> None:
+    if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{what}: expected a number or a 1-element real tensor, got a {value.dtype} tensor of "
+                        f"shape {tuple(value.shape)}")
+
+
 def _real_number(value: Any, what: str) -> float:
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{what}: expected a number or a 1-element real tensor, got a {value.dtype} tensor of "
-                            f"shape {tuple(value.shape)}")
+        _real_tensor_form(value, what)
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what}: expected a number, got {value!r} ({type(value).__name__})")
     return float(value)
 
 
-def check_step_value(value: Any, what: str) -> None:
-    """A step count: finite and >= 0 (bias corrections and schedules divide by or raise to it)."""
+def check_step_value(value: Any, what: str, *, host_only: bool = False) -> None:
+    """A step count: a number or a one-element real tensor (TypeError otherwise), finite, >= 0 and within
+    float32's range (ValueError otherwise: bias corrections and schedules divide by or raise to it). The one
+    check of a step count wherever one is read: a checkpoint's, a rebound per-param or group ``step``.
+
+    ``host_only``: a tensor on another device is checked for its form only (reading its value would wait for
+    the device), as the per-step checks need."""
+    if host_only and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        _real_tensor_form(value, what)
+        return
     v = _real_number(value, what)
     if not math.isfinite(v) or v < 0 or v > _FLOAT32_MAX:
         raise ValueError(f"{what}: expected a finite step count >= 0 (at most {_FLOAT32_MAX:.4g}, kept as float32), "

@@ -43,7 +43,15 @@ from ._base import (
 )
 from ._flat import FlatSet
 from ._functional import LAMB_WEIGHT_NORM_CLAMP, l2_grad, lamb_direction, lamb_moments, lamb_trust_ratio
-from ._state_check import COUNT, PARAM_SHAPED, SCALAR, check_unique_params, naming, validate_loaded_state
+from ._state_check import (
+    COUNT,
+    PARAM_SHAPED,
+    SCALAR,
+    check_step_value,
+    check_unique_params,
+    naming,
+    validate_loaded_state,
+)
 from .clip import grad_runs, prepared_grad_norm
 
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_flat_step", "lamb_moments", "lamb_trust_ratio"]
@@ -62,10 +70,7 @@ def _check_live_state(name: str, gi: int, k: int, p: torch.Tensor, st: Optional[
                    else type(v).__name__)
             raise ValueError(f"{where}: {key!r} must be a floating-point tensor of shape {tuple(p.shape)} on "
                              f"{p.device}, got {got}")
-    step = st.get("step")
-    if not isinstance(step, (torch.Tensor, int, float)) or isinstance(step, bool) or (
-            isinstance(step, torch.Tensor) and step.numel() != 1):
-        raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got {step!r}")
+    check_step_value(st.get("step"), f"{where}: 'step'", host_only=True)
 
 
 def _validate_lamb_group(group: dict) -> None:
