@@ -67,8 +67,10 @@ def test_clear_errors_without_a_process_group():
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(shared_param=True), ValueError, "shared_param is no longer an option"),
-    (dict(message_size=0), ValueError, "message_size must be a positive int"),
-    (dict(num_allreduce_streams=0), ValueError, "num_allreduce_streams must be an int >= 1"),
+    (dict(message_size=0), ValueError, r"message_size \(elements\) must be >= 1, got 0"),
+    (dict(message_size=2.5), TypeError, r"message_size \(elements\) must be an int, got 2.5"),
+    (dict(num_allreduce_streams=0), ValueError, "num_allreduce_streams must be >= 1, got 0"),
+    (dict(num_allreduce_streams=True), TypeError, "num_allreduce_streams must be an int, got True"),
     (dict(gradient_predivide_factor=0.0), ValueError, "gradient_predivide_factor must be a positive number"),
 ])
 def test_ddp_argument_checks(kwargs, error, match):

@@ -387,8 +387,9 @@ def test_wraps_apex_fused_optimizers_like_torch_ones():
 
 # ---------------------------------------------------------------- bad input leaves nothing changed
 @pytest.mark.parametrize("bad, error", [
-    ({"cur_scale": 8.0, "cur_iter": "x", "last_overflow_iter": 0}, ValueError),
-    ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": None}, ValueError),
+    ({"cur_scale": 8.0, "cur_iter": "x", "last_overflow_iter": 0}, TypeError),
+    ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": None}, TypeError),
+    ({"cur_scale": 8.0, "cur_iter": -1, "last_overflow_iter": 0}, ValueError),
     ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": 0, "scale_window": 0}, ValueError),
     ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": 0, "scale_factor": "x"}, TypeError),
     ({"cur_scale": 8.0, "cur_iter": 1, "last_overflow_iter": 0, "scale_factor": 1.0}, ValueError),

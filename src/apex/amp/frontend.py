@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .. import _device
+from .._checks import check_int
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
 from ._cast_lists import FLOAT, FUNCTIONAL_LOSSES
@@ -121,11 +122,7 @@ def _low_dtype(amp_dtype: Any, device_type: str) -> torch.dtype:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"amp.initialize: {name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"amp.initialize: {name} must be >= {minimum}, got {value}")
-    return value
+    return check_int(value, f"amp.initialize: {name}", minimum)
 
 
 def initialize(

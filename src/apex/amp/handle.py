@@ -9,6 +9,7 @@ from typing import Any, List
 import torch
 
 from .. import _device
+from .._checks import check_int
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
 from ._casts import disable_casts
@@ -232,8 +233,7 @@ class OptimWrapper:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, amp_handle: Any, num_loss: int) -> None:
-        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
-            raise ValueError(f"wrap_optimizer: num_loss must be an int >= 1, got {num_loss!r}")
+        num_loss = check_int(num_loss, "wrap_optimizer: num_loss", 1)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self._optimizer = optimizer

@@ -23,6 +23,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .._checks import check_int
+
 _SMALLEST_SCALE = 2.0 ** -126  # the smallest normal float32: the floor of a dynamic backoff without min_loss_scale
 
 
@@ -63,17 +65,8 @@ def _scale(where: str, name: str, value: Any) -> float:
 
 
 def _count(where: str, name: str, value: Any, minimum: int) -> int:
-    """A non-negative int (an integral float or 1-element integer tensor is accepted)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
-            and value.dtype != torch.bool:
-        value = int(value.item())
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
-    return value
+    """An int >= minimum (an integral float, as other tools' checkpoints hold counters, is accepted)."""
+    return check_int(value, f"{where}: {name}", minimum, integral_float=True)
 
 
 class LossScaler:

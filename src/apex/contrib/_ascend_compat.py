@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-import numbers
 import types
 from typing import Any
 
 import torch
 
 from apex import _device
+from apex._checks import check_int
 
 __all__ = ["CallableModule", "get_aligned_storage_size"]
 
@@ -61,15 +61,12 @@ def get_aligned_storage_size(tensor: torch.Tensor, align: int = 16, pad: int = 3
     where = "get_aligned_storage_size"
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: expected a tensor, got {type(tensor).__name__}")
-    for name, value, low in (("align", align, 1), ("pad", pad, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{where}: {name} must be >= {low}, got {value}")
+    align = check_int(align, f"{where}: align", 1)
+    pad = check_int(pad, f"{where}: pad", 0)
     if tensor.dtype not in _SUPPORTED:
         raise RuntimeError(f"{where}: combined tensors hold float32, float16 or bfloat16, got {tensor.dtype}")
     n = _storage_elements(tensor)
-    return -(-n // int(align)) * int(align) + int(pad)  # integer ceil: n / align in floats rounds past 2**53
+    return -(-n // align) * align + pad  # integer ceil: n / align in floats rounds past 2**53
 
 
 class CallableModule(types.ModuleType):

@@ -68,6 +68,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _device
+from apex._checks import check_int
 from apex._tensor_utils import map_tensors
 from apex.contrib._ascend_compat import CallableModule, get_aligned_storage_size
 
@@ -345,11 +346,7 @@ npu_combine_tensors = combine_tensors
 
 
 def _check_index(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    return value
+    return check_int(value, f"{where}: {name}", 0)
 
 
 def _check_flat(buffer: Any, name: str, where: str) -> torch.Tensor:

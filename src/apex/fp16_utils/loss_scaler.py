@@ -13,12 +13,12 @@ clean first grows after ``scale_window`` iterations, since the last overflow cou
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
 from apex import _core
+from apex._checks import check_int
 
 __all__ = ["DynamicLossScaler", "LossScaler", "to_python_float"]
 
@@ -53,13 +53,7 @@ def _fields(state: Any, required: Tuple[str, ...], where: str) -> Dict[str, Any]
 
 def _check_int(value: Any, name: str, where: str, least: int) -> int:
     """An int >= ``least`` (ints, numpy ints, one-element integer tensors)."""
-    try:
-        out = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        out = None
-    if out is None or out < least:
-        raise ValueError(f"{where}: {name} must be an int >= {least}, got {value!r}")
-    return out
+    return check_int(value, f"{where}: {name}", least)
 
 
 def _grads(params: Iterable[Any]):
@@ -123,9 +117,7 @@ class DynamicLossScaler(LossScaler):
         self.scale_factor = _check_positive(scale_factor, "scale_factor", where)
         if self.scale_factor <= 1.0:  # a divisor on overflow that does not shrink the scale would grow it
             raise ValueError(f"{where}: scale_factor must be > 1, got {scale_factor!r}")
-        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
-            raise ValueError(f"{where}: scale_window must be an int >= 1, got {scale_window!r}")
-        self.scale_window = scale_window
+        self.scale_window = check_int(scale_window, f"{where}: scale_window", 1)
         self.cur_iter = 0
         self.last_overflow_iter = -1
 

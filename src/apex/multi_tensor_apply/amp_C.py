@@ -42,6 +42,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _core
+from apex._checks import check_int
 from apex._tensor_utils import (
     data_ptr,
     detach,
@@ -674,12 +675,8 @@ def _one_element(op: str, name: str, t: Any, kind: str) -> torch.Tensor:
 
 def _int_arg(op: str, name: str, value: Any, dtype: torch.dtype = torch.int64) -> int:
     """``value`` if it is an int that ``dtype`` holds."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
     info = torch.iinfo(dtype)
-    if not info.min <= value <= info.max:
-        raise ValueError(f"{op}: {name} must be in [{info.min}, {info.max}] ({dtype}), got {value}")
-    return value
+    return check_int(value, f"{op}: {name}", info.min, info.max)
 
 
 _FLT_TINY = torch.finfo(torch.float32).smallest_normal

@@ -51,6 +51,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._checks import check_int
 from .._flatten import flatten as flatten  # upstream's module-level helpers, kept here
 from .._flatten import unflatten as unflatten
 from ..contrib.combine_tensors import plan_layout
@@ -139,11 +140,8 @@ class DistributedDataParallel(torch.nn.Module):
                 "it too): overlapping communication works with shared parameters; to reduce only after the "
                 "backward, pass delay_allreduce=True"
             )
-        if isinstance(message_size, bool) or not isinstance(message_size, int) or message_size < 1:
-            raise ValueError(f"message_size must be a positive int (elements), got {message_size!r}")
-        if isinstance(num_allreduce_streams, bool) or not isinstance(num_allreduce_streams, int) \
-                or num_allreduce_streams < 1:
-            raise ValueError(f"num_allreduce_streams must be an int >= 1, got {num_allreduce_streams!r}")
+        message_size = check_int(message_size, "DistributedDataParallel: message_size (elements)", 1)
+        num_allreduce_streams = check_int(num_allreduce_streams, "DistributedDataParallel: num_allreduce_streams", 1)
         if gradient_average_split_factor is not None:
             warnings.warn("gradient_average_split_factor is deprecated; use gradient_predivide_factor",
                           DeprecationWarning, stacklevel=2)
