@@ -121,10 +121,6 @@ def _low_dtype(amp_dtype: Any, device_type: str) -> torch.dtype:
     return dtype
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    return check_int(value, f"amp.initialize: {name}", minimum)
-
-
 def initialize(
     models,
     optimizers=None,
@@ -197,11 +193,11 @@ def initialize(
             raise RuntimeError(f"optimizer {i} appears twice in the list passed to amp.initialize")
     if not isinstance(fp32_state_dict, bool):
         raise TypeError(f"amp.initialize: fp32_state_dict must be a bool, got {fp32_state_dict!r}")
-    num_losses = _check_int("num_losses", num_losses, 1)
+    num_losses = check_int(num_losses, "amp.initialize: num_losses", 1)
     if num_losses > MAX_LOSSES:  # one scaler object per loss is made now: a typo must not exhaust memory
         raise ValueError(f"amp.initialize: num_losses must be at most {MAX_LOSSES}, got {num_losses}")
-    scale_window = _check_int("scale_window", scale_window, 1)
-    ddp_replica_count = _check_int("ddp_replica_count", ddp_replica_count, 1)
+    scale_window = check_int(scale_window, "amp.initialize: scale_window", 1)
+    ddp_replica_count = check_int(ddp_replica_count, "amp.initialize: ddp_replica_count", 1)
     dynamic_init_scale = check_scale_value("dynamic_init_scale", dynamic_init_scale, scale=True)
     max_loss_scale = check_scale_value("max_loss_scale", max_loss_scale, scale=True)
     min_loss_scale = check_scale_value("min_loss_scale", min_loss_scale, allow_none=True, scale=True)

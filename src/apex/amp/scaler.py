@@ -64,11 +64,6 @@ def _scale(where: str, name: str, value: Any) -> float:
     return in_scale_range(where, name, _positive(where, name, value))
 
 
-def _count(where: str, name: str, value: Any, minimum: int) -> int:
-    """An int >= minimum (an integral float, as other tools' checkpoints hold counters, is accepted)."""
-    return check_int(value, f"{where}: {name}", minimum, integral_float=True)
-
-
 class LossScaler:
     """``loss_scale``: ``"dynamic"`` or a finite positive number (a static scale).
 
@@ -99,7 +94,7 @@ class LossScaler:
         backoff = _positive(where, "backoff_factor", backoff_factor)
         if backoff > 1.0:
             raise ValueError(f"{where}: backoff_factor must be in (0, 1], got {backoff}")
-        window = _count(where, "scale_window", scale_window, 1)
+        window = check_int(scale_window, f"{where}: scale_window", 1, integral_float=True)
         if loss_scale == "dynamic":
             self.dynamic = True
             scale = min(max_loss_scale, _scale(where, "init_scale", init_scale))
@@ -187,7 +182,7 @@ class LossScaler:
         """(scale, unskipped) validated; TypeError/ValueError naming ``key`` and the entry otherwise."""
         where = "amp.load_state_dict"
         return (_scale(where, f"{key}['loss_scale']", loss_scale),
-                _count(where, f"{key}['unskipped']", unskipped, 0))
+                check_int(unskipped, f"{where}: {key}['unskipped']", 0, integral_float=True))
 
     def load(self, loss_scale: float, unskipped: int) -> None:
         """Sets the state after checking it (nothing changes when a value is rejected).

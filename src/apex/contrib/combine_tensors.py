@@ -345,10 +345,6 @@ npu_combine_tensors = combine_tensors
 # ---------------------------------------------------------------- parts, validity, rebinding
 
 
-def _check_index(value: Any, name: str, where: str) -> int:
-    return check_int(value, f"{where}: {name}", 0)
-
-
 def _check_flat(buffer: Any, name: str, where: str) -> torch.Tensor:
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a tensor, got {type(buffer).__name__}")
@@ -369,8 +365,8 @@ def get_part_combined_tensor(combined: torch.Tensor, index: int, size: int) -> t
     """
     where = "get_part_combined_tensor"
     _check_flat(combined, "combined", where)
-    index = _check_index(index, "index", where)
-    size = _check_index(size, "size", where)
+    index = check_int(index, f"{where}: index", 0)
+    size = check_int(size, f"{where}: size", 0)
     if index + size > combined.numel():
         raise IndexError(
             f"{where}: elements [{index}, {index + size}) requested, but the buffer has {combined.numel()} elements"
@@ -445,7 +441,7 @@ def change_data_ptr(dst: torch.Tensor, src: torch.Tensor, offset: int) -> torch.
     if not isinstance(dst, torch.Tensor):
         raise TypeError(f"{where}: dst must be a tensor, got {type(dst).__name__}")
     _check_flat(src, "src", where)
-    offset = _check_index(offset, "offset", where)
+    offset = check_int(offset, f"{where}: offset", 0)
     if dst.dtype != src.dtype:
         raise TypeError(f"{where}: dst and src must share a dtype, got dst {dst.dtype} and src {src.dtype}")
     if dst.device != src.device:

@@ -51,11 +51,6 @@ def _fields(state: Any, required: Tuple[str, ...], where: str) -> Dict[str, Any]
     return state
 
 
-def _check_int(value: Any, name: str, where: str, least: int) -> int:
-    """An int >= ``least`` (ints, numpy ints, one-element integer tensors)."""
-    return check_int(value, f"{where}: {name}", least)
-
-
 def _grads(params: Iterable[Any]):
     for p in params:
         g = getattr(p, "grad", None)
@@ -153,11 +148,11 @@ class DynamicLossScaler(LossScaler):
         where = "DynamicLossScaler.load_state_dict"
         state = _fields(state, ("cur_scale", "cur_iter", "last_overflow_iter"), where)
         cur_scale = _check_positive(state["cur_scale"], "cur_scale", where)
-        cur_iter = _check_int(state["cur_iter"], "cur_iter", where, 0)
-        last_overflow_iter = _check_int(state["last_overflow_iter"], "last_overflow_iter", where, -1)
+        cur_iter = check_int(state["cur_iter"], f"{where}: cur_iter", 0)
+        last_overflow_iter = check_int(state["last_overflow_iter"], f"{where}: last_overflow_iter", -1)
         scale_factor = _check_positive(state.get("scale_factor", self.scale_factor), "scale_factor", where)
         if scale_factor <= 1.0:
             raise ValueError(f"{where}: scale_factor must be > 1, got {scale_factor!r}")
-        scale_window = _check_int(state.get("scale_window", self.scale_window), "scale_window", where, 1)
+        scale_window = check_int(state.get("scale_window", self.scale_window), f"{where}: scale_window", 1)
         self.cur_scale, self.cur_iter, self.last_overflow_iter = cur_scale, cur_iter, last_overflow_iter
         self.scale_factor, self.scale_window = scale_factor, scale_window
