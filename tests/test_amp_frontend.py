@@ -315,8 +315,11 @@ def test_scale_loss_errors():
         with amp.scale_loss(loss, o):
             pass
     amp.initialize(m, o, opt_level="O1", verbosity=0)
-    with pytest.raises(ValueError, match=r"loss_id must be an int in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"loss_id must be in \[0, 1\) .*got 1"):
         with amp.scale_loss(loss, o, loss_id=1):
+            pass
+    with pytest.raises(TypeError, match="loss_id must be an int, got '0'"):
+        with amp.scale_loss(loss, o, loss_id="0"):
             pass
     other = sgd(net())
     with pytest.raises(RuntimeError, match=r"was not returned by the active amp\.initialize"):

@@ -101,8 +101,9 @@ def test_module_under_autocast_runs_in_the_autocast_dtype(device):
     (lambda: FastLayerNormFN.apply(torch.ones(2, 0), torch.ones(0), torch.ones(0), 1e-5), ValueError, "gamma is empty"),
     (lambda: FastLayerNormFN.apply(torch.ones(2, 4, dtype=torch.int64), torch.ones(4), torch.ones(4), 1e-5),
      TypeError, "floating-point"),
-    (lambda: FastLayerNorm(0), ValueError, "hidden_size must be a positive int, got 0"),
-    (lambda: FastLayerNorm(True), ValueError, "hidden_size must be a positive int"),
+    (lambda: FastLayerNorm(0), ValueError, "hidden_size must be >= 1, got 0"),
+    (lambda: FastLayerNorm(True), TypeError, "hidden_size must be an int, got True"),
+    (lambda: FastLayerNorm(8.0), TypeError, "hidden_size must be an int, got 8.0"),
     (lambda: FastLayerNorm(8, eps=float("nan")), ValueError, "eps must be a number >= 0"),
 ])
 def test_bad_arguments(call, exc, match):

@@ -121,3 +121,18 @@ def test_distributed_nn_import_is_skipped_once_a_group_exists(monkeypatch):
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     assert _torch_workarounds.import_distributed_nn_first() is False
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (-1, ValueError, "group_size must be >= 0, got -1"),
+    ("2", TypeError, "group_size must be an int, got '2'"),
+    (2.0, TypeError, "group_size must be an int, got 2.0"),
+    (True, TypeError, "group_size must be an int, got True"),
+])
+def test_create_syncbn_process_group_argument_checks(bad, exc, match):
+    """The size is checked before any collective call, so a wrong one fails the same on every rank."""
+    from apex.parallel import create_syncbn_process_group
+
+    with pytest.raises(exc, match=f"create_syncbn_process_group: {match}"):
+        create_syncbn_process_group(bad)
+    assert create_syncbn_process_group(0) is None

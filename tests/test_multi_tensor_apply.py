@@ -39,10 +39,16 @@ def test_applier_passes_its_chunk_size():
     multi_tensor_applier.check_avail()
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
-def test_applier_rejects_bad_chunk_size(bad):
-    with pytest.raises(ValueError, match="chunk_size"):
+@pytest.mark.parametrize("bad,exc", [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError),
+                                     ("2048", TypeError)])
+def test_applier_rejects_bad_chunk_size(bad, exc):
+    with pytest.raises(exc, match="MultiTensorApply: chunk_size must be"):
         MultiTensorApply(bad)
+
+
+def test_applier_takes_numpy_chunk_size():
+    assert MultiTensorApply(np.int64(4096)).chunk_size == 4096
+    assert type(MultiTensorApply(np.int32(64)).chunk_size) is int
 
 
 def test_applier_rejects_non_callable_op():
@@ -622,8 +628,10 @@ def test_bad_arguments_raise_before_writing():
         amp_C.multi_tensor_scale(2048, 0, [xs, outs], 1.0)
     with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
         amp_C.multi_tensor_l2norm(2048, _flag(), [[torch.ones(3, dtype=torch.int64)]])
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         amp_C.multi_tensor_l2norm(0, _flag(), [xs])
+    with pytest.raises(TypeError, match="chunk_size must be an int, got 2048.0"):
+        amp_C.multi_tensor_l2norm(2048.0, _flag(), [xs])
     with pytest.raises(ValueError, match="mode"):
         amp_C.multi_tensor_adam(2048, _flag(), [xs, outs, outs, outs], 1e-3, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)
     with pytest.raises(ValueError, match="arg_to_check"):

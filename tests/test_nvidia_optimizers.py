@@ -734,9 +734,22 @@ def test_mixed_precision_lamb_errors(device):
         FusedMixedPrecisionLamb(params, amsgrad=True)
     with pytest.raises(ValueError, match="reduced_precision_dtype"):
         FusedMixedPrecisionLamb(params, reduced_precision_dtype=torch.float64)
+    with pytest.raises(ValueError, match="FusedMixedPrecisionLamb: step must be >= 0, got -1"):
+        FusedMixedPrecisionLamb(params, step=-1)
+    for bad in (1.5, True, "3"):
+        with pytest.raises(TypeError, match="FusedMixedPrecisionLamb: step must be an int"):
+            FusedMixedPrecisionLamb(params, step=bad)
     opt = FusedMixedPrecisionLamb(params, reduced_precision_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="unexpected keyword"):
         opt.step(grads=1)
+
+
+def test_mixed_precision_lamb_numpy_step(device):
+    """A numpy integer start step is taken as the int it holds (the group's step tensor starts there)."""
+    import numpy as np
+
+    opt = FusedMixedPrecisionLamb(make_params([(3,)], device, dtype=torch.bfloat16), step=np.int64(2))
+    assert opt.param_groups[0]["step"].tolist() == [2]
 
 
 # ------------------------------------------------------------------ all of them on CPU: the C++ kernels ran

@@ -161,8 +161,7 @@ def initialize(
     it in the same pass. ``fp32_state_dict=False`` keeps ``model.state_dict()`` in the model's
     dtype under O2/O3 (by default its fp16/bf16 entries are saved as fp32, as NVIDIA's amp does).
     """
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
-        raise TypeError(f"amp.initialize: verbosity must be an int, got {type(verbosity).__name__}")
+    verbosity = check_int(verbosity, "amp.initialize: verbosity")
     enabled = _truth("enabled", enabled)
     model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
     if optimizers is None:

@@ -68,10 +68,11 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         if not isinstance(flag, (bool, int)):  # (upstream's scripts pass 0/1 too)
             raise TypeError(f"scale_loss: {name} must be a bool, got {type(flag).__name__}")
     scalers = _amp_state.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+    loss_id = check_int(loss_id, "scale_loss: loss_id")
+    if not 0 <= loss_id < len(scalers):
         raise ValueError(
-            f"scale_loss: loss_id must be an int in [0, {len(scalers)}) (amp.initialize(num_losses={len(scalers)})), "
-            f"got {loss_id!r}"
+            f"scale_loss: loss_id must be in [0, {len(scalers)}) (amp.initialize(num_losses={len(scalers)})), "
+            f"got {loss_id}"
         )
     session = _amp_state.session
     scaler = scalers[loss_id]

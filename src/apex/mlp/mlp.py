@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from apex._checks import check_int
 from apex._upstream_forms import FunctionForm, run_as_fused
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
@@ -34,8 +35,7 @@ def _layers(bias: int, activation: int, tensors: Sequence[torch.Tensor]) -> torc
     where = "mlp_function"
     if not isinstance(bias, int) or bias not in (0, 1):  # a bool is an int
         raise ValueError(f"{where}: bias must be 0 or 1 (or a bool), got {bias!r}")
-    if isinstance(activation, bool) or not isinstance(activation, int) or activation not in (0, 1, 2):
-        raise ValueError(f"{where}: activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
+    activation = check_int(activation, f"{where}: activation", 0, 2)  # 0 none, 1 relu, 2 sigmoid
     bias = int(bias)
     if not tensors:
         raise TypeError(f"{where}: expected the input, then the weights and the biases")

@@ -21,6 +21,7 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable
 
+from apex._checks import check_int
 from apex.multi_tensor_apply import amp_C
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "register_amp_C"]
@@ -37,9 +38,7 @@ class MultiTensorApply:
     warned = False
 
     def __init__(self, chunk_size: int) -> None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ValueError(f"MultiTensorApply: chunk_size must be a positive int, got {chunk_size!r}")
-        self.chunk_size = chunk_size
+        self.chunk_size = check_int(chunk_size, "MultiTensorApply: chunk_size", 1)
 
     def check_avail(self) -> None:
         """Nothing to check: the ops need no compiled extension."""

@@ -88,8 +88,7 @@ _repeat = itertools.repeat
 def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
                 depths: Sequence[int]) -> List[List[torch.Tensor]]:
     """Validate the common arguments; returns the lists as lists. Raises before anything is written."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+    check_int(chunk_size, f"{op}: chunk_size", 1)
     if not isinstance(noop_flag, torch.Tensor):
         raise TypeError(f"{op}: noop_flag must be a one-element integer tensor, got {type(noop_flag).__name__}")
     if noop_flag.numel() < 1 or noop_flag.is_floating_point() or noop_flag.is_complex():

@@ -32,6 +32,7 @@ from typing import List, Tuple
 
 import torch
 
+from .._checks import check_int
 from ._base import _call_closure
 from ._nvidia import GradScalerMixin, ShadowParamsMixin, tensor_lr_and_step
 from .fused_lamb import FusedLAMB
@@ -64,8 +65,7 @@ class FusedMixedPrecisionLamb(GradScalerMixin, ShadowParamsMixin, FusedLAMB):
                 "FusedMixedPrecisionLamb: reduced_precision_dtype must be None, torch.float16 or torch.bfloat16, "
                 f"got {reduced_precision_dtype!r}"
             )
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"FusedMixedPrecisionLamb: expected an int step >= 0, got {step!r}")
+        step = check_int(step, "FusedMixedPrecisionLamb: step", 0)
         self.reduced_precision_dtype = reduced_precision_dtype
         self._initial_step = step
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,

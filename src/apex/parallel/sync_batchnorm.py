@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._checks import check_int
 from ._comm import collective, group_or_world
 
 __all__ = ["SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group"]
@@ -263,8 +264,7 @@ def create_syncbn_process_group(group_size: int) -> Any:
 
     Every rank must call it (creating groups is collective).
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
-        raise ValueError(f"group_size must be a non-negative int, got {group_size!r}")
+    group_size = check_int(group_size, "create_syncbn_process_group: group_size", 0)
     if group_size == 0:
         return None
     world = dist.get_world_size()

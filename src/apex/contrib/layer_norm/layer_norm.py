@@ -19,6 +19,7 @@ import numbers
 import torch
 from torch import nn
 
+from apex._checks import check_int
 from apex._upstream_forms import FunctionForm
 from apex.normalization.fused_layer_norm import _layer_norm_form
 
@@ -60,8 +61,7 @@ class FastLayerNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, memory_efficient: bool = False) -> None:
         super().__init__()
-        if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral) or hidden_size <= 0:
-            raise ValueError(f"FastLayerNorm: hidden_size must be a positive int, got {hidden_size!r}")
+        hidden_size = check_int(hidden_size, "FastLayerNorm: hidden_size", 1)
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
             raise ValueError(f"FastLayerNorm: eps must be a number >= 0, got {eps!r}")
         self.epsilon = float(eps)
