@@ -630,7 +630,7 @@ def test_bad_arguments_raise_before_writing():
         amp_C.multi_tensor_l2norm(2048, _flag(), [[torch.ones(3, dtype=torch.int64)]])
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         amp_C.multi_tensor_l2norm(0, _flag(), [xs])
-    with pytest.raises(TypeError, match="chunk_size must be an int, got 2048.0"):
+    with pytest.raises(TypeError, match=r"chunk_size must be an int, got 2048\.0"):
         amp_C.multi_tensor_l2norm(2048.0, _flag(), [xs])
     with pytest.raises(ValueError, match="mode"):
         amp_C.multi_tensor_adam(2048, _flag(), [xs, outs, outs, outs], 1e-3, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)

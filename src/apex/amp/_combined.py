@@ -600,6 +600,26 @@ class CombinedGrads:
                 b.known_zero = True
                 b.stash = None
 
+    def drop_master_grads(self, model_ids: frozenset) -> None:
+        """O2 ``model.zero_grad()`` between backwards: the masters of those model params lose what they
+        accumulated since the last step. When every master's model param is among them, the next exit writes the
+        master buffer instead of adding to it (one flag); otherwise their master slots are zeroed, so the next
+        exit adds this backward's grads to zero there and to the accumulated grads of the models not zeroed.
+        Nothing to do when the masters hold no grads yet (after a step, the usual place for ``zero_grad``)."""
+        if not self.masters_have_grads:
+            return
+        if self.buffers is None:
+            self.masters_have_grads = False
+            return
+        slots = [(b, i) for b in self.buffers for i, m in enumerate(b.models) if m is not None]
+        dropped = [(b, i) for b, i in slots if id(b.models[i]) in model_ids]
+        if len(dropped) == len(slots):
+            self.masters_have_grads = False
+            return
+        with torch.no_grad():
+            for b, i in dropped:
+                b.zero_slot(i)
+
     def zero_o2(self, set_to_none: bool) -> None:
         """O2 optimizer.zero_grad: model grads zeroed, masters marked empty, fp32 params as torch does."""
         with torch.no_grad():

@@ -163,13 +163,11 @@ class AmpStash:
     def drop_master_grads(self, model_ids: frozenset) -> None:
         """``model.zero_grad()`` under master weights: the masters of those model params lose the grads they
         accumulated since the last step, as the model params lost theirs, including what a delayed block set
-        aside for the next exit. Combined grads keep one flag for all masters: dropped when the zeroed models hold
-        every param the optimizer has masters for."""
+        aside for the next exit. Combined grads: see `CombinedGrads.drop_master_grads`."""
         if not self.pairs:
             return
         if self.combined is not None:
-            if all(id(model) in model_ids for _, model in self.pairs):  # (one flag for all of the set's masters)
-                self.combined.masters_have_grads = False
+            self.combined.drop_master_grads(model_ids)
             return
         for master, model in self.pairs:
             if id(model) in model_ids:
