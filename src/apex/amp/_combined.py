@@ -50,6 +50,8 @@ also catches ``p.grad.data = t``), before the backward and at exit.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import operator
 from typing import Dict, List, Optional
 
@@ -99,6 +101,8 @@ class _Buffer:
         self.lows: Dict[torch.dtype, _Low] = {}
         self.main_idx = list(range(len(params)))
         self.main_ids = frozenset(map(id, params))
+        self.master_idx: List[int] = []  # O2: slots of masters (their model param is in ``models``)
+        self.unbound: List[int] = []  # master slots whose grad amp set to None until the next exit writes them
         self.runs = [(None, 0, flat.numel())]
         self.known_zero = False
         self.stash: Optional[torch.Tensor] = None
@@ -110,6 +114,7 @@ class _Buffer:
     def finish_layout(self) -> None:
         self.main_idx = [i for i, m in enumerate(self.models) if m is None]
         self.main_ids = frozenset(id(self.params[i]) for i in self.main_idx)
+        self.master_idx = [i for i, m in enumerate(self.models) if m is not None]
         runs = []
         for i, p in enumerate(self.params):
             kind = None if self.models[i] is None else self.models[i].dtype
@@ -351,6 +356,11 @@ class CombinedGrads:
 
     def _bind_masters(self, b: _Buffer, slots: List[int]) -> None:
         """Masters whose model param got its first gradient: give them a grad in the master buffer."""
+        if b.unbound:
+            self._rebind_masters()
+            slots = [i for i in slots if b.params[i].grad is None]
+            if not slots:
+                return
         if b.owner == "amp":
             for i in slots:
                 b.params[i].grad = b.views[i] = b.slot_views[i]
@@ -365,15 +375,18 @@ class CombinedGrads:
     # ------------------------------------------------------------ per step
     def prepare(self, scale: float) -> None:
         """Before a backward whose loss is multiplied by ``scale``."""
-        discard = self.discard or self.stash.skip_pending is not None
+        discard = self.discard
         if self.buffers is None and (self.stash.pairs or not self.exited):
             # O2 masters, or the first backward: its grads are combined (or read in place) at exit. Grads to
-            # discard (a block that raised before any exit) are still the tensors autograd made: let them go.
-            if self.discard:
+            # discard (a block that raised before any exit) are still the tensors autograd made: let them go. So do
+            # model grads an exit already consumed (the buffers were dropped since: a loaded state_dict, a new
+            # param group), which would otherwise be counted again when the buffers are rebuilt at this exit.
+            if self.discard or (self.low_dirty and self.stash.pairs):
                 for p in ([m for _, m in self.stash.pairs] if self.stash.pairs
                           else [p for g in self.optimizer.param_groups for p in g["params"]]):
                     p.grad = None
                 self.discard = False
+                self.low_dirty = False
             return
         if self.gathered or self.buffers is None:
             with torch.no_grad():
@@ -519,6 +532,7 @@ class CombinedGrads:
         self.exited = True
         self.zeroed_all = False
         self.zeroed_ids = set()
+        self._rebind_masters()
         with torch.no_grad():
             if self.buffers is None:
                 found = self._unscale_gathered(scale, check, fold) if self._gather_ready() else None
@@ -611,14 +625,69 @@ class CombinedGrads:
         if self.buffers is None:
             self.masters_have_grads = False
             return
-        slots = [(b, i) for b in self.buffers for i, m in enumerate(b.models) if m is not None]
+        slots = [(b, i) for b in self.buffers for i in b.master_idx]
         dropped = [(b, i) for b, i in slots if id(b.models[i]) in model_ids]
         if len(dropped) == len(slots):
             self.masters_have_grads = False
+            self._unbind_masters()
             return
         with torch.no_grad():
             for b, i in dropped:
                 b.zero_slot(i)
+        self._unbind_masters(model_ids)
+
+    def _unbind_masters(self, model_ids: Optional[frozenset] = None) -> None:
+        """O2: masters whose grads were consumed (a step), dropped (``zero_grad``) or discarded (a skipped step)
+        hold no grad until the next exit writes theirs, as without combine_grad: a ``step()`` or a clip before
+        that exit must not see the buffer's stale values. Their grads are set to None; the view objects are kept
+        and bound again at that exit (`_rebind_masters`), so the optimizer still finds its own views there."""
+        for b in self.buffers or ():
+            idx = b.master_idx if model_ids is None else [i for i in b.master_idx if id(b.models[i]) in model_ids]
+            if not idx:
+                continue
+            ps, views = [b.params[i] for i in idx], [b.views[i] for i in idx]
+            if all(map(operator.is_, map(get_grad, ps), views)) and None not in views:
+                # the usual case, at every step: one C-level pass (an O2 run with many small params steps often)
+                collections.deque(map(setattr, ps, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
+                b.unbound.extend(idx)
+                continue
+            for i, p, v in zip(idx, ps, views):
+                if v is not None and p.grad is v:
+                    p.grad = None
+                    b.unbound.append(i)
+
+    def _rebind_masters(self) -> None:
+        """The masters `_unbind_masters` left without a grad get their views back; the exit that follows writes
+        their values. A grad the user gave a master meanwhile is accumulated onto, as without combine_grad: it is
+        copied into the master's slot, and the exit adds to the master buffer (zeroed first where nothing else was
+        held) instead of writing it."""
+        user = []
+        for b in self.buffers or ():
+            if b.unbound:
+                ps = [b.params[i] for i in b.unbound]
+                if all(map(operator.is_, map(get_grad, ps), itertools.repeat(None))):
+                    collections.deque(map(setattr, ps, itertools.repeat("grad"), [b.views[i] for i in b.unbound]),
+                                      maxlen=0)
+                else:
+                    for i, p in zip(b.unbound, ps):
+                        g = p.grad
+                        if g is None:
+                            p.grad = b.views[i]
+                        elif g is not b.views[i]:
+                            user.append((b, i, g))
+                b.unbound = []
+        if not user:
+            return
+        with torch.no_grad():
+            if not self.masters_have_grads:
+                for b in self.buffers:
+                    for kind, lo, hi in b.runs:
+                        if kind is not None:
+                            _core.fill_(b.flat[lo:hi], 0.0)
+                self.masters_have_grads = True
+            for b, i, g in user:
+                b.views[i].copy_(g)
+                b.params[i].grad = b.views[i]
 
     def zero_o2(self, set_to_none: bool) -> None:
         """O2 optimizer.zero_grad: model grads zeroed, masters marked empty, fp32 params as torch does."""
@@ -638,6 +707,7 @@ class CombinedGrads:
                     b.known_zero = True
         self.low_dirty = False
         self.masters_have_grads = False
+        self._unbind_masters()  # dropped either way, as upstream's O2 zero_grad drops master grads
 
     def folded_scale(self) -> Optional[float]:
         """The scale the grads still carry for the optimizer to divide out, or None."""
@@ -647,6 +717,7 @@ class CombinedGrads:
 
     def after_step(self, unscaled_in_place: bool) -> None:
         self.masters_have_grads = False
+        self._unbind_masters()
         if unscaled_in_place:  # torch's fused kernels write the unscaled grads back
             self.pending = 1.0
             self.folded = False
@@ -655,3 +726,4 @@ class CombinedGrads:
         self.discard = True
         self.masters_have_grads = False
         self.folded = False
+        self._unbind_masters()

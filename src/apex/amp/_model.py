@@ -119,7 +119,8 @@ def patch_forward(model: torch.nn.Module, session: Any, input_dtype: Optional[to
 
 
 def patch_zero_grad(model: torch.nn.Module, on_zero: Callable[[Any, bool], None]) -> InstancePatch:
-    """Wrap ``model.zero_grad`` so combine_grad learns which flat grad buffers are known to be zero."""
+    """Wrap ``model.zero_grad`` so amp learns which grads were zeroed: the grads it set aside for the next exit,
+    O2's master grads, and combine_grad's flat buffers known to be zero."""
     orig = model.zero_grad
 
     def zero_grad(self, set_to_none: bool = True):

@@ -56,6 +56,8 @@ class AmpStash:
         self.params_have_scaled_gradients = False
         self.skip_pending: Optional[Tuple[int, Any]] = None  # (loss_id, scaler) of the overflow to report
         self.skip_after_error = False  # a combined scale_loss block raised: its grads are dropped, not stepped on
+        self.carried_overflow = False  # a delay_overflow_check exit found inf/nan in these grads (see scale_loss)
+        self.drop_at_next_backward = False  # the grads overflowed: the next backward starts from none
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fp32 master, low-precision model param)
         self.master_ids: set = set()
         self.model_versions: List[int] = []
@@ -84,6 +86,11 @@ class AmpStash:
         """Params that are their own masters (all of them without master weights)."""
         ids = self.master_ids
         return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in ids]
+
+    @property
+    def holds_stashed_grads(self) -> bool:
+        """Grads are set aside for the next real exit (see `prepare_backward`)."""
+        return self._grad_stash is not None
 
     # ------------------------------------------------------------ masters
     def make_masters(self) -> None:
@@ -172,9 +179,15 @@ class AmpStash:
         for master, model in self.pairs:
             if id(model) in model_ids:
                 master.grad = None
-        if self._stash_params is not None:
-            dropped = {id(m) for m, model in self.pairs if id(model) in model_ids}
-            self._grad_stash = [None if id(p) in dropped else g for p, g in zip(self._stash_params, self._grad_stash)]
+
+    def drop_stashed_grads(self, param_ids: Optional[frozenset] = None) -> None:
+        """Grads zeroed (``zero_grad``) while earlier grads are set aside for the next real exit (inside a
+        ``delay_unscale`` chain, or inside a block after its backward): the set-aside grads of those params (all
+        with None) are dropped too, so the exit does not add back what the user zeroed."""
+        if self._grad_stash is None:
+            return
+        self._grad_stash = [None if param_ids is None or id(p) in param_ids else g
+                            for p, g in zip(self._stash_params, self._grad_stash)]
 
     def record_model_versions(self) -> None:
         """The model params' version counters after amp's own writes (or reads) of them: later changes are the
@@ -207,6 +220,16 @@ class AmpStash:
             torch._foreach_copy_(models, masters)
 
     # ------------------------------------------------------------ backward bookkeeping
+    def overflowed(self) -> None:
+        """An exit found inf/nan in the grads of the step to come, which will be skipped. The next backward (a
+        later micro-batch before that step) starts from no grads instead of adding to the overflowed ones, with or
+        without combine_grad: accumulated onto, they would be found again by combined grads' whole-buffer check
+        (a second back-off for one overflow), and a clip before the skipped step would see them."""
+        if self.combined is not None:
+            self.combined.discard = True
+        else:
+            self.drop_at_next_backward = True
+
     def prepare_backward(self, scale: float) -> None:
         """Before a scaled backward (not called while grads are already scaled from delay_unscale)."""
         if self.master_weights:
@@ -216,7 +239,13 @@ class AmpStash:
             return
         params = self.plain_params()
         self._stash_params = params
-        self._grad_stash = [p.grad for p in params]
+        if self.drop_at_next_backward:
+            self.drop_at_next_backward = False
+            self._grad_stash = [None] * len(params)
+            for master, _ in self.pairs:
+                master.grad = None
+        else:
+            self._grad_stash = [p.grad for p in params]
         for p in params:
             p.grad = None
         for _, model in self.pairs:
@@ -311,6 +340,7 @@ class AmpStash:
             self.skip_after_error = False
             maybe_log("Skipping step: the last scale_loss block raised, and the grads it left were dropped")
             self.combined.after_skip()
+            self._drop_skipped_grads()
             return None
         opt = self.optimizer
         scale = self.combined.folded_scale() if self.combined is not None else None
@@ -364,13 +394,19 @@ class AmpStash:
         # torch 2.13's fused SGD leaves that momentum buffer uninitialised, which the next step then reads.
         if combined is not None:
             combined.after_skip()
-        else:
-            for master, _ in self.pairs:
-                master.grad = None  # the masters' inf grads must not leak into the next step
+        self._drop_skipped_grads()
         return None
+
+    def _drop_skipped_grads(self) -> None:
+        """A skipped step drops the grads it would have applied, as ``zero_grad()`` would: they hold the inf/nan
+        the step was skipped for (unless the user zeroed since), and kept they would be added to by the next
+        backward and applied by a later ``step()``, with or without combine_grad alike."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.drop_at_next_backward = False
 
     def zero_grad(self, orig_zero_grad, set_to_none: bool = True) -> None:
         combined = self.combined
+        self.drop_stashed_grads()
         if not self.master_weights:
             orig_zero_grad(set_to_none=set_to_none)
             if combined is not None and not set_to_none:

@@ -60,11 +60,13 @@ class _Session:
         stashes = [opt._amp_stash for opt in self.optimizers]
         # grads set to None and no masters (O1, the default zero_grad, every Trainer step): nothing to
         # accumulate onto, so no walk over the model's params
-        if not any(s.pairs or (s.combined is not None and not set_to_none) for s in stashes):
+        if not any(s.pairs or (s.combined is not None and not set_to_none) or s.holds_stashed_grads
+                   for s in stashes):
             return
         ids = frozenset(id(p) for p in model.parameters())
         for stash in stashes:
             stash.drop_master_grads(ids)  # O2: the masters' grads are the model's, accumulated
+            stash.drop_stashed_grads(ids)
             if stash.combined is not None and not set_to_none:
                 stash.combined.mark_zeroed(ids)
 
@@ -289,9 +291,9 @@ def initialize(
             session.model_patches.append(patch_forward(model, session, None, cast_model_outputs, autocast=autocast))
     for opt in opt_list:
         process_optimizer(opt, session)
-    if props.combine_grad or props.master_weights:
-        for model in model_list:
-            session.model_patches.append(patch_zero_grad(model, session.on_model_zero_grad))
+    # model.zero_grad() must reach what amp keeps beside the grads: set-aside grads, master grads, flat buffers
+    for model in model_list:
+        session.model_patches.append(patch_zero_grad(model, session.on_model_zero_grad))
 
     _amp_state.session = session
     _amp_state.sessions.append(session)

@@ -122,19 +122,26 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         session.pending_flag_overflow.discard(loss_id)
     if ddp is not None:  # every rank skips together
         scaler.record_overflow(bool(_ddp.call(ddp, "agree_overflow", scaler.has_overflow())))
-    # an overflow found at a delay_overflow_check exit is acted on at the next exit that checks: the grads that
-    # held it were unscaled and set aside, and the later exits' checks only see their own backward's grads
+    # an overflow found at a delay_overflow_check exit is acted on at the next exit that checks, of this loss or of
+    # another loss on the same optimizers: the grads that held it were unscaled and set aside, and the later exits'
+    # checks only see their own backward's grads
     if delay_overflow_check:
-        scaler.carried_overflow = scaler.carried_overflow or scaler.has_overflow()
+        if scaler.has_overflow():
+            scaler.carried_overflow = True
+            for stash in stashes:
+                stash.carried_overflow = True
         should_skip = False
     else:
-        scaler.record_overflow(scaler.carried_overflow)
+        scaler.record_overflow(scaler.carried_overflow or any(stash.carried_overflow for stash in stashes))
         scaler.carried_overflow = False
+        for stash in stashes:
+            stash.carried_overflow = False
         should_skip = scaler.update_scale()
     if should_skip:
         for stash in stashes:
             if stash.skip_pending is None:
                 stash.skip_pending = (loss_id, scaler)
+            stash.overflowed()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,229 @@
+"""What the grads hold between amp's events when a script strays from the one-backward-one-step loop: a step or a
+clip with no backward since the last step or ``zero_grad``, ``zero_grad`` inside a ``delay_unscale`` chain, an
+optimizer state_dict round trip between steps, steps after an overflow, and an overflow found by a
+``delay_overflow_check`` block of another loss. Each sequence runs with and without ``combine_grad``: the two must
+agree (rtol 1e-6), and where plain torch has the same semantics, match it (bf16 model, atol 2e-2)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from apex import amp
+from apex.optimizers import FusedSGD, NpuFusedSGD
+
+pytestmark = pytest.mark.usefixtures("amp_env")
+
+COMBINE = [None, True]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+
+
+_OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "npu_sgd": lambda ps: NpuFusedSGD(ps, lr=0.1, momentum=0.9),
+    "fused_sgd": lambda ps: FusedSGD(ps, lr=0.1),
+}
+
+
+def _run(ops, combine, opt_level="O1", loss_scale=128.0, opt="sgd", num_losses=1, **extra):
+    """Runs ``ops`` under amp; returns the params the optimizer steps on, the loss scales and the clip norms.
+
+    ops: ("fb", {overflow, delay, check, loss_id}) a scaled forward/backward; ("step",); ("zero",) the optimizer's
+    zero_grad(); ("model_zero",) model.zero_grad(); ("clip",) clip_grad_norm_ of the master params (norm recorded);
+    ("roundtrip",) opt.load_state_dict(opt.state_dict()); ("noop",) nothing (keeps later batches aligned)."""
+    model = _model()
+    o = _OPTIMIZERS[opt](model.parameters())
+    model, o = amp.initialize(model, o, opt_level=opt_level, combine_grad=combine, loss_scale=loss_scale,
+                              num_losses=num_losses, verbosity=0, cast_model_outputs=torch.float32,
+                              **(extra if combine else {}))
+    norms = []
+    for i, (kind, *args) in enumerate(ops):
+        a = args[0] if args else {}
+        if kind == "fb":
+            x, t = _batch(i)
+            loss = (model(x) - t).pow(2).mean()
+            if a.get("overflow"):
+                loss = loss * float("inf")
+            with amp.scale_loss(loss, o, loss_id=a.get("loss_id", 0), delay_unscale=a.get("delay", False),
+                                delay_overflow_check=a.get("check", False)) as scaled:
+                scaled.backward()
+        elif kind == "step":
+            o.step()
+        elif kind == "zero":
+            o.zero_grad()
+        elif kind == "model_zero":
+            model.zero_grad()
+        elif kind == "clip":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(amp.master_params(o)), 1e9)))
+        elif kind == "roundtrip":
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+        elif kind != "noop":
+            raise AssertionError(kind)
+    params = [p.detach().float().clone() for p in amp.master_params(o)]
+    scales = [s.loss_scale() for s in amp._amp_state.loss_scalers]
+    amp.deinitialize()
+    return params, scales, norms
+
+
+def _torch_run(ops):
+    """Plain torch for the ops that have torch semantics: fp32 params, a bf16 autocast forward, SGD momentum."""
+    model = _model()
+    o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i, (kind, *_args) in enumerate(ops):
+        if kind == "fb":
+            x, t = _batch(i)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            (out.float() - t).pow(2).mean().backward()
+        elif kind == "step":
+            o.step()
+        elif kind in ("zero", "model_zero"):
+            o.zero_grad()
+        elif kind != "noop":
+            raise AssertionError(kind)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _both(ops, **kw):
+    plain, combined = _run(ops, None, **kw), _run(ops, True, **kw)
+    for k, (p, q) in enumerate(zip(plain[0], combined[0])):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"param {k}, combined vs plain: {m}")
+    assert combined[1:] == plain[1:], (combined[1:], plain[1:])
+    return plain
+
+
+def _initial():
+    return [p.detach().clone() for p in _model().parameters()]
+
+
+def _assert_params(got, want, atol=2e-2):
+    for k, (p, q) in enumerate(zip(got, want)):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol, msg=lambda m, k=k: f"param {k}: {m}")
+
+
+# ---------------------------------------------------------------- O2: master grads after a step or a zero_grad
+@pytest.mark.parametrize("clear", ["step", "zero", "model_zero"])
+def test_o2_master_grads_are_gone_after_a_step_or_a_zero_grad(clear):
+    """A step, the optimizer's zero_grad() or model.zero_grad() leaves the fp32 masters without grads until the
+    next exit: a second step() does not move them, a clip sees no grad."""
+    once, _, _ = _both([("fb",), (clear,)], opt_level="O2")
+    twice, _, norms = _both([("fb",), (clear,), ("clip",), ("step",)], opt_level="O2")
+    _assert_params(twice, once, atol=0)
+    assert norms == [0.0]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "npu_sgd"])
+def test_o2_state_dict_roundtrip_between_steps_changes_nothing(opt):
+    """opt.load_state_dict(opt.state_dict()) between iterations (or between two micro-batches): the next step
+    uses that iteration's grads only (the model grads an exit already consumed are not counted again)."""
+    for ops in ([("fb",), ("step",), ("roundtrip",), ("fb",), ("step",)],
+                [("fb",), ("roundtrip",), ("fb",), ("step",)]):
+        base, _, _ = _run([op if op[0] != "roundtrip" else ("noop",) for op in ops], None, opt_level="O2", opt=opt)
+        got, _, _ = _both(ops, opt_level="O2", opt=opt)
+        _assert_params(got, base, atol=0)
+
+
+def test_o2_state_dict_roundtrip_after_an_overflow_backs_off_once():
+    _, scales, _ = _both([("fb", {"overflow": True}), ("roundtrip",), ("fb",)], opt_level="O2", loss_scale="dynamic")
+    assert scales == [2.0**15]
+
+
+# ---------------------------------------------------------------- skipped steps
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_skipped_step_drops_its_grads(opt_level):
+    """After an overflow the next step is skipped and drops the grads it would have applied: a second step() with no
+    backward in between moves nothing, and nothing non-finite reaches the params."""
+    for ops in ([("fb", {"overflow": True}), ("fb",), ("step",), ("step",)],
+                [("fb", {"overflow": True}), ("step",), ("step",)]):
+        got, scales, _ = _both(ops, opt_level=opt_level, loss_scale="dynamic")
+        _assert_params(got, _initial(), atol=1e-2 if opt_level == "O2" else 0)
+        assert scales == [2.0**15]
+
+
+def test_after_a_skipped_step_training_goes_on_from_the_next_grads():
+    """overflow, zero_grad, backward, step (skipped: its grads dropped), backward, step: the last step applies the
+    last backward's grads alone, as torch does for a step whose grads were zeroed."""
+    got, _, _ = _both([("fb", {"overflow": True}), ("zero",), ("fb",), ("step",), ("fb",), ("step",)],
+                      loss_scale="dynamic")
+    _assert_params(got, _torch_run([("noop",), ("noop",), ("noop",), ("noop",), ("fb",), ("step",)]))
+
+
+def test_fold_unscale_a_skipped_step_leaves_no_scaled_grads_behind():
+    """fold_unscale: the grads stay scaled for the optimizer to divide; the skipped step drops them, so a second
+    step() does not apply them undivided."""
+    got, _, _ = _both([("fb", {"overflow": True}), ("zero",), ("fb",), ("step",), ("step",)], opt="fused_sgd",
+                      loss_scale="dynamic", fold_unscale=True)
+    _assert_params(got, _initial(), atol=0)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_the_backward_after_an_overflow_starts_from_no_grads(opt_level):
+    """The overflowed grads are not accumulated onto: a later overflow in a delay_unscale block is seen at the
+    closing exit (a second back-off), and a clip before the skipped step sees the later micro-batches alone."""
+    _, scales, _ = _both([("fb", {"overflow": True}), ("fb", {"delay": True, "overflow": True}), ("fb",)],
+                         opt_level=opt_level, loss_scale="dynamic")
+    assert scales == [2.0**14]
+    _, _, norms = _both([("fb", {"overflow": True}), ("fb",), ("fb",), ("clip",)], opt_level=opt_level,
+                        loss_scale="dynamic")
+    _, _, clean = _both([("zero",), ("fb",), ("fb",), ("clip",)], opt_level=opt_level)
+    assert norms == pytest.approx(clean, rel=1e-6)
+
+
+def test_an_overflow_found_by_a_delay_overflow_check_block_of_another_loss_skips_the_step():
+    """Loss 1's delay_overflow_check block overflows; loss 0's exit (which checks) acts on it: loss 0's scale
+    backs off and the step is skipped, instead of the inf grads reaching the update."""
+    got, scales, _ = _both([("fb", {"loss_id": 1, "overflow": True, "check": True}), ("fb", {"loss_id": 0}),
+                            ("step",)], loss_scale="dynamic", num_losses=2)
+    assert scales == [2.0**15, 2.0**16]
+    _assert_params(got, _initial(), atol=0)
+
+
+# ---------------------------------------------------------------- zero_grad inside a delay_unscale chain
+@pytest.mark.parametrize("zero", ["zero", "model_zero"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_zero_grad_inside_a_delay_unscale_chain_drops_what_came_before(zero, opt_level):
+    """Grads set aside for the chain's closing exit are dropped by a zero_grad() in between, as torch drops
+    every grad: the step applies the closing backward's grads alone."""
+    got, _, _ = _both([("fb",), ("fb", {"delay": True}), (zero,), ("fb",), ("step",)], opt_level=opt_level)
+    _assert_params(got, _torch_run([("fb",), ("fb",), ("zero",), ("fb",), ("step",)]))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "npu_sgd"])
+def test_o2_a_master_grad_set_by_the_user_after_a_step_is_accumulated_onto(opt):
+    """A grad given to a master between steps (here ones) is added to by the next exit, as upstream's O2 adds
+    to existing master grads; the same with combined master grads."""
+    results = []
+    for combine in COMBINE:
+        model = _model()
+        o = _OPTIMIZERS[opt](model.parameters())
+        model, o = amp.initialize(model, o, opt_level="O2", combine_grad=combine, loss_scale=128.0, verbosity=0,
+                                  cast_model_outputs=torch.float32)
+        first = next(iter(amp.master_params(o)))
+        for i in range(3):
+            x, t = _batch(i)
+            with amp.scale_loss((model(x) - t).pow(2).mean(), o) as scaled:
+                scaled.backward()
+            if i == 1:
+                grad = first.grad.clone()
+            o.step()
+            if i == 0:
+                first.grad = torch.ones_like(first)
+        results.append(([p.detach().clone() for p in amp.master_params(o)], grad))
+        amp.deinitialize()
+    (plain, g_plain), (combined, g_combined) = results
+    torch.testing.assert_close(g_combined, g_plain, rtol=1e-6, atol=1e-7)
+    assert float(g_plain.min()) > 0.5  # the ones are in it
+    for p, q in zip(combined, plain):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
