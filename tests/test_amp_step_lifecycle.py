@@ -20,8 +20,11 @@ pytestmark = pytest.mark.usefixtures("amp_env")
 COMBINE = [None, True]
 
 
-def _model():
+def _model(bn=False):
+    """Two linears; ``bn``: a BatchNorm between them, whose params O2 keeps in fp32 (their own masters)."""
     torch.manual_seed(0)
+    if bn:
+        return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
     return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
 
 
@@ -37,13 +40,13 @@ _OPTIMIZERS = {
 }
 
 
-def _run(ops, combine, opt_level="O1", loss_scale=128.0, opt="sgd", num_losses=1, **extra):
+def _run(ops, combine, opt_level="O1", loss_scale=128.0, opt="sgd", num_losses=1, bn=False, **extra):
     """Runs ``ops`` under amp; returns the params the optimizer steps on, the loss scales and the clip norms.
 
     ops: ("fb", {overflow, delay, check, loss_id}) a scaled forward/backward; ("step",); ("zero",) the optimizer's
     zero_grad(); ("model_zero",) model.zero_grad(); ("clip",) clip_grad_norm_ of the master params (norm recorded);
     ("roundtrip",) opt.load_state_dict(opt.state_dict()); ("noop",) nothing (keeps later batches aligned)."""
-    model = _model()
+    model = _model(bn)
     o = _OPTIMIZERS[opt](model.parameters())
     model, o = amp.initialize(model, o, opt_level=opt_level, combine_grad=combine, loss_scale=loss_scale,
                               num_losses=num_losses, verbosity=0, cast_model_outputs=torch.float32,
@@ -124,20 +127,37 @@ def test_o2_master_grads_are_gone_after_a_step_or_a_zero_grad(clear):
     assert norms == [0.0]
 
 
+_ROUNDTRIPS = {
+    "between iterations": [("fb",), ("step",), ("roundtrip",), ("fb",), ("step",)],
+    "between micro-batches": [("fb",), ("roundtrip",), ("fb",), ("step",)],
+    "then a clip": [("fb",), ("roundtrip",), ("fb",), ("clip",), ("step",)],
+    "then two steps": [("fb",), ("roundtrip",), ("step",), ("step",)],
+    "then model.zero_grad": [("fb",), ("roundtrip",), ("model_zero",), ("clip",), ("fb",), ("step",)],
+}
+
+
+@pytest.mark.parametrize("bn", [False, True], ids=["linear", "batchnorm"])
 @pytest.mark.parametrize("opt", ["sgd", "npu_sgd"])
-def test_o2_state_dict_roundtrip_between_steps_changes_nothing(opt):
-    """opt.load_state_dict(opt.state_dict()) between iterations (or between two micro-batches): the next step
-    uses that iteration's grads only (the model grads an exit already consumed are not counted again)."""
-    for ops in ([("fb",), ("step",), ("roundtrip",), ("fb",), ("step",)],
-                [("fb",), ("roundtrip",), ("fb",), ("step",)]):
-        base, _, _ = _run([op if op[0] != "roundtrip" else ("noop",) for op in ops], None, opt_level="O2", opt=opt)
-        got, _, _ = _both(ops, opt_level="O2", opt=opt)
-        _assert_params(got, base, atol=0)
+@pytest.mark.parametrize("case", list(_ROUNDTRIPS))
+def test_o2_state_dict_roundtrip_changes_nothing(case, opt, bn):
+    """opt.load_state_dict(opt.state_dict()) (the buffers are rebuilt) anywhere in the loop: the same params and
+    clip norms as the run without it. Model grads an exit already consumed are not counted again, fp32 params'
+    grads keep their scale, a step or zero_grad after it still leaves the masters without grads."""
+    ops = _ROUNDTRIPS[case]
+    base = _run([op if op[0] != "roundtrip" else ("noop",) for op in ops], None, opt_level="O2", opt=opt, bn=bn)
+    got = _both(ops, opt_level="O2", opt=opt, bn=bn)
+    _assert_params(got[0], base[0], atol=0)
+    assert got[1:] == base[1:]
 
 
-def test_o2_state_dict_roundtrip_after_an_overflow_backs_off_once():
-    _, scales, _ = _both([("fb", {"overflow": True}), ("roundtrip",), ("fb",)], opt_level="O2", loss_scale="dynamic")
+@pytest.mark.parametrize("bn", [False, True], ids=["linear", "batchnorm"])
+def test_o2_state_dict_roundtrip_after_an_overflow_backs_off_once(bn):
+    """The overflowed grads are dropped before the next backward across the rebuild too: one back-off, and a clip
+    before the skipped step sees the new grads."""
+    _, scales, norms = _both([("fb", {"overflow": True}), ("roundtrip",), ("fb",), ("clip",)], opt_level="O2",
+                             loss_scale="dynamic", bn=bn)
     assert scales == [2.0**15]
+    assert all(n == n and n < float("inf") for n in norms)
 
 
 # ---------------------------------------------------------------- skipped steps

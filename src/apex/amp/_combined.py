@@ -376,19 +376,27 @@ class CombinedGrads:
     def prepare(self, scale: float) -> None:
         """Before a backward whose loss is multiplied by ``scale``."""
         discard = self.discard
-        if self.buffers is None and (self.stash.pairs or not self.exited):
-            # O2 masters, or the first backward: its grads are combined (or read in place) at exit. Grads to
-            # discard (a block that raised before any exit) are still the tensors autograd made: let them go. So do
-            # model grads an exit already consumed (the buffers were dropped since: a loaded state_dict, a new
-            # param group), which would otherwise be counted again when the buffers are rebuilt at this exit.
-            if self.discard or (self.low_dirty and self.stash.pairs):
-                for p in ([m for _, m in self.stash.pairs] if self.stash.pairs
-                          else [p for g in self.optimizer.param_groups for p in g["params"]]):
+        pairs = self.stash.pairs
+        if self.buffers is None and (pairs or not self.exited):
+            # O2 masters, or the first backward. Grads to discard (an overflow, a block that raised) are still
+            # plain tensors here: let them all go (masters', fp32 params', the model's). So do model grads an exit
+            # already consumed (the buffers were dropped since: a loaded state_dict, a new param group), which
+            # would otherwise be counted again by the rebuilt buffers.
+            if discard:
+                for p in [*(m for _, m in pairs), *(p for g in self.optimizer.param_groups for p in g["params"])]:
                     p.grad = None
                 self.discard = False
+                self.masters_have_grads = False
                 self.low_dirty = False
-            return
-        if self.gathered or self.buffers is None:
+            elif self.low_dirty and pairs:
+                for _, model in pairs:
+                    model.grad = None
+                self.low_dirty = False
+            if not (pairs and self.exited):
+                return  # the first backward: its grads are combined (or read in place) at its exit
+            # O2 after a re-layout: the buffers are built now, so the grads held (fp32 params' at their pending
+            # scale, masters' accumulated ones) are carried into them as the bound ones are
+        elif self.gathered or self.buffers is None:
             with torch.no_grad():
                 if self._prepare_in_place(scale, discard):
                     self._after_prepare(scale, discard)
@@ -623,7 +631,7 @@ class CombinedGrads:
         if not self.masters_have_grads:
             return
         if self.buffers is None:
-            self.masters_have_grads = False
+            self._unbind_masters(model_ids)
             return
         slots = [(b, i) for b in self.buffers for i in b.master_idx]
         dropped = [(b, i) for b, i in slots if id(b.models[i]) in model_ids]
@@ -640,8 +648,15 @@ class CombinedGrads:
         """O2: masters whose grads were consumed (a step), dropped (``zero_grad``) or discarded (a skipped step)
         hold no grad until the next exit writes theirs, as without combine_grad: a ``step()`` or a clip before
         that exit must not see the buffer's stale values. Their grads are set to None; the view objects are kept
-        and bound again at that exit (`_rebind_masters`), so the optimizer still finds its own views there."""
-        for b in self.buffers or ():
+        and bound again at that exit (`_rebind_masters`), so the optimizer still finds its own views there. With no
+        buffers (dropped by a re-layout until the next backward) the masters' grads are plain tensors: set to None,
+        as without combine_grad."""
+        if self.buffers is None:
+            for master, model in self.stash.pairs:
+                if model_ids is None or id(model) in model_ids:
+                    master.grad = None
+            return
+        for b in self.buffers:
             idx = b.master_idx if model_ids is None else [i for i in b.master_idx if id(b.models[i]) in model_ids]
             if not idx:
                 continue
