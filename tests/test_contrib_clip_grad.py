@@ -118,3 +118,16 @@ def test_tensor_max_norm_is_read_out():
     ref = _copies(ps)
     total = clip_grad_norm_(ps, torch.tensor(0.5))
     assert torch.equal(total, torch.nn.utils.clip_grad_norm_([q for q in ref if q.grad is not None], 0.5))
+
+
+def test_empty_grads_are_left_out_of_every_norm():
+    """An empty grad changes no p-norm: the infinity norm is the max over the others (torch's foreach infinity
+    norm raises on an empty tensor), and only empty grads give tensor(0.)."""
+    from apex.contrib.clip_grad import clip_grad_norm_
+
+    ps = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 0))]
+    for p, g in zip(ps, (torch.zeros(0), torch.tensor([3.0, -4.0, 1.0]), torch.zeros(2, 0))):
+        p.grad = g
+    assert clip_grad_norm_(ps, 1.0, norm_type="inf").item() == 4.0
+    torch.testing.assert_close(ps[1].grad, torch.tensor([3.0, -4.0, 1.0]) * (1.0 / (4.0 + 1e-6)))
+    assert clip_grad_norm_([ps[0], ps[2]], 1.0, norm_type=float("inf")).item() == 0.0

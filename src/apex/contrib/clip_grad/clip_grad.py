@@ -40,11 +40,11 @@ def clip_grad_norm_(parameters: _TensorOrTensors, max_norm: float, norm_type: fl
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scales the grads of ``parameters`` in place so that their joint ``norm_type``-norm is at most ``max_norm``.
 
-    ``parameters``: a tensor or an iterable of tensors; those without a grad are skipped (none: returns
-    ``tensor(0.)``). ``norm_type``: a positive number or ``'inf'``. ``error_if_nonfinite``: raise RuntimeError,
-    changing nothing, when the total norm is nan or inf. Returns the total norm (before clipping) as a 0-d tensor.
-    Raises TypeError for a non-tensor entry or non-number argument, ValueError for a negative or nan ``max_norm``
-    or a ``norm_type`` that is not a positive number.
+    ``parameters``: a tensor or an iterable of tensors; those without a grad, or with an empty one, are skipped
+    (none left: returns ``tensor(0.)``). ``norm_type``: a positive number or ``'inf'``. ``error_if_nonfinite``:
+    raise RuntimeError, changing nothing, when the total norm is nan or inf. Returns the total norm (before
+    clipping) as a 0-d tensor. Raises TypeError for a non-tensor entry or non-number argument, ValueError for a
+    negative or nan ``max_norm`` or a ``norm_type`` that is not a positive number.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -64,7 +64,8 @@ def clip_grad_norm_(parameters: _TensorOrTensors, max_norm: float, norm_type: fl
         raise ValueError(f"clip_grad_norm_: norm_type must be a positive number or 'inf', got {norm_type}")
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(f"clip_grad_norm_: error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
-    grads = [p for p in params if p.grad is not None]
+    # a grad with no elements changes no p-norm and has nothing to scale; torch's infinity norm raises on one
+    grads = [p for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.tensor(0.0)
     return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
