@@ -495,13 +495,25 @@ def test_unused_param_keeps_torch_semantics_under_o1():
     assert m.b.weight.grad is None and torch.equal(m.b.weight, b_before[-1])
 
 
-def test_unused_param_under_o2_gets_zero_master_grad():
-    """O2 + combine_grad (documented): a model param that once had a grad keeps a zeroed slot."""
-    _, o = _two_branch_run(torch.optim.SGD, "O2", lambda o: o.zero_grad())
-    masters = list(amp.master_params(o))
-    b_master = masters[2]
-    assert b_master.grad is not None and not b_master.grad.any()
-    assert masters[0].grad.any()
+@pytest.mark.parametrize("opt", ["sgd", "apex"])
+def test_unused_param_keeps_torch_semantics_under_o2(opt):
+    """O2 + combine_grad: the master of a model param no backward wrote since the last step has no grad (the
+    model's grad slot stays bound for later backwards), so a momentum optimizer leaves it alone, as torch does."""
+    seen = []
+
+    def step(m, o):
+        masters = list(amp.master_params(o))  # a.weight, a.bias, b.weight, b.bias
+        seen.append(([p.grad is None for p in masters], masters[2].detach().clone()))
+        o.step()
+        seen[-1] += (masters[2].detach().clone(),)
+
+    make = (lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9)) if opt == "sgd" else (
+        lambda ps, lr: apex_adam(ps))
+    _two_branch_run(make, "O2", lambda o: o.zero_grad(), step)
+    (first_none, _, _), (second_none, before, after) = seen
+    assert first_none == [False] * 4
+    assert second_none == [False, False, True, True]
+    assert torch.equal(before, after)
 
 
 def test_add_param_group_rebuilds_buffers():

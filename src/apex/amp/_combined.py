@@ -28,8 +28,9 @@ grads. The exit writes ``M = L / scale`` (or ``M += L / scale`` while
 accumulating) in one pass over each run of master slots; fp32 model params
 (batchnorm under keep_batchnorm_fp32) are their own masters and are handled
 like O1 grads. A model param that once had a gradient keeps its (zeroed) slot in
-``L``, so under O2 + combine_grad a param unused in one iteration gets a zero
-master gradient rather than None.
+``L``; which model params a backward wrote is recorded by a post-accumulate-grad
+hook per model param (``used``), so the master of one no backward wrote since
+the last step gets None, as without combine_grad, and the optimizer skips it.
 
 Grads left where autograd put them (``zero_grad(set_to_none=True)`` /
 ``model.zero_grad()`` before the backward): when no buffer needs its flat form
@@ -51,6 +52,7 @@ also catches ``p.grad.data = t``), before the backward and at exit.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import operator
 from typing import Dict, List, Optional
@@ -164,6 +166,10 @@ class CombinedGrads:
         self.zeroed_all = False
         self.zeroed_ids: set = set()
         self.gathered = False  # the main grads were unscaled where they are: the flat buffers are stale
+        # O2: ids of the model params a backward wrote since the masters last dropped their grads (filled by a
+        # post-accumulate-grad hook per model param, which is a C-level call: a partial of dict.__setitem__)
+        self.used: Dict[int, torch.Tensor] = {}
+        self._hooks: list = []
 
     # ------------------------------------------------------------ structure
     @property
@@ -173,11 +179,18 @@ class CombinedGrads:
     def invalidate(self) -> None:
         self.buffers = None
         self.gathered = False
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def flat_buffers(self) -> List[torch.Tensor]:
         return [] if self.buffers is None else [b.flat for b in self.buffers]
 
     def _build(self, scale: float) -> None:
+        self.remove_hooks()
         stash, opt = self.stash, self.optimizer
         model_of = {id(m): model for m, model in stash.pairs}
         with torch.no_grad():
@@ -261,6 +274,7 @@ class CombinedGrads:
             if model is not None:
                 b.models[i] = model
                 by_dtype.setdefault(model.dtype, []).append(i)
+        mark = functools.partial(dict.__setitem__, self.used)
         for dtype, slots in by_dtype.items():
             flat = torch.zeros(b.flat.numel(), dtype=dtype, device=b.flat.device)
             views = {}
@@ -270,7 +284,9 @@ class CombinedGrads:
                 if model.grad is not None:
                     v.copy_(model.grad)
                     model.grad = v
+                    self.used[id(model)] = model  # written by the backward(s) before this build
                 views[i] = v
+                self._hooks.append(model.register_post_accumulate_grad_hook(functools.partial(mark, id(model))))
             b.lows[dtype] = _Low(flat, slots, views, [b.models[i] for i in slots])
         b.finish_layout()
 
@@ -387,6 +403,7 @@ class CombinedGrads:
                     p.grad = None
                 self.discard = False
                 self.masters_have_grads = False
+                self._forget_used()
                 self.low_dirty = False
             elif self.low_dirty and pairs:
                 for _, model in pairs:
@@ -435,6 +452,7 @@ class CombinedGrads:
         self.zeroed_ids = set()
         if discard:
             self.masters_have_grads = False
+            self._forget_used()
             self.discard = False
         self.low_dirty = False
         self.low_pending = scale
@@ -572,7 +590,9 @@ class CombinedGrads:
                 for b in self.buffers:
                     if b.lows:  # O2: a model param unused here got the reduced grad: its master needs one too
                         self._sync_lows(b, before_backward=False)
-            return self._unscale_pass(scale, check, fold)
+            found = self._unscale_pass(scale, check, fold)
+            self._unbind_unused()
+            return found
 
     def _unscale_pass(self, scale: float, check: bool, fold: bool) -> bool:
         inv = 1.0 / scale
@@ -629,12 +649,15 @@ class CombinedGrads:
         exit adds this backward's grads to zero there and to the accumulated grads of the models not zeroed.
         Nothing to do when the masters hold no grads yet (after a step, the usual place for ``zero_grad``)."""
         if not self.masters_have_grads:
+            self._forget_used(model_ids)  # (a delayed block's backward may have marked them)
             return
         if self.buffers is None:
+            self._forget_used(model_ids)
             self._unbind_masters(model_ids)
             return
         slots = [(b, i) for b in self.buffers for i in b.master_idx]
         dropped = [(b, i) for b, i in slots if id(b.models[i]) in model_ids]
+        self._forget_used(model_ids)
         if len(dropped) == len(slots):
             self.masters_have_grads = False
             self._unbind_masters()
@@ -670,6 +693,29 @@ class CombinedGrads:
                 if v is not None and p.grad is v:
                     p.grad = None
                     b.unbound.append(i)
+
+    def _unbind_unused(self) -> None:
+        """O2, after an exit wrote the master buffer: masters whose model param no backward wrote since the masters
+        last dropped their grads get None, as without combine_grad (the model's grad view stays bound, zero, for
+        the next backward). Their slots in the buffer are zero, so an exit that accumulates later adds to zero.
+        Not with combine_ddp: the all-reduce gives every param this rank left unused the other ranks' grads."""
+        if self.buffers is None or self.stash.session.ddp is not None:
+            return
+        used = self.used
+        for b in self.buffers:
+            for i in b.master_idx:
+                if id(b.models[i]) not in used:
+                    p, v = b.params[i], b.views[i]
+                    if v is not None and p.grad is v:
+                        p.grad = None
+                        b.unbound.append(i)
+
+    def _forget_used(self, model_ids: Optional[frozenset] = None) -> None:
+        if model_ids is None:
+            self.used.clear()
+        else:
+            for k in model_ids:
+                self.used.pop(k, None)
 
     def _rebind_masters(self) -> None:
         """The masters `_unbind_masters` left without a grad get their views back; the exit that follows writes
@@ -722,6 +768,7 @@ class CombinedGrads:
                     b.known_zero = True
         self.low_dirty = False
         self.masters_have_grads = False
+        self._forget_used()
         self._unbind_masters()  # dropped either way, as upstream's O2 zero_grad drops master grads
 
     def folded_scale(self) -> Optional[float]:
@@ -732,6 +779,7 @@ class CombinedGrads:
 
     def after_step(self, unscaled_in_place: bool) -> None:
         self.masters_have_grads = False
+        self._forget_used()
         self._unbind_masters()
         if unscaled_in_place:  # torch's fused kernels write the unscaled grads back
             self.pending = 1.0
@@ -741,4 +789,5 @@ class CombinedGrads:
         self.discard = True
         self.masters_have_grads = False
         self.folded = False
+        self._forget_used()
         self._unbind_masters()

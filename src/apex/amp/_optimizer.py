@@ -497,6 +497,8 @@ class AmpStash:
         if self.attached:
             self.optimizer.attach_model_params(None)
             self.attached = False
+        if self.combined is not None:
+            self.combined.remove_hooks()  # the model params outlive amp
         self.torn_down = True
 
 
