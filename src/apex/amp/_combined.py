@@ -170,6 +170,7 @@ class CombinedGrads:
         # post-accumulate-grad hook per model param, which is a C-level call: a partial of dict.__setitem__)
         self.used: Dict[int, torch.Tensor] = {}
         self._hooks: list = []
+        self._hooked: set = set()
 
     # ------------------------------------------------------------ structure
     @property
@@ -185,6 +186,7 @@ class CombinedGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._hooked = set()
 
     def flat_buffers(self) -> List[torch.Tensor]:
         return [] if self.buffers is None else [b.flat for b in self.buffers]
@@ -286,7 +288,9 @@ class CombinedGrads:
                     model.grad = v
                     self.used[id(model)] = model  # written by the backward(s) before this build
                 views[i] = v
-                self._hooks.append(model.register_post_accumulate_grad_hook(functools.partial(mark, id(model))))
+                if model.requires_grad:  # (a frozen param takes no hook; see _unbind_unused)
+                    self._hooks.append(model.register_post_accumulate_grad_hook(functools.partial(mark, id(model))))
+                    self._hooked.add(id(model))
             b.lows[dtype] = _Low(flat, slots, views, [b.models[i] for i in slots])
         b.finish_layout()
 
@@ -698,13 +702,16 @@ class CombinedGrads:
         """O2, after an exit wrote the master buffer: masters whose model param no backward wrote since the masters
         last dropped their grads get None, as without combine_grad (the model's grad view stays bound, zero, for
         the next backward). Their slots in the buffer are zero, so an exit that accumulates later adds to zero.
-        Not with combine_ddp: the all-reduce gives every param this rank left unused the other ranks' grads."""
+        Not with combine_ddp: the all-reduce gives every param this rank left unused the other ranks' grads. Nor
+        for a param frozen when the buffers were built and unfrozen since: it has no hook to tell, so its master
+        keeps a (zero) grad when unused rather than risk dropping grads it did get."""
         if self.buffers is None or self.stash.session.ddp is not None:
             return
-        used = self.used
+        used, hooked = self.used, self._hooked
         for b in self.buffers:
             for i in b.master_idx:
-                if id(b.models[i]) not in used:
+                k = id(b.models[i])
+                if k not in used and k in hooked:
                     p, v = b.params[i], b.views[i]
                     if v is not None and p.grad is v:
                         p.grad = None
