@@ -249,10 +249,11 @@ def test_o2_a_master_grad_set_by_the_user_after_a_step_is_accumulated_onto(opt):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("unfreeze_at", [None, 2], ids=["frozen", "unfrozen-later"])
 @pytest.mark.parametrize("opt", ["sgd", "npu_sgd"])
-def test_o2_frozen_params_with_combined_grads(opt):
+def test_o2_frozen_params_with_combined_grads(opt, unfreeze_at):
     """A frozen model param (requires_grad=False) under O2: combined grads build without hooking it, and every
-    master ends as without combine_grad."""
+    master ends as without combine_grad, also when the param is unfrozen mid-run (its master then trains)."""
     results = []
     for combine in COMBINE:
         model = _model()
@@ -260,13 +261,18 @@ def test_o2_frozen_params_with_combined_grads(opt):
         o = _OPTIMIZERS[opt](model.parameters())
         model, o = amp.initialize(model, o, opt_level="O2", combine_grad=combine, loss_scale=128.0, verbosity=0,
                                   cast_model_outputs=torch.float32)
-        for i in range(3):
+        bias_master = next(p for p in amp.master_params(o) if p.shape == model[0].bias.shape)
+        bias_before = bias_master.detach().clone()
+        for i in range(4):
+            if i == unfreeze_at:
+                model[0].bias.requires_grad_(True)
             x, t = _batch(i)
             o.zero_grad()
             with amp.scale_loss((model(x) - t).pow(2).mean(), o) as scaled:
                 scaled.backward()
             o.step()
         results.append([p.detach().clone() for p in amp.master_params(o)])
+        assert torch.equal(bias_master, bias_before) == (unfreeze_at is None)
         amp.deinitialize()
     for p, q in zip(*results):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)

@@ -171,6 +171,7 @@ class CombinedGrads:
         self.used: Dict[int, torch.Tensor] = {}
         self._hooks: list = []
         self._hooked: set = set()
+        self._left_out: List[torch.Tensor] = []  # frozen params the amp-owned buffers have no slot for
 
     # ------------------------------------------------------------ structure
     @property
@@ -247,12 +248,19 @@ class CombinedGrads:
         return buffers
 
     def _make_buffers(self, model_of) -> List[_Buffer]:
+        """amp-owned buffers (torch.optim optimizers): slots for the params that can get a grad. A master counts
+        by its model param (it was made with the model's requires_grad, and does not follow a later change); the
+        frozen ones left out are watched (`_unfrozen`), and unfreezing one rebuilds the buffers."""
         buffers = []
+        self._left_out = []
         for group in self.optimizer.param_groups:
             kinds: Dict[tuple, List[torch.Tensor]] = {}
             for p in group["params"]:
-                if p.requires_grad:
+                model = model_of.get(id(p))
+                if p.requires_grad if model is None else model.requires_grad:
                     kinds.setdefault((p.dtype, p.device), []).append(p)
+                else:
+                    self._left_out.append(p if model is None else model)
             for ps in kinds.values():
                 offsets, total = plan_layout(ps)
                 flat = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
@@ -422,6 +430,8 @@ class CombinedGrads:
                 if self._prepare_in_place(scale, discard):
                     self._after_prepare(scale, discard)
                     return
+        if self._unfrozen():
+            self.invalidate()
         with torch.no_grad():
             if self.buffers is None or (self.stash.ours and self.optimizer.recombine_count != self.recombine_seen):
                 # New param group, loaded state_dict, or the optimizer re-combined: map the grads again now,
@@ -450,6 +460,10 @@ class CombinedGrads:
                         self._rescale_main(b, scale)
                 b.known_zero = False
         self._after_prepare(scale, discard)
+
+    def _unfrozen(self) -> bool:
+        """A param left out of the amp-owned buffers as frozen requires grad now: its next grads need a slot."""
+        return bool(self._left_out) and any(p.requires_grad for p in self._left_out)
 
     def _after_prepare(self, scale: float, discard: bool) -> None:
         self.zeroed_all = False
