@@ -133,6 +133,8 @@ _ROUNDTRIPS = {
     "then a clip": [("fb",), ("roundtrip",), ("fb",), ("clip",), ("step",)],
     "then two steps": [("fb",), ("roundtrip",), ("step",), ("step",)],
     "then model.zero_grad": [("fb",), ("roundtrip",), ("model_zero",), ("clip",), ("fb",), ("step",)],
+    "then a delayed block and zero_grad": [("fb",), ("roundtrip",), ("fb", {"delay": True}), ("zero",), ("fb",),
+                                            ("clip",), ("step",)],
 }
 
 

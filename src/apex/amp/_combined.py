@@ -87,6 +87,7 @@ class _Low:
         self.slots = slots
         self.views = views
         self.models = models  # aligned with slots
+        self.view_list = [views[i] for i in slots]  # aligned with slots
         self.expected = [m.grad if m.grad is views[i] else None for m, i in zip(models, slots)]
 
 
@@ -777,6 +778,15 @@ class CombinedGrads:
             for b in self.buffers:
                 for low in b.lows.values():
                     _core.fill_(low.flat, 0.0)
+                    # model grads not (yet) bound to their views, e.g. made by the first backward after a
+                    # re-layout: zeroed or dropped as torch's zero_grad would, or a later exit adds them back
+                    if not all(map(operator.is_, map(get_grad, low.models), low.view_list)):
+                        for m, v in zip(low.models, low.view_list):
+                            if m.grad is not None and m.grad is not v:
+                                if set_to_none:
+                                    m.grad = None
+                                else:
+                                    m.grad.zero_()
                 for i in b.main_idx:
                     p = b.params[i]
                     if p.grad is None:
