@@ -726,3 +726,31 @@ def test_o2_zeroing_one_model_mid_accumulation_drops_only_its_master_grads(patte
     for k, (p, q, r) in enumerate(zip(combined, plain, ref)):
         torch.testing.assert_close(p, r, rtol=0, atol=2e-2, msg=lambda m, k=k: f"master {k} vs torch: {m}")
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"master {k} vs plain O2: {m}")
+
+
+@pytest.mark.parametrize("opt", ["sgd", "apex"])
+def test_unused_param_under_o2_after_a_state_dict_roundtrip(opt):
+    """A state_dict round trip between iterations rebuilds the buffers; a branch the next backward leaves out
+    still gets no master grad (the leftover zeroed model grads are not counted as written): the same params as
+    without combine_grad."""
+    import copy
+
+    results = []
+    for combine in (None, True):
+        torch.manual_seed(0)
+        m = TwoBranch()
+        o = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if opt == "sgd"
+             else apex_adam(m.parameters()))
+        m, o = amp.initialize(m, o, opt_level="O2", combine_grad=combine, verbosity=0)
+        x = torch.randn(8, 4).to(LOW)
+        for k, use_b in enumerate((True, False, False)):
+            with amp.scale_loss(m(x, use_b).float().sum(), o) as scaled:
+                scaled.backward()
+            o.step()
+            o.zero_grad()
+            if k == 0:
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
+        results.append([p.detach().clone() for p in amp.master_params(o)])
+        amp.deinitialize()
+    for p, q in zip(*results):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)

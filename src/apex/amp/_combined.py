@@ -193,7 +193,8 @@ class CombinedGrads:
     def flat_buffers(self) -> List[torch.Tensor]:
         return [] if self.buffers is None else [b.flat for b in self.buffers]
 
-    def _build(self, scale: float) -> None:
+    def _build(self, scale: float, at_first_exit: bool = False) -> None:
+        """``at_first_exit``: built at the exit of a backward no hook watched (see `_attach_lows`)."""
         self.remove_hooks()
         stash, opt = self.stash, self.optimizer
         model_of = {id(m): model for m, model in stash.pairs}
@@ -208,7 +209,7 @@ class CombinedGrads:
             else:
                 buffers = self._make_buffers(model_of)
             for b in buffers:
-                self._attach_lows(b, model_of)
+                self._attach_lows(b, model_of, at_first_exit)
         if self.low_pending is None:
             self.low_pending = scale  # first build: the model grads are this backward's
         self.buffers = buffers
@@ -278,7 +279,7 @@ class CombinedGrads:
                 buffers.append(b)
         return buffers
 
-    def _attach_lows(self, b: _Buffer, model_of) -> None:
+    def _attach_lows(self, b: _Buffer, model_of, at_first_exit: bool = False) -> None:
         by_dtype: Dict[torch.dtype, List[int]] = {}
         for i, p in enumerate(b.params):
             model = model_of.get(id(p))
@@ -295,7 +296,8 @@ class CombinedGrads:
                 if model.grad is not None:
                     v.copy_(model.grad)
                     model.grad = v
-                    self.used[id(model)] = model  # written by the backward(s) before this build
+                    if at_first_exit:  # written by the backward(s) before any hook was there; later, the hooks tell
+                        self.used[id(model)] = model
                 views[i] = v
                 if model.requires_grad:  # (a frozen param takes no hook; see _unbind_unused)
                     self._hooks.append(model.register_post_accumulate_grad_hook(functools.partial(mark, id(model))))
@@ -583,7 +585,7 @@ class CombinedGrads:
                 found = self._unscale_gathered(scale, check, fold) if self._gather_ready() else None
                 if found is not None:
                     return found
-                self._build(scale)
+                self._build(scale, at_first_exit=True)
             else:
                 in_place = self.stash.ours and self._optimizer_grads_in_place()
                 if not in_place and self._gather_ready() and not self._main_grads_bound():
