@@ -669,19 +669,16 @@ class CombinedGrads:
         master buffer instead of adding to it (one flag); otherwise their master slots are zeroed, so the next
         exit adds this backward's grads to zero there and to the accumulated grads of the models not zeroed.
         Nothing to do when the masters hold no grads yet (after a step, the usual place for ``zero_grad``)."""
+        self._forget_used(model_ids)  # (also when no exit came yet: a delayed block's backward may have marked them)
         if not self.masters_have_grads:
-            self._forget_used(model_ids)  # (a delayed block's backward may have marked them)
             return
         if self.buffers is None:
-            self._forget_used(model_ids)
             self._unbind_masters(model_ids)
             return
         slots = [(b, i) for b in self.buffers for i in b.master_idx]
         dropped = [(b, i) for b, i in slots if id(b.models[i]) in model_ids]
-        self._forget_used(model_ids)
         if len(dropped) == len(slots):
-            self.masters_have_grads = False
-            self._unbind_masters()
+            self._masters_emptied()
             return
         with torch.no_grad():
             for b, i in dropped:
@@ -715,6 +712,14 @@ class CombinedGrads:
                     p.grad = None
                     b.unbound.append(i)
 
+    def _masters_emptied(self) -> None:
+        """The masters' grads were consumed or dropped (a step, a skipped step, ``zero_grad``): the next exit writes
+        the master buffer instead of adding to it, the record of written params starts again, and the masters have
+        no grad until then."""
+        self.masters_have_grads = False
+        self._forget_used()
+        self._unbind_masters()
+
     def _unbind_unused(self) -> None:
         """O2, after an exit wrote the master buffer: masters whose model param no backward wrote since the masters
         last dropped their grads get None, as without combine_grad (the model's grad view stays bound, zero, for
@@ -724,15 +729,9 @@ class CombinedGrads:
         keeps a (zero) grad when unused rather than risk dropping grads it did get."""
         if self.buffers is None or self.stash.session.ddp is not None:
             return
-        used, hooked = self.used, self._hooked
-        for b in self.buffers:
-            for i in b.master_idx:
-                k = id(b.models[i])
-                if k not in used and k in hooked:
-                    p, v = b.params[i], b.views[i]
-                    if v is not None and p.grad is v:
-                        p.grad = None
-                        b.unbound.append(i)
+        unused = self._hooked.difference(self.used)
+        if unused:
+            self._unbind_masters(frozenset(unused))
 
     def _forget_used(self, model_ids: Optional[frozenset] = None) -> None:
         if model_ids is None:
@@ -800,9 +799,7 @@ class CombinedGrads:
                 if not set_to_none:
                     b.known_zero = True
         self.low_dirty = False
-        self.masters_have_grads = False
-        self._forget_used()
-        self._unbind_masters()  # dropped either way, as upstream's O2 zero_grad drops master grads
+        self._masters_emptied()  # either way, as upstream's O2 zero_grad drops master grads
 
     def folded_scale(self) -> Optional[float]:
         """The scale the grads still carry for the optimizer to divide out, or None."""
@@ -811,16 +808,12 @@ class CombinedGrads:
         return self.pending
 
     def after_step(self, unscaled_in_place: bool) -> None:
-        self.masters_have_grads = False
-        self._forget_used()
-        self._unbind_masters()
+        self._masters_emptied()
         if unscaled_in_place:  # torch's fused kernels write the unscaled grads back
             self.pending = 1.0
             self.folded = False
 
     def after_skip(self) -> None:
         self.discard = True
-        self.masters_have_grads = False
         self.folded = False
-        self._forget_used()
-        self._unbind_masters()
+        self._masters_emptied()
