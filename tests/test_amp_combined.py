@@ -458,6 +458,41 @@ def test_npu_overflow_flag_replaces_value_scan(monkeypatch, combine):
     assert not torch.isfinite(m[0].weight).all()
 
 
+@pytest.mark.parametrize("close", ["other loss", "step"])
+@pytest.mark.parametrize("combine", [False, True])
+def test_npu_overflow_flag_of_a_delayed_block_reaches_the_exit_that_closes_its_chain(monkeypatch, combine, close):
+    """A delay_unscale block of loss 1 raises the register; its chain is closed by loss 0's exit, or by a
+    step() with no closing exit: that unscale acts on the flag (back-off, step skipped) though no value is
+    scanned, and the flag is consumed, so loss 1's next exit does not skip a clean step."""
+    fake = FakeOverflowNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(_device, "npu_needs_overflow_flag", lambda device=None: True)
+    m = net()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O1", combine_grad=combine or None, verbosity=0, num_losses=2)
+    (x, y), = data(1)
+    w0 = m[0].weight.detach().clone()
+    fake.flag = True
+    with amp.scale_loss(loss_of(m, x, y), o, loss_id=1, delay_unscale=True) as scaled:
+        scaled.backward()
+    fake.flag = False
+    if close == "other loss":
+        with amp.scale_loss(loss_of(m, x, y), o, loss_id=0) as scaled:
+            scaled.backward()
+        o.step()
+    else:
+        with pytest.warns(RuntimeWarning, match="delay_unscale"):
+            o.step()
+    assert torch.equal(m[0].weight, w0)
+    scales = [amp.state_dict()[f"loss_scaler{i}"]["loss_scale"] for i in (0, 1)]
+    assert scales == ([S / 2, S] if close == "other loss" else [S, S / 2])
+    assert not amp._amp_state.session.pending_flag_overflow
+    with amp.scale_loss(loss_of(m, x, y), o, loss_id=1) as scaled:
+        scaled.backward()
+    o.step()
+    assert not torch.equal(m[0].weight, w0)
+
+
 class TwoBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -278,3 +278,111 @@ def test_o2_frozen_params_with_combined_grads(opt, unfreeze_at):
         amp.deinitialize()
     for p, q in zip(*results):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- a step with a delay_unscale chain open
+def _warned_run(ops, combine, **kw):
+    with pytest.warns(RuntimeWarning, match=r"delay_unscale=True.*loss_id 0.*still carried the loss scale"):
+        return _run(ops, combine, **kw)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "npu_sgd", "fused_sgd"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_inside_a_delay_unscale_chain_unscales_it_first(opt_level, opt):
+    """step() right after a delay_unscale block (no closing exit): the chain's grads still carry the loss scale.
+    The step unscales and checks them first, with a RuntimeWarning, and applies what the closing exit would
+    have left: the accumulated grads, as torch's step would."""
+    ops = [("fb",), ("fb", {"delay": True}), ("step",), ("fb", {"delay": True}), ("fb", {"delay": True}), ("step",)]
+    got = [_warned_run(ops, combine, opt_level=opt_level, opt=opt) for combine in COMBINE]
+    for p, q in zip(got[0][0], got[1][0]):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    # the same chains closed by an exit: equal bits (the delayed backwards accumulate alike in either)
+    closed = _run([("fb",), ("fb",), ("step",), ("fb", {"delay": True}), ("fb",), ("step",)], None,
+                  opt_level=opt_level, opt=opt)
+    _assert_params(got[0][0], closed[0], atol=0)
+    if opt == "sgd" and opt_level == "O1":  # (O2's bf16 weights drift from torch's fp32 ones over two steps)
+        _assert_params(got[0][0], _torch_run([("fb",), ("fb",), ("step",), ("fb",), ("fb",), ("step",)]))
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+def test_a_step_inside_an_overflowed_delay_unscale_chain_is_skipped(combine):
+    """The unscale at the step finds the chain's inf: the scale backs off once and the step is skipped (its grads
+    dropped), as at a closing exit; training goes on from the next backward."""
+    ops = [("fb", {"delay": True, "overflow": True}), ("step",), ("step",)]
+    got, scales, _ = _warned_run(ops, combine, loss_scale="dynamic")
+    assert scales == [2.0**15]
+    _assert_params(got, _initial(), atol=0)
+    got, _, _ = _warned_run([*ops, ("fb",), ("step",)], combine, loss_scale="dynamic")
+    _assert_params(got, _torch_run([("noop",), ("noop",), ("noop",), ("fb",), ("step",)]))
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+def test_a_step_closes_the_chain_of_every_optimizer_in_it_with_one_scale_update(combine):
+    """A delay_unscale block over two optimizers that overflowed: the first step() closes the chain for both,
+    so the scale backs off once (not once per optimizer) and both steps are skipped."""
+    torch.manual_seed(0)
+    m1, m2 = nn.Linear(4, 2), nn.Linear(4, 2)
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in [*m1.parameters(), *m2.parameters()]]
+    [m1, m2], [o1, o2] = amp.initialize([m1, m2], [o1, o2], opt_level="O1", combine_grad=combine, verbosity=0,
+                                        loss_scale="dynamic")
+    x = torch.randn(3, 4)
+    loss = (m1(x).float().sum() + m2(x).float().sum()) * float("inf")
+    with amp.scale_loss(loss, [o1, o2], delay_unscale=True) as scaled:
+        scaled.backward()
+    with pytest.warns(RuntimeWarning, match="delay_unscale"):
+        o1.step()
+    o2.step()  # already closed with o1's: no second warning, no second back-off
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    for p, q in zip([*m1.parameters(), *m2.parameters()], before):
+        assert torch.equal(p.detach(), q)
+
+
+@pytest.mark.parametrize("check", [None, True], ids=["", "check_combined_tensors"])
+@pytest.mark.parametrize("opt_level,bn", [("O1", False), ("O2", False), ("O2", True)])
+def test_a_delay_unscale_chain_closed_by_another_loss_is_unscaled_by_the_scale_each_grad_carries(opt_level, bn,
+                                                                                                   check):
+    """Loss 1's delay_unscale block, then loss 0's real exit, the two scalers at different scales (loss 1 backed
+    off after an overflow): the delayed grads are brought to loss 0's scale before its backward, so the step
+    applies both backwards' grads, as torch does. The skipped step set the grads to None, so the delayed
+    backward's are fresh tensors outside combined buffers (rescaled where they are)."""
+    ops = [("fb", {"loss_id": 1, "overflow": True}), ("zero",), ("step",), ("fb", {"loss_id": 1, "delay": True}),
+           ("fb", {"loss_id": 0}), ("step",)]
+    got, scales, _ = _both(ops, opt_level=opt_level, bn=bn, loss_scale="dynamic", num_losses=2,
+                           check_combined_tensors=check)
+    assert scales == [2.0**16, 2.0**15]
+    if not bn:
+        _assert_params(got, _torch_run([("noop",), ("zero",), ("noop",), ("fb",), ("fb",), ("step",)]))
+    same_scale = _run([op if op[0] != "fb" else ("fb", {**op[1], "loss_id": 1}) for op in ops], None,
+                      opt_level=opt_level, bn=bn, loss_scale="dynamic", num_losses=2)
+    _assert_params(got, same_scale[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_block_that_raises_inside_a_delay_unscale_chain_leaves_no_scaled_grads(opt_level):
+    """Without combine_grad: a block raising inside a chain drops the chain's scaled grads with its own (they
+    were added together) and keeps the grads from before the chain, unscaled, for the next exit to add to: the
+    step applies the first and the last backward's grads, not a grad divided by the scale twice."""
+    model = _model()
+    o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, o = amp.initialize(model, o, opt_level=opt_level, loss_scale=128.0, verbosity=0,
+                              cast_model_outputs=torch.float32)
+    for i, kind in enumerate(["fb", "delay", "raise", "fb"]):
+        x, t = _batch(i)
+        loss = (model(x) - t).pow(2).mean()
+        with pytest.raises(ValueError) if kind == "raise" else _nothing():
+            with amp.scale_loss(loss, o, delay_unscale=kind != "fb") as scaled:
+                scaled.backward()
+                if kind == "raise":
+                    raise ValueError("user code failed after the backward")
+    o.step()
+    got = [p.detach().float().clone() for p in amp.master_params(o)]
+    _assert_params(got, _torch_run([("fb",), ("noop",), ("noop",), ("fb",), ("step",)]))
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

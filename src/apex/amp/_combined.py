@@ -561,6 +561,11 @@ class CombinedGrads:
 
     def _rescale_main(self, b: _Buffer, scale: float) -> None:
         factor = scale / self.pending
+        # Grads that are not their slot's view (a delay_unscale backward after zero_grad(set_to_none=True) made
+        # fresh ones; the exit copies them into their slots) carry the scale too: rescaled where they are.
+        fresh = [g for i in b.main_idx if (g := b.params[i].grad) is not None and g is not b.views[i]]
+        if fresh:
+            unscale_(fresh, factor, check=False)
         if not b.lows:
             if b.flat.dtype == torch.float16 and factor > 1.0:
                 # fp16 could overflow when scaled up: keep the old grads aside in fp32 instead.

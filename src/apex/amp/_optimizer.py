@@ -54,6 +54,9 @@ class AmpStash:
         self.master_weights = bool(props.master_weights)
         self.check_combined_tensors = bool(props.check_combined_tensors)
         self.params_have_scaled_gradients = False
+        # (loss_id, scaler, scale) of the open delay_unscale chain: the grads carry that scale until an exit
+        # without delay_unscale (or the next step(), see `close_delayed_chain`) unscales them
+        self.delayed_chain: Optional[Tuple[int, Any, float]] = None
         self.skip_pending: Optional[Tuple[int, Any]] = None  # (loss_id, scaler) of the overflow to report
         self.skip_after_error = False  # a combined scale_loss block raised: its grads are dropped, not stepped on
         self.carried_overflow = False  # a delay_overflow_check exit found inf/nan in these grads (see scale_loss)
@@ -261,6 +264,7 @@ class AmpStash:
         if self.combined is not None:
             self.combined.after_skip()
             self.skip_after_error = True
+            self._end_chain()  # the chain's grads go with the buffer
             return
         if self._stash_params is None:
             return
@@ -269,6 +273,35 @@ class AmpStash:
         for _, model in self.pairs:
             model.grad = None  # prepare_backward cleared them: they hold only the failed backward's grads
         self._stash_params = self._grad_stash = None
+        # Inside a delay_unscale chain the failed backward added onto the chain's scaled grads, which cannot be
+        # told apart: they are dropped with it (the grads set aside at the chain's start are back), so nothing
+        # held now is scaled and the chain is over.
+        self._end_chain()
+
+    def rescale_chain(self, scale: float) -> None:
+        """Without combine_grad, before a backward that continues a delay_unscale chain: the chain's grads (the
+        only ones in ``p.grad`` since its start set the earlier ones aside) are brought from the chain's scale to
+        ``scale``, so a chain that goes on under another loss's scaler is unscaled by what each grad carries.
+        (Combined grads do the same on their buffers, `CombinedGrads.prepare`.)"""
+        chain = self.delayed_chain
+        if chain is None or chain[2] == scale:
+            return
+        params = self._stash_params if self._stash_params is not None else self.plain_params()
+        grads = [g for g in (p.grad for p in params) if g is not None]
+        grads += [g for g in (model.grad for _, model in self.pairs) if g is not None]
+        with torch.no_grad():
+            unscale_(grads, scale / chain[2], check=False)
+        self.delayed_chain = (chain[0], chain[1], scale)
+
+    def _end_chain(self) -> None:
+        chain = self.delayed_chain
+        self.params_have_scaled_gradients = False
+        self.delayed_chain = None
+        if chain is not None and self.session.overflow_flag and not any(
+                opt._amp_stash.delayed_chain is not None and opt._amp_stash.delayed_chain[0] == chain[0]
+                for opt in self.session.optimizers):
+            # the chain's overflow flag went with its grads
+            self.session.pending_flag_overflow.discard(chain[0])
 
     def post_backward(self, scale: float, check: bool, fold: bool) -> bool:
         """At scale_loss exit: unscale this backward's grads; True if any was inf/nan."""
@@ -324,8 +357,9 @@ class AmpStash:
         query = getattr(self.optimizer, "folds_grad_scale", None) if self.ours else None
         return query is None or bool(query())
 
-    def after_delayed_exit(self) -> None:
+    def after_delayed_exit(self, loss_id: int, scaler: Any, scale: float) -> None:
         self.params_have_scaled_gradients = True
+        self.delayed_chain = (loss_id, scaler, scale)
         if self.combined is not None:
             self.combined.delayed_exit()
         # Stashed grads (upstream: only when prepare ran) go back under the new scaled ones at the real exit.
@@ -334,6 +368,10 @@ class AmpStash:
     def step(self, orig_step, closure=None):
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        if self.delayed_chain is not None:
+            from .handle import close_delayed_chain  # (handle imports the stash's module)
+
+            close_delayed_chain(self)
         if self.skip_pending is not None:
             return self._skip()
         if self.skip_after_error:
@@ -407,6 +445,7 @@ class AmpStash:
     def zero_grad(self, orig_zero_grad, set_to_none: bool = True) -> None:
         combined = self.combined
         self.drop_stashed_grads()
+        self._end_chain()  # no scaled grad is left to unscale
         if not self.master_weights:
             orig_zero_grad(set_to_none=set_to_none)
             if combined is not None and not set_to_none:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, List
 
 import torch
@@ -47,8 +48,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     added to the grads they already had (gradient accumulation), and checked for
     inf/nan. A dynamic scaler then backs off on overflow, and each optimizer in
     ``optimizers`` skips its next ``step()`` once; a static scale never skips.
-    ``delay_unscale=True`` leaves the grads scaled, to be unscaled by a later
-    ``scale_loss`` of the same loss (accumulation without the per-backward cost).
+    ``delay_unscale=True`` leaves the grads scaled, to be unscaled by the next
+    exit without it (accumulation without the per-backward cost); a ``step()``
+    reached first unscales and checks them itself, with a RuntimeWarning.
     ``model`` is accepted for upstream compatibility.
     """
     props = _amp_state.opt_properties
@@ -92,6 +94,10 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             # the first backward since the grads were last unscaled, delayed or not: unscaled grads (an earlier
             # block's) are set aside, to be added back unscaled at the next real exit, never divided again
             stash.prepare_backward(scale)
+        else:
+            # a delay_unscale chain goes on, maybe under another loss's scale: its grads are brought to this
+            # backward's scale, so the exit that closes the chain divides every one by the scale it carries
+            stash.rescale_chain(scale)
     if ddp is not None:
         _ddp.call(ddp, "before_backward", [stash.combined for stash in stashes], delay_unscale)
     use_flag = session is not None and session.overflow_flag
@@ -108,18 +114,34 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
 
     if delay_unscale:
         for stash in stashes:
-            stash.after_delayed_exit()
+            stash.after_delayed_exit(loss_id, scaler, scale)
         if use_flag and _device.npu_get_overflow_flag():
             session.pending_flag_overflow.add(loss_id)  # reported at this loss's next real exit
         return
+    _unscale_at_exit(session, loss_id, scaler, scale, stashes, delay_overflow_check,
+                     flag=_device.npu_get_overflow_flag() if use_flag else None)
+
+
+def _unscale_at_exit(session, loss_id: int, scaler: LossScaler, scale: float, stashes, delay_overflow_check: bool,
+                     flag) -> None:
+    """A real exit: unscale the grads the stashes hold (at ``scale``), check them, update the scale and mark the
+    steps to skip. ``flag``: the NPU float-status register read after the backward (None: values are checked)."""
+    use_flag = flag is not None
+    ddp = session.ddp if session is not None else None
+    # the losses whose delayed backwards this exit unscales (a chain may be closed by another loss's exit)
+    closing = {loss_id, *(s.delayed_chain[0] for s in stashes if s.delayed_chain is not None)}
     scaler.clear_overflow_state()
     for stash in stashes:
         scaler.record_overflow(stash.post_backward(scale, check=not use_flag, fold=True))
         stash.params_have_scaled_gradients = False
+        stash.delayed_chain = None
         stash.skip_after_error = False  # a block after a failed one: its grads (the failed ones dropped) step
     if use_flag:
-        scaler.record_overflow(_device.npu_get_overflow_flag() or loss_id in session.pending_flag_overflow)
-        session.pending_flag_overflow.discard(loss_id)
+        pending = session.pending_flag_overflow
+        scaler.record_overflow(bool(flag) or not pending.isdisjoint(closing))
+        # a flag stays for the optimizers whose chain of that loss is still open
+        pending -= closing - {opt._amp_stash.delayed_chain[0] for opt in session.optimizers
+                              if opt._amp_stash.delayed_chain is not None}
     if ddp is not None:  # every rank skips together
         scaler.record_overflow(bool(_ddp.call(ddp, "agree_overflow", scaler.has_overflow())))
     # an overflow found at a delay_overflow_check exit is acted on at the next exit that checks, of this loss or of
@@ -142,6 +164,23 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
             if stash.skip_pending is None:
                 stash.skip_pending = (loss_id, scaler)
             stash.overflowed()
+
+
+def close_delayed_chain(stash) -> None:
+    """``step()`` while a delay_unscale chain is open (no exit without delay_unscale since its last backward):
+    the grads still carry the loss scale. They are unscaled and checked now, as the missing closing exit would
+    have (with every optimizer in the same chain, so the scaler is updated once), and the step then goes on or
+    is skipped on overflow. Upstream stepped on the scaled grads."""
+    chain = stash.delayed_chain
+    loss_id, scaler, scale = chain
+    session = stash.session
+    stashes = [opt._amp_stash for opt in session.optimizers if opt._amp_stash.delayed_chain == chain]
+    warnings.warn(
+        f"apex.amp: optimizer.step() was called while the grads of a scale_loss(..., delay_unscale=True) block "
+        f"(loss_id {loss_id}) still carried the loss scale {scale:g}; amp unscaled and checked them before this "
+        f"step, as a closing scale_loss exit does. End gradient accumulation with a scale_loss block without "
+        f"delay_unscale before step().", RuntimeWarning, stacklevel=4)
+    _unscale_at_exit(session, loss_id, scaler, scale, stashes, False, flag=False if session.overflow_flag else None)
 
 
 # ------------------------------------------------------------------------------------------------------------------
