@@ -580,6 +580,32 @@ def test_second_initialize_replaces_function_casts(caplog):
     assert mod.ident is orig
 
 
+@pytest.mark.parametrize("combine", [None, True])
+def test_initialize_again_on_new_models_lets_the_earlier_ones_go(combine):
+    """A loop that initializes a new model and optimizer each time (hyperparameter trials, notebooks) keeps
+    only what it still references: an earlier session whose models and optimizers are gone is collected, not
+    held until deinitialize. One still referenced stays prepared and is torn down by deinitialize."""
+    import gc
+    import weakref
+
+    kept, kept_opt = initialized("O1", combine_grad=combine)
+    gone = []
+    for _ in range(5):
+        m, o = initialized("O1", combine_grad=combine)
+        with amp.scale_loss(m(torch.randn(4, 4)).float().sum(), o) as scaled:
+            scaled.backward()
+        o.step()
+        gone.append((weakref.ref(m), weakref.ref(o)))
+        del m, o, scaled
+    gc.collect()
+    assert [ref() for pair in gone[:-1] for ref in pair] == [None] * 8  # the last one is the active session
+    assert len(_amp_state.sessions) == 2
+    assert "step" in kept_opt.__dict__ and "zero_grad" in kept.__dict__
+    amp.deinitialize()
+    assert "step" not in kept_opt.__dict__ and "zero_grad" not in kept.__dict__
+    assert _amp_state.sessions == []
+
+
 def test_error_inside_scale_loss_restores_stashed_grads():
     m, o = initialized("O1")
     m(torch.randn(4, 4)).float().sum().backward()

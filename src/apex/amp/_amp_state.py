@@ -13,6 +13,7 @@ to ``amp.initialize``.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, List, Optional
 
 logger = logging.getLogger("apex.amp")
@@ -34,8 +35,22 @@ class AmpState:
         # always raise here (see _properties).
         self.hard_override: bool = False
         self.session: Optional[Any] = None  # the active _Session (frontend)
-        # Every session ever started and not yet torn down (initialize may be called more than once).
-        self.sessions: List[Any] = []
+        # Every session started and not torn down yet (initialize may be called more than once), held weakly: an
+        # earlier session lives as long as one of its models or optimizers does (their patched methods reference
+        # it), so a script that initializes new models again and again does not keep every earlier one alive.
+        self._sessions: List[weakref.ref] = []
+
+    @property
+    def sessions(self) -> List[Any]:
+        """The sessions still alive and not torn down, oldest first."""
+        return [s for s in (ref() for ref in self._sessions) if s is not None]
+
+    def add_session(self, session: Any) -> None:
+        self._sessions = [ref for ref in self._sessions if ref() is not None]
+        self._sessions.append(weakref.ref(session))
+
+    def clear_sessions(self) -> None:
+        self._sessions = []
 
 
 _amp_state = AmpState()

@@ -296,7 +296,7 @@ def initialize(
         session.model_patches.append(patch_zero_grad(model, session.on_model_zero_grad))
 
     _amp_state.session = session
-    _amp_state.sessions.append(session)
+    _amp_state.add_session(session)
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = session.loss_scalers
     if session.patch_functions:
@@ -338,7 +338,7 @@ def deinitialize() -> None:
     if _amp_state.handle is not None:  # an amp.init handle's process-wide casts end too
         _amp_state.handle._deactivate()
         _amp_state.handle = None
-    _amp_state.sessions.clear()
+    _amp_state.clear_sessions()
     _amp_state.session = None
     _amp_state.opt_properties = None
     _amp_state.loss_scalers = []
