@@ -201,3 +201,28 @@ def test_no_grads_gives_zero():
 def test_is_a_method_of_every_fused_optimizer():
     assert CombinedOptimizer.clip_optimizer_grad_norm_fused is not None
     assert NpuFusedSGD.clip_optimizer_grad_norm_fused is CombinedOptimizer.clip_optimizer_grad_norm_fused
+
+
+@pytest.mark.parametrize("executor", ["auto", "torch"])
+@pytest.mark.parametrize("norm_type", [math.inf, 2.0, 1.5, -0.5, 0.0])
+@pytest.mark.parametrize("empty_dtype", [torch.float32, torch.float16], ids=["same-set", "own-set"])
+def test_empty_grads_are_left_out_of_the_norm(empty_dtype, norm_type, executor):
+    """An empty grad (a param with a 0-size dim) changes no norm: the total and the clipped grads are torch's over
+    the non-empty grads, whether the empty one shares a set with them or forms its own (torch's infinity and
+    non-positive orders raise on an empty tensor; they used to raise here only when it formed its own set). Only
+    empty grads: the norm is 0 and nothing changes."""
+    torch.manual_seed(0)
+    p = torch.randn(3, 4, requires_grad=True)
+    e = torch.randn(0, 2, dtype=empty_dtype, requires_grad=True)
+    p.grad, e.grad = torch.randn(3, 4), torch.randn(0, 2, dtype=empty_dtype)
+    ref = p.detach().clone().requires_grad_()
+    ref.grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_([ref], 0.05, norm_type)
+    opt = NpuFusedSGD([p, e], lr=0.1)
+    opt.executor = executor
+    got = opt.clip_optimizer_grad_norm_fused(0.05, norm_type)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(p.grad, ref.grad, rtol=1e-6, atol=0)
+    only = NpuFusedSGD([e], lr=0.1)
+    only.executor = executor
+    assert float(only.clip_optimizer_grad_norm_fused(0.05, norm_type)) == 0.0

@@ -70,6 +70,10 @@ def _host_combine(parts: List[float], norm_type: float) -> float:
 def total_grad_norm(sets: List[FlatSet], norm_type: float, use_kernel: bool = True) -> Union[float, torch.Tensor]:
     """Norm of all grads (params with ``.grad is None`` excluded), before any unscale.
 
+    Empty grads are left out: they change no norm, and torch's infinity and non-positive orders raise on an empty
+    tensor (which made the result depend on whether an empty grad shared a set with a non-empty one); with no
+    element at all the norm is 0.
+
     Returns a Python float (float64 accumulation) when every set can use the
     apex_C kernels (and `use_kernel`) and the norm is 2 or inf; otherwise a 0-d
     float32 tensor on the first set's device, computed with torch ops and no
@@ -82,12 +86,14 @@ def total_grad_norm(sets: List[FlatSet], norm_type: float, use_kernel: bool = Tr
         # these orders (zero gaps would count): use the per-tensor grads, as torch does.
         for s in sets:
             for p in s.params:
-                if p.grad is not None:
+                if p.grad is not None and p.grad.numel():
                     dev.append(torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float32))
     else:
         for s in sets:
             host_ok = use_kernel and s.uses_kernel and norm_type in (2.0, math.inf)
             for lo, hi, _, _ in grad_runs(s):
+                if lo == hi:
+                    continue
                 g = s.flat_g[lo:hi]
                 if host_ok:
                     host.append(_core.sum_sq(g) if norm_type == 2.0 else _core.max_abs(g))
@@ -160,7 +166,9 @@ def clip_optimizer_grad_norm_fused(self, max_norm: float, norm_type: float = 2.0
     norm_type, error_if_nonfinite)``: grads are multiplied by
     ``min(1, max_norm / (total_norm + 1e-6))`` and the total norm (before clipping) is returned
     as a 0-d float32 tensor (torch returns it in the grads' dtype; float32 keeps bf16/fp16 norms
-    exact). Params whose ``.grad is None`` are ignored, as in torch.
+    exact). Params whose ``.grad is None`` are ignored, as in torch, and so are empty grads (no
+    elements: they change no norm; torch's infinity and non-positive orders raise on them). With no
+    grad element at all the norm is 0.
 
     When amp has folded the unscale into the step (``apex_grad_scale`` set), the grads in the
     buffers are still scaled: the norm returned and compared with `max_norm` is that of the
