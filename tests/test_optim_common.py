@@ -28,7 +28,7 @@ from _optim_harness import (
 )
 from test_optim_adam import ADAM, ADAMW, HP
 
-from apex.optimizers import NpuFusedAdam, NpuFusedAdamW
+from apex.optimizers import NpuFusedAdadelta, NpuFusedAdam, NpuFusedAdamW
 
 HP_NO_AMS = dict(HP, amsgrad=False)
 
@@ -632,3 +632,17 @@ def test_closure_semantics_match_torch():
     assert calls == [True] * 6
     assert ours.step() is None and ref.step() is None
     assert_models_close(model, ref_model)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda p: NpuFusedAdam(p, 0.1, (1e70, 0.5)), r"beta parameter at index 0: expected a value in \[0.0, 1.0\)"),
+    (lambda p: NpuFusedAdamW(p, 0.1, weight_decay=-1e52), r"weight_decay value: expected a value in \[0.0, inf\)"),
+    (lambda p: NpuFusedAdadelta(p, 0.1, rho=1e60), r"rho value: expected a value in \[0.0, 1.0\]"),
+    (lambda p: NpuFusedAdam(p, 1e60), r"learning rate: expected a finite value \(at most 3.403e\+38\)"),
+    (lambda p: NpuFusedAdam(p, float("inf")), r"learning rate: expected a finite value"),
+])
+def test_an_out_of_range_option_is_told_its_own_range(make, pattern):
+    """A value beyond float32 that is also outside the option's interval gets the interval in the message (a
+    beta of 1e70 is not in [0, 1)); only a value inside it but beyond float32 is told the float32 limit."""
+    with pytest.raises(ValueError, match=pattern):
+        make([torch.zeros(3, requires_grad=True)])

@@ -85,14 +85,15 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
     if isinstance(value, int) and not -2**63 <= value < 2**63:  # torch's ops take Python ints as int64
         raise ValueError(f"Invalid {name}: an int must fit in int64 (pass a float for larger values), got {value}")
-    if abs(value) > _FLOAT32_MAX and not allow_inf:  # the update math runs in float32
-        raise ValueError(f"Invalid {name}: expected a finite value (at most {_FLOAT32_MAX:.4g}), got {value}")
+    # the option's own interval first: a beta of 1e70 is out of [0, 1), whatever float32 can hold
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi or math.isnan(value):
         lo_s = f"{'(' if lo_open else '['}{lo}"
         hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else ("inf]" if allow_inf else "inf)")
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
+    if abs(value) > _FLOAT32_MAX and not allow_inf:  # the update math runs in float32
+        raise ValueError(f"Invalid {name}: expected a finite value (at most {_FLOAT32_MAX:.4g}), got {value}")
 
 
 # group options read as booleans by the updates (NVIDIA's and torch's names)
