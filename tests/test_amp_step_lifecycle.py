@@ -386,3 +386,17 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+@pytest.mark.parametrize("zero", ["zero", "model_zero"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_zero_grad_ends_a_delay_unscale_chain(opt_level, zero, combine):
+    """After a zero_grad (the optimizer's, or model.zero_grad() of the model holding all its params) inside a
+    chain nothing scaled is left: a step() then has no chain to close (no warning) and moves nothing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, _, _ = _run([("fb", {"delay": True}), (zero,), ("step",)], combine, opt_level=opt_level)
+    _assert_params(got, _initial(), atol=1e-2 if opt_level == "O2" else 0)

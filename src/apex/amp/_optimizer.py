@@ -293,6 +293,15 @@ class AmpStash:
             unscale_(grads, scale / chain[2], check=False)
         self.delayed_chain = (chain[0], chain[1], scale)
 
+    def end_chain_if_zeroed(self, param_ids: frozenset) -> None:
+        """``model.zero_grad()`` inside a delay_unscale chain: when the model holds every param this optimizer
+        updates (the model params under master weights), no scaled grad is left and the chain is over."""
+        if self.delayed_chain is None:
+            return
+        models = [model for _, model in self.pairs]
+        if param_ids.issuperset(map(id, [*models, *self.plain_params()])):
+            self._end_chain()
+
     def _end_chain(self) -> None:
         chain = self.delayed_chain
         self.params_have_scaled_gradients = False

@@ -61,12 +61,13 @@ class _Session:
         # grads set to None and no masters (O1, the default zero_grad, every Trainer step): nothing to
         # accumulate onto, so no walk over the model's params
         if not any(s.pairs or (s.combined is not None and not set_to_none) or s.holds_stashed_grads
-                   for s in stashes):
+                   or s.delayed_chain is not None for s in stashes):
             return
         ids = frozenset(id(p) for p in model.parameters())
         for stash in stashes:
             stash.drop_master_grads(ids)  # O2: the masters' grads are the model's, accumulated
             stash.drop_stashed_grads(ids)
+            stash.end_chain_if_zeroed(ids)
             if stash.combined is not None and not set_to_none:
                 stash.combined.mark_zeroed(ids)
 
