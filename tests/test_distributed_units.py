@@ -136,3 +136,11 @@ def test_create_syncbn_process_group_argument_checks(bad, exc, match):
     with pytest.raises(exc, match=f"create_syncbn_process_group: {match}"):
         create_syncbn_process_group(bad)
     assert create_syncbn_process_group(0) is None
+
+
+def test_flat_dist_call_names_an_entry_that_is_not_a_tensor():
+    """Checked before the process group is looked up, so no collective starts on a bad list."""
+    from apex.parallel import flat_dist_call
+
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a tensor, got list"):
+        flat_dist_call([torch.ones(2), [1]], dist.all_reduce)

@@ -208,3 +208,22 @@ def test_larc_through_amp_initialize(opt_level):
             assert losses == ref_losses
     finally:
         amp.deinitialize()
+
+
+def test_an_expanded_grad_is_copied_not_failed_on():
+    """An expanded grad (stride 0: one value broadcast) refuses in-place writes. torch's optimizers only read
+    grads and step on it; LARC scales grads in place, so it replaces that grad by a copy first instead of
+    failing after the earlier grads were rescaled. The step equals the one on a materialized grad, and the
+    caller's expanded tensor is left as it was."""
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    ps, ref = params(), params()
+    grads = [torch.randn(3, 4), torch.tensor([-0.7]).expand(5)]
+    ps[0].grad, ps[1].grad = grads[0].clone(), grads[1]
+    ref[0].grad, ref[1].grad = grads[0].clone(), grads[1].contiguous()
+    for group in (ps, ref):
+        LARC(torch.optim.SGD(group, lr=0.1, weight_decay=0.01), trust_coefficient=0.02, clip=True).step()
+    for p, q in zip(ps, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert torch.equal(grads[1], torch.full((5,), -0.7))

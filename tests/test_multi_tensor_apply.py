@@ -1038,6 +1038,52 @@ def test_scalars_may_be_numpy_numbers_and_huge_ints_are_named():
     out = [torch.zeros(3)]
     amp_C.multi_tensor_scale(64, _flag(), [ts, out], np.float32(0.5))
     assert torch.equal(out[0], torch.full((3,), 0.5))
-    with pytest.raises(ValueError, match="scale must be within the float64 range"):
+    with pytest.raises(ValueError, match="scale must be within float32's range"):
         amp_C.multi_tensor_scale(64, _flag(), [ts, out], 10**400)
     assert torch.equal(out[0], torch.full((3,), 0.5))
+
+
+def _adam_call(**over):
+    ps = [torch.randn(5), torch.randn(3)]
+    lists = [[torch.randn_like(p) for p in ps], ps, [torch.zeros_like(p) for p in ps],
+             [torch.zeros_like(p) for p in ps]]
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, step=1, mode=1, bias_correction=1, weight_decay=0.0)
+    args.update(over)
+    return lists, args
+
+
+@pytest.mark.parametrize("name, value, error, pattern", [
+    ("beta1", 1e308, ValueError, r"beta1 must be within float32's range"),
+    ("lr", torch.tensor(1e300, dtype=torch.float64), ValueError, r"lr must be within float32's range"),
+    ("epsilon", torch.empty((), device="meta"), ValueError, r"epsilon must hold a value, got a meta tensor"),
+    ("lr", torch.tensor(1 + 2j), TypeError, r"lr must be a real number"),
+    ("bias_correction", torch.ones(3), ValueError, r"bias_correction must be a number or a one-element tensor"),
+    ("bias_correction", "yes", TypeError, r"bias_correction must be a bool \(or 0/1\), got 'yes'"),
+    ("mode", torch.zeros(40, 40, dtype=torch.int), ValueError,
+     r"mode must be 0 \(L2 decay\) or 1 \(decoupled decay\), got a torch.int32 tensor of shape \(40, 40\)"),
+])
+def test_a_bad_scalar_or_switch_is_refused_before_any_write(name, value, error, pattern):
+    """Scalars beyond float32 (the ops compute in float32: torch refused them only after earlier tensors were
+    written), tensors without a value (meta), complex ones, and switches that are not bools get apex's message
+    before anything is written; a tensor is described by its kind and shape, not printed."""
+    lists, args = _adam_call(**{name: value})
+    before = [[t.clone() for t in lst] for lst in lists]
+    with pytest.raises(error, match=pattern) as info:
+        amp_C.multi_tensor_adam(64, _flag(), lists, *args.values())
+    assert len(str(info.value)) < 200
+    for lst, old in zip(lists, before):
+        for t, o in zip(lst, old):
+            assert torch.equal(t, o)
+
+
+def test_lamb_and_adagrad_refuse_a_huge_finite_hyperparameter_before_any_write():
+    ps = [torch.randn(4)]
+    lists = [[torch.randn(4)], ps, [torch.zeros(4)], [torch.zeros(4)]]
+    before = [[t.clone() for t in lst] for lst in lists]
+    with pytest.raises(ValueError, match="beta1 must be within float32's range"):
+        amp_C.multi_tensor_lamb(64, _flag(), lists, 1e-3, 1e308, 0.999, 1e-6, 1, 1, 0.01, 1, 1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="lr must be within float32's range"):
+        amp_C.multi_tensor_adagrad(64, _flag(), lists[:3], 1e308, 1e-10, 1, 0.0)
+    for lst, old in zip(lists, before):
+        for t, o in zip(lst, old):
+            assert torch.equal(t, o)

@@ -180,18 +180,66 @@ def _set_flag(noop_flag: torch.Tensor) -> None:
     noop_flag[(0,) * noop_flag.dim()].fill_(1)
 
 
-def _number(value: Any, name: str, op: str) -> float:
-    """A Python float from a number or a one-element tensor (upstream's capturable ops pass tensors)."""
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _brief(value: Any) -> str:
+    """A value for an error message: a tensor by its kind and shape, anything else by a repr cut to 60 chars."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{op}: {name} must be a number or a one-element tensor, got {value.numel()} elements")
-        return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: numpy's scalars too
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _scalar_tensor(value: torch.Tensor, name: str, op: str) -> Any:
+    """The Python value of a one-element tensor, refusing what has none (meta) or is not real."""
+    if value.numel() != 1:
+        raise ValueError(f"{op}: {name} must be a number or a one-element tensor, got {value.numel()} elements")
+    if value.is_meta:
+        raise ValueError(f"{op}: {name} must hold a value, got a meta tensor")
+    if value.is_complex():
+        raise TypeError(f"{op}: {name} must be a real number, got {_brief(value)}")
+    if value.layout != torch.strided:
+        value = value.to_dense()
+    return value.item()
+
+
+def _number(value: Any, name: str, op: str) -> float:
+    """A Python float from a number or a one-element tensor (upstream's capturable ops pass tensors). A finite
+    value beyond float32's range is refused here: the ops compute in float32, and torch would refuse it only
+    after earlier tensors of the call were written."""
+    if isinstance(value, torch.Tensor):
+        number = float(_scalar_tensor(value, name, op))
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: numpy's scalars too
         raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
+    else:
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            raise ValueError(f"{op}: {name} must be within float32's range, got {value}") from None
+    if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
+        raise ValueError(f"{op}: {name} must be within float32's range (|v| <= {_FLOAT32_MAX:.4g}), got {number}")
+    return number
+
+
+def _flag(value: Any, name: str, op: str) -> bool:
+    """A switch given as a bool, an int (upstream's 0/1), a numpy bool or a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        value = _scalar_tensor(value, name, op)
+    if isinstance(value, (bool, numbers.Integral)) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{op}: {name} must be a bool (or 0/1), got {_brief(value)}")
+
+
+def _choice(value: Any, allowed: tuple, name: str, op: str, meaning: str) -> int:
+    """An int code among ``allowed`` (ints, numpy ints, one-element integer tensors)."""
     try:
-        return float(value)
-    except OverflowError:  # an int beyond the float range
-        raise ValueError(f"{op}: {name} must be within the float64 range, got {value}") from None
+        code = operator.index(value)
+    except TypeError:
+        code = None
+    if code not in allowed:
+        raise ValueError(f"{op}: {name} must be {meaning}, got {_brief(value)}")
+    return code
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -350,8 +398,7 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
     op = "multi_tensor_axpby"
     xs, ys, outs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
     a, b = _number(a, "a", op), _number(b, "b", op)
-    if arg_to_check not in (-1, 0, 1):
-        raise ValueError(f"{op}: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check!r}")
+    arg_to_check = _choice(arg_to_check, (-1, 0, 1), "arg_to_check", op, "-1 (both), 0 (x) or 1 (y)")
     if _off_host(xs) and _off_host(ys) and _off_host(outs):
         checked = (xs if arg_to_check in (-1, 0) else []) + (ys if arg_to_check in (-1, 1) else [])
         if _any_nonfinite(checked):  # the inputs, before an aliased output changes them
@@ -471,13 +518,7 @@ def _bias_corrections(op: str, beta1: float, beta2: float, step: float, on: bool
 
 
 def _check_mode(op: str, mode: Any) -> int:
-    try:
-        value = operator.index(mode)  # ints, numpy ints, one-element integer tensors
-    except TypeError:
-        value = None
-    if value not in (0, 1):
-        raise ValueError(f"{op}: mode must be 0 (L2 decay) or 1 (decoupled decay), got {mode!r}")
-    return value
+    return _choice(mode, (0, 1), "mode", op, "0 (L2 decay) or 1 (decoupled decay)")
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr, beta1: float, beta2: float,
@@ -497,12 +538,13 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     grad_scale = 1.0 if inv_scale is None else _number(inv_scale, "inv_scale", op)
     beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
-    _bias_corrections(op, beta1, beta2, step, bool(bias_correction), root=True)  # raises before any write
+    bias_correction = _flag(bias_correction, "bias_correction", op)
+    _bias_corrections(op, beta1, beta2, step, bias_correction, root=True)  # raises before any write
     for g, p, m, v in zip(gs, ps, ms, vs):
         p32, m32, v32 = _work(p), _work(m), _work(v)
         adam_math(p32, g.detach().float(), m32, v32, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                   weight_decay=wd, step=step, amsgrad=False, decoupled=mode == 1,
-                  bias_correction=bool(bias_correction), grad_scale=grad_scale)
+                  bias_correction=bias_correction, grad_scale=grad_scale)
         _store(p, p32)
         _store(m, m32)
         _store(v, v32)
@@ -529,6 +571,8 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
     wd, momentum = _number(wd, "wd", op), _number(momentum, "momentum", op)
     dampening, lr = _number(dampening, "dampening", op), _number(lr, "lr", op)
     scale = _number(scale, "scale", op)
+    nesterov, first_run = _flag(nesterov, "nesterov", op), _flag(first_run, "first_run", op)
+    wd_after_momentum = _flag(wd_after_momentum, "wd_after_momentum", op)
     if _flag_is_set(noop_flag):
         return
     copies = lists[3] if len(lists) == 4 else [None] * len(lists[0])
@@ -537,7 +581,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         b32 = _work(buf) if momentum != 0 else None
         decay = p32 * wd if wd != 0 and wd_after_momentum else None
         sgd_math(p32, g.detach().float(), b32, lr=lr, momentum=momentum, dampening=dampening,
-                 weight_decay=0.0 if wd_after_momentum else wd, nesterov=bool(nesterov), first=bool(first_run),
+                 weight_decay=0.0 if wd_after_momentum else wd, nesterov=nesterov, first=first_run,
                  grad_scale=scale, settle=lambda t: None)
         if decay is not None:
             p32.add_(decay, alpha=-lr)
@@ -571,9 +615,12 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
         raise ValueError(f"{op}: max_grad_norm must be > 0 to clip by global_grad_norm / max_grad_norm; got "
                          f"max_grad_norm={max_norm!r} with global_grad_norm={norm!r}")
     clip = norm / max_norm if norm > max_norm else 1.0
-    bc1, bc2 = _bias_corrections(op, beta1, beta2, step, bool(bias_correction), root=True)
+    bias_correction, grad_averaging = _flag(bias_correction, "bias_correction", op), _flag(grad_averaging,
+                                                                                           "grad_averaging", op)
+    use_nvlamb = use_nvlamb is not None and _flag(use_nvlamb, "use_nvlamb", op)
+    bc1, bc2 = _bias_corrections(op, beta1, beta2, step, bias_correction, root=True)
     beta3 = 1 - beta1 if grad_averaging else 1.0
-    ratio_on = bool(use_nvlamb) or wd != 0
+    ratio_on = use_nvlamb or wd != 0
     param_norms = _norms(op, noop_flag, ps, 1.0, True)[1].tolist() if ps else []
     updates = []
     for g, p, m, v in zip(gs, ps, ms, vs):
@@ -611,13 +658,17 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     if not isinstance(grad_norms, torch.Tensor) or grad_norms.numel() != len(gs):
         got = grad_norms.numel() if isinstance(grad_norms, torch.Tensor) else type(grad_norms).__name__
         raise ValueError(f"{op}: grad_norms must be a tensor with one norm per tensor ({len(gs)}), got {got}")
-    if norm_type not in (0, 2):
-        raise ValueError(f"{op}: norm_type must be 2 (L2) or 0 (inf), got {norm_type!r}")
+    if grad_norms.is_meta or grad_norms.layout != torch.strided or not grad_norms.is_floating_point():
+        raise ValueError(f"{op}: grad_norms must be a dense floating-point tensor holding values, got "
+                         f"{_brief(grad_norms)} ({grad_norms.layout})")
+    _choice(norm_type, (0, 2), "norm_type", op, "2 (L2) or 0 (inf)")
     lr, step = _number(lr, "lr", op), _number(step, "step", op)
     beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
     mode = _check_mode(op, mode)
-    bc1, bc2 = _bias_corrections(op, beta1, beta2, step, bool(bias_correction), root=True)
+    bias_correction, grad_averaging = _flag(bias_correction, "bias_correction", op), _flag(grad_averaging,
+                                                                                           "grad_averaging", op)
+    bc1, bc2 = _bias_corrections(op, beta1, beta2, step, bias_correction, root=True)
     bc2 = math.sqrt(bc2)
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for g, p, m, gn in zip(gs, ps, ms, grad_norms.detach().float().reshape(-1).tolist()):

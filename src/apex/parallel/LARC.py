@@ -151,6 +151,11 @@ class LARC(torch.optim.Optimizer):
         idx = [i for i, k in enumerate(keep) if k]
         if not idx:
             return
+        for i in idx:
+            if torch._debug_has_internal_overlap(grads[i]) != 0:
+                # an expanded grad (stride 0) refuses in-place writes; torch's optimizers only read it, so it
+                # is replaced by a copy here rather than failing halfway through the grads
+                grads[i] = params[i].grad = grads[i].clone(memory_format=torch.contiguous_format)
         sel_g = [grads[i] for i in idx]
         if weight_decay != 0:
             torch._foreach_add_(sel_g, [params[i] for i in idx], alpha=weight_decay)

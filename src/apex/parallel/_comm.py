@@ -235,6 +235,10 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
     chunk is one collective; results are copied back. As upstream apex, an
     all-reduce is averaged over the group's ranks.
     """
+    tensors = list(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: tensors[{k}] must be a tensor, got {type(t).__name__}")
     pg = group_or_world(group)
     extra_args = tuple(extra_args or ())
     average = call is dist.all_reduce
