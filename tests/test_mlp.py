@@ -110,6 +110,8 @@ def test_under_autocast_runs_in_the_autocast_dtype(device):
     (lambda: MLP([4, 2])(torch.randn(3, 5)), ValueError, r"weight 0 has shape \(2, 4\); expected \(out, 5\)"),
     (lambda: MLP([4, 2])(torch.ones(3, 4, dtype=torch.int64)), TypeError, "floating-point tensor"),
     (lambda: mlp_function(2, 1, torch.ones(1, 2), torch.ones(2, 2)), ValueError, "bias must be 0 or 1"),
+    (lambda: mlp_function(iter([1]), 1, torch.ones(1, 2), torch.ones(2, 2)), TypeError,
+     "bias must be 0 or 1 \\(or a bool\\), got list_iterator"),
     (lambda: mlp_function(0, 3, torch.ones(1, 2), torch.ones(2, 2)), ValueError, r"activation must be in \[0, 2\]"),
     (lambda: mlp_function(0, True, torch.ones(1, 2), torch.ones(2, 2)), TypeError, "activation must be an int"),
     (lambda: mlp_function(1, 1, torch.ones(1, 2), torch.ones(2, 2)), ValueError, "as many biases as weights"),

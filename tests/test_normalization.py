@@ -348,6 +348,9 @@ def test_bad_eps_and_inputs_are_named():
         for eps in (float("nan"), float("inf"), 10**400, -1.0):
             with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
                 cls(4, eps=eps)
+        for eps in (True, "1e-5", iter([1e-5]), {"state": None}):  # not a number: a TypeError, named by type
+            with pytest.raises(TypeError, match=r"eps must be a finite number >= 0, got [a-z_]+$"):
+                cls(4, eps=eps)
     x = torch.randn(2, 4)
     with pytest.raises(TypeError, match="input must be a dense"):
         fused_layer_norm(x.to_sparse(), (4,))

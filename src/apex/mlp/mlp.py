@@ -33,7 +33,9 @@ _ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2}
 
 def _layers(bias: int, activation: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     where = "mlp_function"
-    if not isinstance(bias, int) or bias not in (0, 1):  # a bool is an int
+    if not isinstance(bias, int):  # a bool is an int
+        raise TypeError(f"{where}: bias must be 0 or 1 (or a bool), got {type(bias).__name__}")
+    if bias not in (0, 1):
         raise ValueError(f"{where}: bias must be 0 or 1 (or a bool), got {bias!r}")
     activation = check_int(activation, f"{where}: activation", 0, 2)  # 0 none, 1 relu, 2 sigmoid
     bias = int(bias)

@@ -81,7 +81,9 @@ def _as_float(value: numbers.Real) -> float:
 
 
 def _check_eps(where: str, eps: Any) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= _as_float(eps) < math.inf:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{where}: eps must be a finite number >= 0, got {type(eps).__name__}")
+    if not 0 <= _as_float(eps) < math.inf:
         raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
 
 

@@ -62,7 +62,9 @@ class FastLayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, memory_efficient: bool = False) -> None:
         super().__init__()
         hidden_size = check_int(hidden_size, "FastLayerNorm: hidden_size", 1)
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+            raise TypeError(f"FastLayerNorm: eps must be a number >= 0, got {type(eps).__name__}")
+        if not eps >= 0:
             raise ValueError(f"FastLayerNorm: eps must be a number >= 0, got {eps!r}")
         self.epsilon = float(eps)
         self.memory_efficient = bool(memory_efficient)
