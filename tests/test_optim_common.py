@@ -640,6 +640,7 @@ def test_closure_semantics_match_torch():
     (lambda p: NpuFusedAdadelta(p, 0.1, rho=1e60), r"rho value: expected a value in \[0.0, 1.0\]"),
     (lambda p: NpuFusedAdam(p, 1e60), r"learning rate: expected a finite value \(at most 3.403e\+38\)"),
     (lambda p: NpuFusedAdam(p, float("inf")), r"learning rate: expected a finite value"),
+    (lambda p: NpuFusedAdam(p, torch.tensor(0.1, device="meta")), r"learning rate: expected a value, got a meta"),
 ])
 def test_an_out_of_range_option_is_told_its_own_range(make, pattern):
     """A value beyond float32 that is also outside the option's interval gets the interval in the message (a

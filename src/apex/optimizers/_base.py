@@ -80,6 +80,8 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Invalid {name}: expected a scalar, got a tensor of shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise ValueError(f"Invalid {name}: expected a value, got a meta tensor (it holds none)")
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
