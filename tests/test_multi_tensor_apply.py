@@ -1044,9 +1044,7 @@ def test_scalars_may_be_numpy_numbers_and_huge_ints_are_named():
 
 
 def _adam_call(**over):
-    ps = [torch.randn(5), torch.randn(3)]
-    lists = [[torch.randn_like(p) for p in ps], ps, [torch.zeros_like(p) for p in ps],
-             [torch.zeros_like(p) for p in ps]]
+    lists = _adam_lists()
     args = dict(lr=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, step=1, mode=1, bias_correction=1, weight_decay=0.0)
     args.update(over)
     return lists, args
@@ -1077,8 +1075,7 @@ def test_a_bad_scalar_or_switch_is_refused_before_any_write(name, value, error, 
 
 
 def test_lamb_and_adagrad_refuse_a_huge_finite_hyperparameter_before_any_write():
-    ps = [torch.randn(4)]
-    lists = [[torch.randn(4)], ps, [torch.zeros(4)], [torch.zeros(4)]]
+    lists = _adam_lists()
     before = [[t.clone() for t in lst] for lst in lists]
     with pytest.raises(ValueError, match="beta1 must be within float32's range"):
         amp_C.multi_tensor_lamb(64, _flag(), lists, 1e-3, 1e308, 0.999, 1e-6, 1, 1, 0.01, 1, 1, 1.0, 1.0)

@@ -9,7 +9,10 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["check_int"]
+__all__ = ["FLOAT32_MAX", "check_int"]
+
+#: the largest finite float32: hyperparameters and step counts the updates hold in float32 must not exceed it
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_int(value: Any, what: str, minimum: Optional[int] = None, maximum: Optional[int] = None, *,

@@ -306,11 +306,8 @@ class AmpStash:
         chain = self.delayed_chain
         self.params_have_scaled_gradients = False
         self.delayed_chain = None
-        if chain is not None and self.session.overflow_flag and not any(
-                opt._amp_stash.delayed_chain is not None and opt._amp_stash.delayed_chain[0] == chain[0]
-                for opt in self.session.optimizers):
-            # the chain's overflow flag went with its grads
-            self.session.pending_flag_overflow.discard(chain[0])
+        if chain is not None and self.session.overflow_flag:
+            self.session.release_flag_overflows((chain[0],))  # the chain's overflow flag went with its grads
 
     def post_backward(self, scale: float, check: bool, fold: bool) -> bool:
         """At scale_loss exit: unscale this backward's grads; True if any was inf/nan."""

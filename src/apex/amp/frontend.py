@@ -56,6 +56,13 @@ class _Session:
         self.ddp: Any = None
         self.ddp_replica_count = 4
 
+    def release_flag_overflows(self, loss_ids) -> None:
+        """NPU flag mode: the overflow flags the delayed backwards of these losses raised were acted on, or went
+        with their grads. A flag stays for a loss whose chain is still open on another optimizer."""
+        still_open = {opt._amp_stash.delayed_chain[0] for opt in self.optimizers
+                      if opt._amp_stash.delayed_chain is not None}
+        self.pending_flag_overflow -= set(loss_ids) - still_open
+
     def on_model_zero_grad(self, model: torch.nn.Module, set_to_none: bool) -> None:
         stashes = [opt._amp_stash for opt in self.optimizers]
         # grads set to None and no masters (O1, the default zero_grad, every Trainer step): nothing to

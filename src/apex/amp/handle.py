@@ -128,8 +128,8 @@ def _unscale_at_exit(session, loss_id: int, scaler: LossScaler, scale: float, st
     steps to skip. ``flag``: the NPU float-status register read after the backward (None: values are checked)."""
     use_flag = flag is not None
     ddp = session.ddp if session is not None else None
-    # the losses whose delayed backwards this exit unscales (a chain may be closed by another loss's exit)
-    closing = {loss_id, *(s.delayed_chain[0] for s in stashes if s.delayed_chain is not None)}
+    # flag mode: the losses whose delayed backwards this exit unscales (another loss's exit may close a chain)
+    closing = {loss_id, *(s.delayed_chain[0] for s in stashes if s.delayed_chain is not None)} if use_flag else None
     scaler.clear_overflow_state()
     for stash in stashes:
         scaler.record_overflow(stash.post_backward(scale, check=not use_flag, fold=True))
@@ -137,11 +137,8 @@ def _unscale_at_exit(session, loss_id: int, scaler: LossScaler, scale: float, st
         stash.delayed_chain = None
         stash.skip_after_error = False  # a block after a failed one: its grads (the failed ones dropped) step
     if use_flag:
-        pending = session.pending_flag_overflow
-        scaler.record_overflow(bool(flag) or not pending.isdisjoint(closing))
-        # a flag stays for the optimizers whose chain of that loss is still open
-        pending -= closing - {opt._amp_stash.delayed_chain[0] for opt in session.optimizers
-                              if opt._amp_stash.delayed_chain is not None}
+        scaler.record_overflow(bool(flag) or not session.pending_flag_overflow.isdisjoint(closing))
+        session.release_flag_overflows(closing)
     if ddp is not None:  # every rank skips together
         scaler.record_overflow(bool(_ddp.call(ddp, "agree_overflow", scaler.has_overflow())))
     # an overflow found at a delay_overflow_check exit is acted on at the next exit that checks, of this loss or of

@@ -42,7 +42,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _core
-from apex._checks import check_int
+from apex._checks import FLOAT32_MAX, check_int
 from apex._tensor_utils import (
     data_ptr,
     detach,
@@ -180,9 +180,6 @@ def _set_flag(noop_flag: torch.Tensor) -> None:
     noop_flag[(0,) * noop_flag.dim()].fill_(1)
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def _brief(value: Any) -> str:
     """A value for an error message: a tensor by its kind and shape, anything else by a repr cut to 60 chars."""
     if isinstance(value, torch.Tensor):
@@ -217,8 +214,8 @@ def _number(value: Any, name: str, op: str) -> float:
             number = float(value)
         except OverflowError:  # an int beyond the float range
             raise ValueError(f"{op}: {name} must be within float32's range, got {value}") from None
-    if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
-        raise ValueError(f"{op}: {name} must be within float32's range (|v| <= {_FLOAT32_MAX:.4g}), got {number}")
+    if math.isfinite(number) and abs(number) > FLOAT32_MAX:
+        raise ValueError(f"{op}: {name} must be within float32's range (|v| <= {FLOAT32_MAX:.4g}), got {number}")
     return number
 
 

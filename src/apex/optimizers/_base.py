@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .. import _core, _device
+from .._checks import FLOAT32_MAX
 from .._tensor_utils import data_ptr, zero_grad_
 from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
@@ -63,8 +64,6 @@ _TORCH_ONLY_OPTIONS = {
     "differentiable": False,
 }
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
-
-_FLOAT32_MAX = 3.4028234663852886e38
 
 #: where an amp O2 optimizer checkpoint keeps the fp32 masters (apex.amp's key)
 AMP_MASTERS_KEY = "apex_amp_master_params"
@@ -94,8 +93,8 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         lo_s = f"{'(' if lo_open else '['}{lo}"
         hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else ("inf]" if allow_inf else "inf)")
         raise ValueError(f"Invalid {name}: expected a value in {lo_s}, {hi_s}, got {value}")
-    if abs(value) > _FLOAT32_MAX and not allow_inf:  # the update math runs in float32
-        raise ValueError(f"Invalid {name}: expected a finite value (at most {_FLOAT32_MAX:.4g}), got {value}")
+    if abs(value) > FLOAT32_MAX and not allow_inf:  # the update math runs in float32
+        raise ValueError(f"Invalid {name}: expected a finite value (at most {FLOAT32_MAX:.4g}), got {value}")
 
 
 # group options read as booleans by the updates (NVIDIA's and torch's names)

@@ -15,12 +15,13 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import torch
 
+from .._checks import FLOAT32_MAX  # steps are kept as float32 (as torch keeps them)
+
 #: kinds of state entries (`validate_loaded_state`'s ``spec`` values)
 PARAM_SHAPED = "param"  # a floating tensor of the param's shape
 STEP = "step"  # a finite count >= 0: a number or a 1-element real tensor
 COUNT = "count"  # a STEP that an entry with param-shaped states must have (torch's per-param layout)
 
-_FLOAT32_MAX = 3.4028234663852886e38  # steps are kept as float32 (as torch keeps them)
 SCALAR = "scalar"  # a finite number or 1-element floating tensor, within float32's range (kept as float32)
 
 
@@ -83,8 +84,8 @@ def check_step_value(value: Any, what: str, *, host_only: bool = False) -> None:
         _real_tensor_form(value, what)
         return
     v = _real_number(value, what)
-    if not math.isfinite(v) or v < 0 or v > _FLOAT32_MAX:
-        raise ValueError(f"{what}: expected a finite step count >= 0 (at most {_FLOAT32_MAX:.4g}, kept as float32), "
+    if not math.isfinite(v) or v < 0 or v > FLOAT32_MAX:
+        raise ValueError(f"{what}: expected a finite step count >= 0 (at most {FLOAT32_MAX:.4g}, kept as float32), "
                          f"got {v}")
 
 
@@ -102,8 +103,8 @@ def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
         check_step_value(value, what)
     elif kind == SCALAR:
         v = _real_number(value, what)
-        if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
-            raise ValueError(f"{what}: expected a finite value within float32's range (|v| <= {_FLOAT32_MAX:.4g}, "
+        if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+            raise ValueError(f"{what}: expected a finite value within float32's range (|v| <= {FLOAT32_MAX:.4g}, "
                              f"kept as float32), got {v}")
 
 
