@@ -117,7 +117,10 @@ NOTES = {
         "group or two), infinite hyperparameters, and checkpoint states a step could not use (non-tensors, wrong "
         "shapes or dtypes, steps that are not finite counts >= 0, incomplete entries) raise TypeError/ValueError "
         "naming the group, param index and key, at construction, `add_param_group` or `load_state_dict`, with "
-        "nothing changed."),
+        "nothing changed. Options may be numpy scalars (`lrs[t]` of a numpy schedule): a step that passes its "
+        "checks rewrites them in the group as the Python numbers they hold, so the update computes as with those "
+        "numbers (torch.optim's own host arithmetic would run in the numpy dtype, e.g. float32); numpy arrays "
+        "are refused, as torch's ops refuse them."),
     "apex.optimizers.NpuFusedAdam": (
         "NPU patch: required `amp.initialize`, fp16/fp32 only and raised on `zero_grad(set_to_none=True)`; this one "
         "works standalone, with bf16, and with either zero_grad. State dicts load to and from torch.optim.Adam."),

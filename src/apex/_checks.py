@@ -4,15 +4,58 @@ has the right form and is out of range."""
 
 from __future__ import annotations
 
+import numbers
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["FLOAT32_MAX", "check_int"]
+__all__ = ["FLOAT32_MAX", "check_int", "plain_numbers", "real_number"]
 
 #: the largest finite float32: hyperparameters and step counts the updates hold in float32 must not exceed it
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+def real_number(value: Any) -> Optional[Union[int, float]]:
+    """The Python int or float a real scalar stands for; None when ``value`` is not one.
+
+    Taken as torch.optim takes them: ints and floats, numpy's real scalars (``np.float32(1e-3)``,
+    ``np.int64(2)``: what indexing a numpy array gives) and any other ``numbers.Real`` (``Fraction``), read as
+    the int or float they hold. Never a bool, numpy's included: ``True`` for a learning rate or a scale is a
+    mistake, not 1. Not a numpy array, even of one element: torch's ops refuse one where they take a number.
+    Tensors are not handled here: each caller reads its one-element tensors with its own checks.
+    """
+    if type(value) is int or type(value) is float:
+        return value
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def plain_numbers(options: dict) -> None:
+    """Rewrites the numpy scalars (and other non-builtin reals) among ``options``' values, also inside a tuple
+    or list such as ``betas``, as the Python numbers they hold; the ``"params"`` entry is left alone.
+
+    The updates then compute with what they compute with for a Python number: arithmetic on a numpy float32
+    stays in float32 (``1 - np.float32(0.9)``), and torch's ops refuse numpy values in some arguments."""
+    for key, value in options.items():
+        kind = type(value)
+        if kind in _PLAIN or key == "params":
+            continue
+        if kind is tuple or kind is list:
+            if not all(type(v) in _PLAIN for v in value):
+                plain = [v if type(v) in _PLAIN or real_number(v) is None else real_number(v) for v in value]
+                options[key] = plain if kind is list else tuple(plain)
+        elif real_number(value) is not None:
+            options[key] = real_number(value)
+
+
+# values plain_numbers leaves as they are without asking (what a param group holds but numbers and tensors)
+_PLAIN = frozenset((int, float, bool, str, type(None)))
 
 
 def check_int(value: Any, what: str, minimum: Optional[int] = None, maximum: Optional[int] = None, *,

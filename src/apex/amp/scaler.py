@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_int, real_number
 
 _SMALLEST_SCALE = 2.0 ** -126  # the smallest normal float32: the floor of a dynamic backoff without min_loss_scale
 
@@ -35,9 +35,10 @@ def _number(where: str, name: str, value: Any) -> float:
             raise TypeError(f"{where}: {name} must be a number, got a {value.dtype} tensor of shape "
                             f"{tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = real_number(value)
+    if number is None:
         raise TypeError(f"{where}: {name} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
+    return float(number)
 
 
 def _positive(where: str, name: str, value: Any) -> float:
@@ -204,10 +205,11 @@ def check_scale_value(name: str, value, allow_none: bool = False, scale: bool = 
     TypeError/ValueError naming the option."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = real_number(value)
+    if number is None:
         expected = "a positive number or None" if allow_none else "a positive number"
         raise TypeError(f"amp.initialize: {name} must be {expected}, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    value = float(number)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"amp.initialize: {name} must be a finite positive number, got {value}")
     return in_scale_range("amp.initialize", name, value) if scale else value

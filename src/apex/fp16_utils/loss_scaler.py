@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 import torch
 
 from apex import _core
-from apex._checks import check_int
+from apex._checks import check_int, real_number
 
 __all__ = ["DynamicLossScaler", "LossScaler", "to_python_float"]
 
@@ -34,11 +34,12 @@ def to_python_float(t: Any) -> float:
 
 
 def _check_positive(value: Any, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = real_number(value)
+    if number is None:
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value}")
-    return value
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{where}: {name} must be a finite number > 0, got {number}")
+    return number
 
 
 def _fields(state: Any, required: Tuple[str, ...], where: str) -> Dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .. import _core, _device
-from .._checks import FLOAT32_MAX
+from .._checks import FLOAT32_MAX, plain_numbers, real_number
 from .._tensor_utils import data_ptr, zero_grad_
 from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
@@ -82,8 +82,10 @@ def _check_range(name: str, value: Any, lo: float, hi: Optional[float] = None, l
         if value.is_meta:
             raise ValueError(f"Invalid {name}: expected a value, got a meta tensor (it holds none)")
         value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    number = real_number(value)
+    if number is None:
         raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
+    value = number
     if isinstance(value, int) and not -2**63 <= value < 2**63:  # torch's ops take Python ints as int64
         raise ValueError(f"Invalid {name}: an int must fit in int64 (pass a float for larger values), got {value}")
     # the option's own interval first: a beta of 1e70 is out of [0, 1), whatever float32 can hold
@@ -359,6 +361,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
             self._check_torch_options(probe)
             check_flags(probe)
             self._validate_group(probe)
+        plain_numbers(self.defaults)
+        plain_numbers(param_group)
         super().add_param_group(param_group)
 
     def _check_torch_options(self, group: dict) -> None:
@@ -448,6 +452,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 plans.append((gi, group, None, ()))
                 continue
             plans.append((gi, group, sets, [self._plan_grads(s, group, gather) for s in sets]))
+        for group in self.param_groups:  # every check passed: numpy options become the numbers they hold
+            plain_numbers(group)
         healed = False
         for gi, group, sets, stale in plans:
             if sets is None:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import torch
 
-from .._checks import FLOAT32_MAX  # steps are kept as float32 (as torch keeps them)
+from .._checks import FLOAT32_MAX, real_number  # steps are kept as float32 (as torch keeps them)
 
 #: kinds of state entries (`validate_loaded_state`'s ``spec`` values)
 PARAM_SHAPED = "param"  # a floating tensor of the param's shape
@@ -68,9 +68,10 @@ def _real_number(value: Any, what: str) -> float:
     if isinstance(value, torch.Tensor):
         _real_tensor_form(value, what)
         return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = real_number(value)
+    if number is None:
         raise TypeError(f"{what}: expected a number, got {value!r} ({type(value).__name__})")
-    return float(value)
+    return float(number)
 
 
 def check_step_value(value: Any, what: str, *, host_only: bool = False) -> None:

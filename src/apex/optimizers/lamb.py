@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from .. import _core
+from .._checks import plain_numbers
 from ._base import (
     CombinedOptimizer,
     _call_closure,
@@ -288,6 +289,8 @@ class Lamb(torch.optim.Optimizer):
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
             _validate_lamb_group(probe)
+        plain_numbers(self.defaults)
+        plain_numbers(param_group)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -342,6 +345,8 @@ class Lamb(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _call_closure(closure)
         self._check_step_inputs()
+        for group in self.param_groups:  # every check passed: numpy options become the numbers they hold
+            plain_numbers(group)
         gnorm = self._global_norm() if any(g["use_global_grad_norm"] for g in self.param_groups) else None
         for group in self.param_groups:
             b1, b2 = group["betas"]

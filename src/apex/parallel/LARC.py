@@ -29,6 +29,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from .._checks import real_number
 from ..optimizers._state_check import check_unique_params
 
 __all__ = ["LARC"]
@@ -37,9 +38,10 @@ _MISSING = object()
 
 
 def _check_number(name: str, value: Any, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = real_number(value)
+    if number is None:
         raise TypeError(f"LARC: {name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    value = float(number)
     if math.isnan(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"LARC: {name} must be {'> 0' if positive else '>= 0'}, got {value}")
     return value
@@ -55,7 +57,8 @@ def _check_group(gi: int, group: dict, earlier: List[dict]) -> None:
         value = group.get(key)
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+        value = real_number(value)
+        if value is not None and not math.isfinite(value):
             raise ValueError(f"LARC: param group {gi} has {key}={value}; expected a finite value")
     params = group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
