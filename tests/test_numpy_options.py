@@ -185,18 +185,15 @@ def test_plain_numbers_rewrites_numpy_values_only():
 
 
 # ------------------------------------------------------------------ amp, LARC, fp16_utils
-def test_amp_and_the_loss_scalers_take_numpy_scales():
+def test_amp_and_the_loss_scalers_take_numpy_scales(amp_env):
     model = torch.nn.Linear(4, 2)
     opt = NpuFusedSGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale=np.float32(128.0),
                                 min_loss_scale=np.float64(1.0), max_loss_scale=np.int64(2**20), verbosity=0)
-    try:
-        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 128.0
-    finally:
-        amp.deinitialize()
+    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 128.0
     assert DynamicLossScaler(init_scale=np.float32(2.0**10)).loss_scale == 2.0**10
     assert LossScaler(np.int64(64)).loss_scale == 64
 
@@ -213,3 +210,32 @@ def test_larc_takes_numpy_options():
             opt.step()
         out.append(p.detach().clone())
     assert torch.equal(out[0], out[1])
+
+
+def test_amp_init_takes_a_numpy_loss_scale(amp_env):
+    handle = amp.init(loss_scale=np.float32(128.0))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with handle.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        assert type(handle.loss_scale()) is float and handle.loss_scale() == 128.0
+        scaled.backward()
+    handle._deactivate()
+    with pytest.raises(ValueError, match="loss_scale must be 'dynamic' or a finite positive number"):
+        amp.init(loss_scale=np.array([1.0, 2.0]))
+
+
+def test_ddp_takes_a_numpy_predivide_factor(tmp_path):
+    import torch.distributed as dist
+
+    from apex.parallel import DistributedDataParallel
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2), gradient_predivide_factor=np.float32(2.0))
+        assert type(ddp.gradient_predivide_factor) is float and ddp.gradient_predivide_factor == 2.0
+        with pytest.raises(ValueError, match="gradient_predivide_factor must be a positive number"):
+            DistributedDataParallel(torch.nn.Linear(2, 2), gradient_predivide_factor=np.bool_(True))
+    finally:
+        dist.destroy_process_group()

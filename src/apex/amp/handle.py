@@ -10,7 +10,7 @@ from typing import Any, List
 import torch
 
 from .. import _device
-from .._checks import check_int
+from .._checks import check_int, real_number
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
 from ._casts import disable_casts
@@ -258,12 +258,12 @@ def _skip_next_step(optimizer, what: str) -> None:
 
 
 def _check_loss_scale(loss_scale: Any) -> Any:
-    if loss_scale == "dynamic":
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return loss_scale
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale) \
-            or loss_scale <= 0:
+    number = real_number(loss_scale)
+    if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"amp.init: loss_scale must be 'dynamic' or a finite positive number, got {loss_scale!r}")
-    return float(loss_scale)
+    return float(number)
 
 
 class OptimWrapper:

@@ -51,7 +51,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._checks import check_int
+from .._checks import check_int, real_number
 from .._flatten import flatten as flatten  # upstream's module-level helpers, kept here
 from .._flatten import unflatten as unflatten
 from ..contrib.combine_tensors import plan_layout
@@ -146,8 +146,8 @@ class DistributedDataParallel(torch.nn.Module):
             warnings.warn("gradient_average_split_factor is deprecated; use gradient_predivide_factor",
                           DeprecationWarning, stacklevel=2)
             gradient_predivide_factor = gradient_average_split_factor
-        if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
-                or not gradient_predivide_factor > 0:
+        factor = real_number(gradient_predivide_factor)
+        if factor is None or not factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
         if num_allreduce_streams > 1 and delay_allreduce:
             raise ValueError("num_allreduce_streams > 1 (allreduce_different_streams) may only be used with "
@@ -160,7 +160,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.delay_allreduce = bool(delay_allreduce)
         self.allreduce_always_fp32 = bool(allreduce_always_fp32)
         self.gradient_average = bool(gradient_average)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.gradient_predivide_factor = float(factor)
         self.retain_allreduce_buffers = bool(retain_allreduce_buffers)
         self.prof = bool(prof)
         self.num_allreduce_streams = num_allreduce_streams
