@@ -184,10 +184,14 @@ class _GroupCache:
 
 
 def group_params(param_group) -> Optional[List[torch.Tensor]]:
-    """The params of a group being added, as a list to check; None for a set (torch rejects those itself).
+    """The params of a group being added, as a list of what to check; None for a set (torch rejects those itself).
 
     A lone tensor is wrapped; any other iterable is materialised once and stored back, as torch
-    does: a generator read by the check would otherwise reach torch empty.
+    does: a generator read by the check would otherwise reach torch empty. Named params (the
+    ``(name, tensor)`` pairs of ``module.named_parameters()``, which torch.optim takes since 2.6) are
+    returned as their tensors and stored back as they came: torch's ``add_param_group`` splits them
+    into ``params`` and ``param_names`` once every check has passed. A group must name all its params
+    or none (ValueError, as torch), and a name must be a string.
     """
     if not isinstance(param_group, dict):
         raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -204,8 +208,23 @@ def group_params(param_group) -> Optional[List[torch.Tensor]]:
     except TypeError:
         raise TypeError(f"param_group['params'] must be a tensor or an iterable of tensors, got "
                         f"{type(params).__name__}") from None
-    param_group["params"] = params = materialised
-    return params
+    param_group["params"] = materialised
+    named = [isinstance(p, tuple) for p in materialised]
+    if not any(named):
+        return materialised
+    if not all(named):
+        raise ValueError(f"all optimizer params should be with/without names: param {named.index(False)} of the "
+                         f"group has no name, param {named.index(True)} has one")
+    for i, pair in enumerate(materialised):
+        if len(pair) != 2 or not isinstance(pair[0], str):
+            raise TypeError(f"a named param must be a (name, tensor) pair with a str name, as "
+                            f"module.named_parameters() gives; param {i} is {_describe_pair(pair)}")
+    return [pair[1] for pair in materialised]
+
+
+def _describe_pair(pair: tuple) -> str:
+    return (f"a tuple of {len(pair)}" if len(pair) != 2 else
+            f"a pair whose name is {type(pair[0]).__name__}")
 
 
 def check_param_kind(owner: str, i: int, p) -> None:
