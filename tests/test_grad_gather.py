@@ -247,6 +247,43 @@ def test_kept_grads_of_a_mark_from_another_optimizer_are_read_in_place():
     assert not any(s.gathered for s in _sets(ob))
 
 
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "kept"])
+@pytest.mark.parametrize("name,cls,kw", GATHER, ids=IDS)
+def test_grads_viewing_a_buffer_someone_else_owns_are_read_in_place_every_step(name, cls, kw, set_to_none):
+    """Grads that are views into another owner's flat buffer, bound to ``p.grad`` by the owner (what torch DDP's
+    ``gradient_as_bucket_view=True`` does, again after every ``zero_grad(set_to_none=True)``): never adopted,
+    since the owner would bind its views again and copy ours back, but read in place at every step, in both
+    zero_grad modes; ``p.grad`` stays the owner's view; bitwise the fresh-grads run."""
+    pa, pb = _params(torch.float32, 7), _params(torch.float32, 7)
+    oa, ob = cls(_groups(pa, cls), **kw), cls(_groups(pb, cls), **kw)
+    bucket = torch.zeros(sum(p.numel() for p in pa) + 5)
+    views, at = [], 5  # an offset as a bucket has: the views need no alignment beyond the element size
+    for p in pa:
+        views.append(bucket[at:at + p.numel()].view(p.shape))
+        at += p.numel()
+    gen = torch.Generator().manual_seed(7)
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in pa]
+        for p, v, q, g in zip(pa, views, pb, grads):
+            if p.grad is None:  # after zero_grad(set_to_none=True) the owner writes the new grad into its view
+                v.copy_(g)
+                p.grad = v
+            else:  # kept: the backward accumulates into the view, still the param's grad
+                assert p.grad is v
+                v.add_(g)
+            _fresh(q, g)
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{name} step {step}")
+        assert all(p.grad is v for p, v in zip(pa, views)), f"step {step}: a grad was rebound"
+        assert not any(s.has_grad_buffer for s in _sets(oa)), f"step {step}: grads were adopted"
+        assert oa.recombine_count == 1
+        oa.zero_grad(set_to_none=set_to_none)
+        ob.zero_grad()
+        if not set_to_none:
+            assert not bucket.any()  # zeroed where they are
+
+
 @pytest.mark.parametrize("cls,kw", [(NpuFusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
                                     (NpuFusedAdam, dict(lr=1e-2, weight_decay=0.1))], ids=["sgd", "adam"])
 def test_torch_executor_fresh_and_kept_grads_are_bitwise_equal(cls, kw, monkeypatch):

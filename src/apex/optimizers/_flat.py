@@ -569,11 +569,20 @@ class FlatSet:
         return gs if len(ks) == len(gs) else [gs[k] for k in ks]
 
     def _mark_probe(self, gs: List[Optional[torch.Tensor]], todo: List[Tuple[int, torch.Tensor]]) -> None:
-        """Marks the first grad read in place (adopted ones are copies: not what the next step will see)."""
+        """Marks the first grad read in place (adopted ones are copies: not what the next step will see).
+
+        None when that grad is a view into memory another owner keeps (torch DDP's buckets with
+        ``gradient_as_bucket_view=True``, a framework's contiguous grad buffer): the owner binds its view
+        to ``p.grad`` again at every backward, so adopting it would add a copy on our side at every other
+        step and one on the owner's (it copies a foreign grad back into its bucket); such grads are read
+        in place at every step instead."""
         adopted = {k for k, _ in todo}
         self._probe = None
         for k, g in enumerate(gs):
             if g is not None and k not in adopted:
+                base = g._base
+                if base is not None and base is not self._flat_g:
+                    return
                 try:
                     setattr(g, _MARK, self._token)
                 except (AttributeError, TypeError, RuntimeError):  # a tensor type refusing attributes: no probe
