@@ -7,6 +7,7 @@ shadows the class method, removed again on teardown.
 
 from __future__ import annotations
 
+import copy
 import types
 from itertools import chain
 from typing import Any, Callable, List, Optional
@@ -95,39 +96,103 @@ class InstancePatch:
             object.__delattr__(self.obj, self.name)
 
 
-def patch_forward(model: torch.nn.Module, session: Any, input_dtype: Optional[torch.dtype],
-                  output_dtype: Optional[torch.dtype], autocast: bool) -> InstancePatch:
-    """Wrap ``model.forward``: cast inputs, run under autocast (O1), cast outputs."""
-    orig = model.forward
-    device_type, low_dtype = session.device_type, session.low_dtype
+class AmpForward:
+    """The ``forward`` amp binds on a model instance: casts the inputs, runs the forward it shadows (under
+    autocast at O1) and casts the outputs.
 
-    def forward(*args, **kwargs):
-        if input_dtype is not None:
-            args = cast_tensors(args, input_dtype)
-            kwargs = cast_tensors(kwargs, input_dtype)
-        if autocast and session.patch_functions and not casts_disabled():  # _amp_state.handle._deactivate() stops it
-            with torch.autocast(device_type, dtype=low_dtype):
-                out = orig(*args, **kwargs)
+    An object rather than a closure so that copies of the model call their own forward: ``copy.deepcopy``
+    (timm's and others' EMA models, made after ``amp.initialize``) copies the module and the patch with it, and
+    a closure kept by reference ran the original model for the copy. The copy shares the session (its
+    autocast switch), which is not copied. Pickling keeps the casts and the autocast choice without the session:
+    an unpickled model runs as amp prepared it, with autocast on unless casts are disabled
+    (``_amp_state.handle._deactivate()``). ``__wrapped__`` is the forward it shadows, so ``inspect.signature``
+    (transformers' Trainer reads the forward's parameters) sees the model's own.
+    """
+
+    def __init__(self, model: torch.nn.Module, previous: Optional[Callable], session: Any,
+                 input_dtype: Optional[torch.dtype], output_dtype: Optional[torch.dtype], autocast: bool,
+                 device_type: str, low_dtype: Optional[torch.dtype]) -> None:
+        # previous: an instance attribute ``forward`` this one shadows (None: the class's forward)
+        self.model, self.previous, self.session = model, previous, session
+        self.input_dtype, self.output_dtype, self.autocast = input_dtype, output_dtype, autocast
+        self.device_type, self.low_dtype = device_type, low_dtype
+
+    @property
+    def __wrapped__(self) -> Callable:
+        if self.previous is not None:
+            return self.previous
+        return type(self.model).forward.__get__(self.model)
+
+    def __call__(self, *args, **kwargs):
+        inner = self.__wrapped__
+        if self.input_dtype is not None:
+            args = cast_tensors(args, self.input_dtype)
+            kwargs = cast_tensors(kwargs, self.input_dtype)
+        on = self.session.patch_functions if self.session is not None else True
+        if self.autocast and on and not casts_disabled():  # _amp_state.handle._deactivate() stops it
+            with torch.autocast(self.device_type, dtype=self.low_dtype):
+                out = inner(*args, **kwargs)
         else:
-            out = orig(*args, **kwargs)
-        if output_dtype is not None:
-            out = cast_tensors(out, output_dtype)
+            out = inner(*args, **kwargs)
+        if self.output_dtype is not None:
+            out = cast_tensors(out, self.output_dtype)
         return out
 
-    forward.__wrapped__ = orig
-    return InstancePatch(model, "forward", forward)
+    def _settings(self) -> tuple:
+        return self.input_dtype, self.output_dtype, self.autocast, self.device_type, self.low_dtype
+
+    def __deepcopy__(self, memo: dict) -> AmpForward:
+        # reached through the model's __dict__: memo maps the model to its copy in progress
+        return AmpForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.previous, memo), self.session,
+                          *self._settings())
+
+    def __reduce__(self):
+        return AmpForward, (self.model, self.previous, None, *self._settings())
+
+
+class AmpZeroGrad:
+    """The ``zero_grad`` amp binds on a model instance: the one it shadows, then amp's bookkeeping of what was
+    zeroed (``on_zero``). A copy of the model (``copy.deepcopy``) or an unpickled one gets its plain
+    ``zero_grad``: it is not a model of the session, and the closure this replaces zeroed the original's grads."""
+
+    def __init__(self, model: torch.nn.Module, previous: Optional[Callable],
+                 on_zero: Callable[[Any, bool], None]) -> None:
+        self.model, self.previous, self.on_zero = model, previous, on_zero
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        if self.previous is not None:
+            self.previous(set_to_none=set_to_none)
+        else:
+            type(self.model).zero_grad(self.model, set_to_none=set_to_none)
+        self.on_zero(self.model, set_to_none)
+
+    def __deepcopy__(self, memo: dict) -> Callable:
+        clone = copy.deepcopy(self.model, memo)
+        if self.previous is not None:
+            return copy.deepcopy(self.previous, memo)
+        return types.MethodType(type(clone).zero_grad, clone)
+
+    def __reduce__(self):
+        return _plain_zero_grad, (self.model, self.previous)
+
+
+def _plain_zero_grad(model: torch.nn.Module, previous: Optional[Callable]) -> Callable:
+    """What an unpickled model gets for `AmpZeroGrad`: the zero_grad it shadowed."""
+    return previous if previous is not None else types.MethodType(type(model).zero_grad, model)
+
+
+def patch_forward(model: torch.nn.Module, session: Any, input_dtype: Optional[torch.dtype],
+                  output_dtype: Optional[torch.dtype], autocast: bool) -> InstancePatch:
+    """Shadow ``model.forward`` with an `AmpForward`: cast inputs, run under autocast (O1), cast outputs."""
+    previous = model.__dict__.get("forward")
+    return InstancePatch(model, "forward", AmpForward(model, previous, session, input_dtype, output_dtype, autocast,
+                                                      session.device_type, session.low_dtype))
 
 
 def patch_zero_grad(model: torch.nn.Module, on_zero: Callable[[Any, bool], None]) -> InstancePatch:
-    """Wrap ``model.zero_grad`` so amp learns which grads were zeroed: the grads it set aside for the next exit,
-    O2's master grads, and combine_grad's flat buffers known to be zero."""
-    orig = model.zero_grad
-
-    def zero_grad(self, set_to_none: bool = True):
-        orig(set_to_none=set_to_none)
-        on_zero(self, set_to_none)
-
-    return InstancePatch(model, "zero_grad", types.MethodType(zero_grad, model))
+    """Shadow ``model.zero_grad`` with an `AmpZeroGrad`, so amp learns which grads were zeroed: the grads it set
+    aside for the next exit, O2's master grads, and combine_grad's flat buffers known to be zero."""
+    return InstancePatch(model, "zero_grad", AmpZeroGrad(model, model.__dict__.get("zero_grad"), on_zero))
 
 
 def _fp32_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
