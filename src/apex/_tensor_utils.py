@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,20 +36,26 @@ stride = torch.Tensor.stride
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with each tensor ``t`` in it replaced by ``fn(t)``; other leaves are kept as they are.
 
-    Raises ValueError for a container that contains itself (the copy would never end)."""
-    return _map_tensors(value, fn, set())
+    Raises ValueError for a container that contains itself (the copy would never end). Not checked while
+    torch.compile traces the call (amp's cast of a compiled model's inputs): the check keys on ``id()`` of each
+    container, which dynamo guards on, so every call recompiled until the recompile limit sent the model back
+    to eager; a traced call's arguments cannot hold a cycle anyway (dynamo refuses them first)."""
+    return _map_tensors(value, fn, None if torch.compiler.is_compiling() else set())
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], path: set) -> Any:
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], path: Optional[set]) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
     if not isinstance(value, (dict, tuple, list)):
         return value
-    if id(value) in path:
-        raise ValueError(f"a {type(value).__name__} contains itself (a reference cycle): only trees of dicts, "
-                         "lists and tuples can be copied with their tensors mapped")
-    path.add(id(value))
+    if path is not None:
+        if id(value) in path:
+            raise ValueError(f"a {type(value).__name__} contains itself (a reference cycle): only trees of dicts, "
+                             "lists and tuples can be copied with their tensors mapped")
+        path.add(id(value))
     try:
+        if type(value) is dict:  # the kwargs of a call: a comprehension, which torch.compile traces
+            return {k: _map_tensors(v, fn, path) for k, v in value.items()}
         if isinstance(value, dict):
             # copy.copy keeps the mapping's type and attributes (OrderedDict, HF ModelOutput, a state_dict's
             # _metadata)
@@ -62,7 +68,8 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], path: s
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return type(value)(_map_tensors(v, fn, path) for v in value)
     finally:
-        path.discard(id(value))
+        if path is not None:
+            path.discard(id(value))
 
 
 def zero_grad_(g: torch.Tensor) -> None:

@@ -116,12 +116,8 @@ class AmpForward:
         self.model, self.previous, self.session = model, previous, session
         self.input_dtype, self.output_dtype, self.autocast = input_dtype, output_dtype, autocast
         self.device_type, self.low_dtype = device_type, low_dtype
-
-    @property
-    def __wrapped__(self) -> Callable:
-        if self.previous is not None:
-            return self.previous
-        return type(self.model).forward.__get__(self.model)
+        # bound once here: looked up per call (type(model).forward), torch.compile's tracing recursed into this patch
+        self.__wrapped__ = previous if previous is not None else types.MethodType(type(model).forward, model)
 
     def __call__(self, *args, **kwargs):
         inner = self.__wrapped__

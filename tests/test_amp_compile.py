@@ -1,0 +1,46 @@
+"""A model amp prepared, compiled with ``torch.compile`` after ``amp.initialize``: its forward (amp's input and
+output casts around the model's own, under autocast at O1) traces into one graph, with no graph break and no
+recompilation from one call to the next, and computes what the eager model computes. The backend is dynamo's
+"eager" (no code generation), which checks the tracing alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apex import amp
+from apex.optimizers import NpuFusedAdamW
+
+dynamo = pytest.importorskip("torch._dynamo")
+
+
+@pytest.fixture(autouse=True)
+def _env(amp_env):
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_compiled_amp_model_traces_once_and_matches_eager(level):
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    opt = NpuFusedAdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    compiled = torch.compile(model, backend="eager")
+    counters.clear()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):  # new input tensors each call, as a training loop passes them
+        x = torch.randn(5, 8, generator=gen)
+        with amp.scale_loss(compiled(x).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    x = torch.randn(5, 8, generator=gen)
+    assert torch.equal(compiled(x), model(x))
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] <= 2  # train and eval mode: one graph each
