@@ -33,6 +33,12 @@ numel = torch.Tensor.numel
 stride = torch.Tensor.stride
 
 
+#: attribute set (True) on a flat grad buffer whose owner reduces in the optimizer's buffer once the grads live
+#: there (apex.parallel.DistributedDataParallel): fused optimizers adopt kept grads that view it, which hands the
+#: owner their buffer, where views of other owners' buffers are read in place at every step
+YIELDS_GRADS = "_apex_yields_grads"
+
+
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with each tensor ``t`` in it replaced by ``fn(t)``; other leaves are kept as they are.
 

@@ -41,6 +41,7 @@ import torch
 
 from .. import _core, _device
 from .._tensor_utils import (
+    YIELDS_GRADS,
     data_ptr,
     get_device,
     get_dtype,
@@ -575,13 +576,15 @@ class FlatSet:
         ``gradient_as_bucket_view=True``, a framework's contiguous grad buffer): the owner binds its view
         to ``p.grad`` again at every backward, so adopting it would add a copy on our side at every other
         step and one on the owner's (it copies a foreign grad back into its bucket); such grads are read
-        in place at every step instead."""
+        in place at every step instead. An owner that reduces in our buffer once the grads live there
+        (apex's DistributedDataParallel, which marks its buffers `YIELDS_GRADS`) is the exception: its
+        grads are adopted, and both then share one buffer."""
         adopted = {k for k, _ in todo}
         self._probe = None
         for k, g in enumerate(gs):
             if g is not None and k not in adopted:
                 base = g._base
-                if base is not None and base is not self._flat_g:
+                if base is not None and base is not self._flat_g and not getattr(base, YIELDS_GRADS, False):
                     return
                 try:
                     setattr(g, _MARK, self._token)

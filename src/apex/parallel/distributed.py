@@ -54,6 +54,7 @@ import torch.distributed as dist
 from .._checks import check_int, real_number
 from .._flatten import flatten as flatten  # upstream's module-level helpers, kept here
 from .._flatten import unflatten as unflatten
+from .._tensor_utils import YIELDS_GRADS
 from ..contrib.combine_tensors import plan_layout
 from ._comm import agree_layout, broadcast_tensors, flat_dist_call, layout_of, require_initialized, world_size
 from .reducer import BucketedAllReduce, GradSlots, Reducer, dense_view, plan_param_buckets
@@ -74,6 +75,7 @@ class _FlatSet:
         self.offsets, self.total = plan_layout(params)
         p0 = params[0]
         self.flat = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
+        setattr(self.flat, YIELDS_GRADS, True)  # an apex optimizer may adopt these grads: we then adopt its buffer
         self.views = [dense_view(self.flat, p, off) for p, off in zip(params, self.offsets)]
 
     def grads_are_views(self) -> bool:
