@@ -373,6 +373,32 @@ def ddp_adopt(rank, world):
             "recombines": opt.recombine_count}
 
 
+def ddp_fresh_grads(rank, world, zero="optimizer"):
+    """torch's default zero_grad (the optimizer's or the module's) under apex DDP: each backward's grads are
+    copied into DDP's buffer and bound as its views; the fused optimizer reads them there at every step (no
+    adoption: no flat grad buffer of its own, no copy) and matches torch."""
+    model = make_model(1)
+    ddp = DistributedDataParallel(model, message_size=100)
+    opt = NpuFusedAdam(model.parameters(), lr=1e-2)
+    ref = make_model(1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    views = True
+    for step in range(4):
+        x, y = batch(step, LOCAL * world)
+        xs, ys = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
+        torch.nn.functional.mse_loss(ddp(xs), ys).backward()
+        bufs = ddp.allreduce_buffers
+        views &= all(any(p.grad._base is b for b in bufs) for p in model.parameters())
+        opt.step()
+        (opt if zero == "optimizer" else model).zero_grad()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    own = any(s.has_grad_buffer for c in opt._groups.values() for s in c.sets)
+    return {"views": views, "own_buffer": own, "params": flat_params(model), "ref": flat_params(ref),
+            "recombines": opt.recombine_count}
+
+
 def reducer_manual(rank, world):
     """apex.parallel.Reducer: broadcast at construction, average on reduce()."""
     from apex.parallel import Reducer

@@ -82,6 +82,16 @@ def test_ddp_shares_the_fused_optimizer_buffer():
     assert torch.equal(res[0]["params"], res[1]["params"])
 
 
+@pytest.mark.parametrize("zero", ["optimizer", "module"])
+def test_ddp_with_torchs_default_zero_grad_reads_ddps_buffer_in_place(zero):
+    res = run(2, "ddp_fresh_grads", zero=zero)
+    for r in res:
+        assert r["views"] and not r["own_buffer"]
+        assert r["recombines"] == 1
+        torch.testing.assert_close(r["params"], r["ref"], **F32)
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
 def test_reducer():
     res = run(2, "reducer_manual")
     assert torch.equal(res[0]["params"], res[1]["params"])

@@ -38,6 +38,16 @@ stride = torch.Tensor.stride
 #: owner their buffer, where views of other owners' buffers are read in place at every step
 YIELDS_GRADS = "_apex_yields_grads"
 
+#: attribute a fused optimizer sets on a grad it read in place (its flat set's token): found again at the next
+#: step, the grad was kept between steps and is adopted into the optimizer's buffer
+READ_IN_PLACE_MARK = "_apex_read_in_place_by"
+
+
+def forget_read_in_place(t: torch.Tensor) -> None:
+    """Drops the mark of `READ_IN_PLACE_MARK` from ``t``: an owner that binds its view to ``p.grad`` again after
+    the grad was set to None (and copies the new one in) says so, since that view was not kept between steps."""
+    t.__dict__.pop(READ_IN_PLACE_MARK, None)
+
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with each tensor ``t`` in it replaced by ``fn(t)``; other leaves are kept as they are.

@@ -41,6 +41,7 @@ import torch
 
 from .. import _core, _device
 from .._tensor_utils import (
+    READ_IN_PLACE_MARK,
     YIELDS_GRADS,
     data_ptr,
     get_device,
@@ -66,7 +67,7 @@ _is = operator.is_
 _GATHERED = object()
 # attribute set on one grad a step read in place (its value: the set's own token), so that the next step can
 # tell that the same tensor is still the param's grad (a tensor made since cannot carry it)
-_MARK = "_apex_read_in_place_by"
+_MARK = READ_IN_PLACE_MARK
 
 #: up to this many grads `FlatSet._clear_of` screens them in Python (sorting and scanning more costs more than the
 #: tensor test's fixed dozen ops)

@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._tensor_utils import forget_read_in_place
 from ._comm import check_device_backend, collective, flat_dist_call, group_or_world
 
 __all__ = ["BucketedAllReduce", "GradSlots", "Reducer", "combine_ddp_bucket_elems", "plan_buckets",
@@ -296,6 +297,7 @@ class GradSlots:
             if g.data_ptr() != v.data_ptr() or g.stride() != v.stride():
                 with torch.no_grad():
                     v.copy_(g)
+            forget_read_in_place(v)  # bound again, not kept: an optimizer reads it in place rather than adopt it
             t.grad = v
         return True
 
