@@ -11,7 +11,8 @@ Model: 6 x Linear(2048, 2048) with ReLU between (25.2M fp32 params), 32 rows per
 rank (quick: 4 x Linear(512, 512), 8 rows). Both sides use the same bucket size:
 ours numel / ddp_replica_count (combine_ddp's rule, 6.3M elements) or
 ``message_size`` set to it (apex DDP); torch DDP ``bucket_cap_mb`` set to the same
-bytes, ``gradient_as_bucket_view=True``. Grads are zeroed in place on both sides.
+bytes, ``gradient_as_bucket_view=True``. Both sides zero grads the same way: torch's default
+``zero_grad()`` (set to None) in ``DDP step``, in place (``set_to_none=False``) in the others.
 
 * ``combine_ddp step``: amp O1 (bf16 autocast, dynamic loss scale) with
   ``combine_grad=True, combine_ddp=True`` and ``NpuFusedAdam`` vs
@@ -19,8 +20,10 @@ bytes, ``gradient_as_bucket_view=True``. Grads are zeroed in place on both sides
   ``torch.optim.Adam(fused=True)``: the same math (scaled backward, unscale and
   non-finite check, Adam).
 * ``DDP step``: fp32 ``apex.parallel.DistributedDataParallel`` + ``NpuFusedAdam``
-  (DDP reduces in the optimizer's grad buffer) vs torch DDP +
-  ``torch.optim.Adam(fused=True)``.
+  vs torch DDP + ``torch.optim.Adam(fused=True)``, torch's default ``zero_grad()``: each
+  backward's grads are copied into DDP's buffer, which the optimizer reads in place.
+* ``DDP step, grads kept``: the same with ``zero_grad(set_to_none=False)``: DDP reduces in
+  the optimizer's grad buffer (one buffer shared after the second step).
 
 bytes/param (for the GB/s column only): the optimizer's 28 (fp32 Adam) plus the
 gradient's read and write by the all-reduce (8).
@@ -106,16 +109,17 @@ def _build(kind: str, rank: int, quick: bool) -> Dict[str, Any]:
         st["teardown"] = amp.deinitialize
     else:
         ours_ddp = DistributedDataParallel(ours_model, message_size=bucket)
+        keep = kind == "ddp_kept"
 
         def ours():
             mse(ours_ddp(x), y).backward()
             ours_opt.step()
-            ours_opt.zero_grad(set_to_none=False)
+            ours_opt.zero_grad(set_to_none=not keep)
 
         def ref():
             mse(ref_ddp(x), y).backward()
             ref_opt.step()
-            ref_opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad(set_to_none=not keep)
 
         st["teardown"] = lambda: None
     st["ours"], st["ref"] = ours, ref
@@ -203,12 +207,15 @@ def register(reg: Registry) -> None:
         notes="2 ranks x 1 thread; same bucket size both sides",
         **common,
     ))
-    reg.add(Entry(
-        name="DDP step",
-        setup=lambda ctx: _setup(ctx, "ddp"),
-        executor="apex.parallel.DistributedDataParallel + NpuFusedAdam (gloo)",
-        ref_label="torch DDP + Adam(fused=True)",
-        verify=lambda st: _verify(st, dict(rtol=1e-5, atol=1e-7)),
-        notes="2 ranks x 1 thread; same bucket size both sides",
-        **common,
-    ))
+    for kind, name, zero in (("ddp", "DDP step", "zero_grad()"),
+                             ("ddp_kept", "DDP step, grads kept", "zero_grad(set_to_none=False)")):
+        reg.add(Entry(
+            name=name,
+            setup=lambda ctx, kind=kind: _setup(ctx, kind),
+            executor="apex.parallel.DistributedDataParallel + NpuFusedAdam (gloo)",
+            ref_label=f"torch DDP + Adam(fused=True) + {zero}",
+            verify=lambda st: _verify(st, dict(rtol=1e-5, atol=1e-7)),
+            notes="2 ranks x 1 thread; same bucket size both sides",
+            zero_grad="set_to_none" if kind == "ddp" else "kept",
+            **common,
+        ))
