@@ -170,18 +170,30 @@ def test_real_number_refuses_the_rest(value):
     assert real_number(value) is None
 
 
-def test_plain_numbers_rewrites_numpy_values_only():
+def test_plain_numbers_rewrites_numpy_values_of_the_given_keys_only():
     params = [torch.zeros(1)]
     betas_list = [np.float32(0.5), 0.9]
+    note = np.float32(3.0)
     options = {"params": params, "lr": np.float32(0.5), "betas": (np.float64(0.25), 0.75), "m": betas_list,
-               "nesterov": np.bool_(True), "name": "x", "eps": 1e-8, "t": None}
-    plain_numbers(options)
+               "nesterov": np.bool_(True), "name": "x", "eps": 1e-8, "t": None, "user_note": note}
+    plain_numbers(options, {"lr", "betas", "m", "nesterov", "name", "eps", "t"})
     assert options["params"] is params
     assert type(options["lr"]) is float and options["lr"] == 0.5
     assert options["betas"] == (0.25, 0.75) and type(options["betas"][0]) is float
     assert options["m"] == [0.5, 0.9] and isinstance(options["m"], list) and type(options["m"][0]) is float
     assert isinstance(options["nesterov"], np.bool_)  # not a number: the flag checks read its truth value
     assert options["name"] == "x" and options["eps"] == 1e-8 and options["t"] is None
+    assert options["user_note"] is note  # not an option of the optimizer: left as the user set it
+
+
+def test_entries_a_user_adds_to_a_group_are_left_alone():
+    p = torch.nn.Parameter(torch.randn(3))
+    note = np.float32(0.5)
+    opt = NpuFusedAdam([{"params": [p], "lr": np.float32(1e-3), "user_note": note}])
+    p.grad = torch.ones(3)
+    opt.step()
+    group = opt.param_groups[0]
+    assert type(group["lr"]) is float and group["user_note"] is note
 
 
 # ------------------------------------------------------------------ amp, LARC, fp16_utils

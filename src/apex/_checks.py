@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import Any, Optional, Union
+from typing import Any, Container, Optional, Union
 
 import torch
 
@@ -36,15 +36,16 @@ def real_number(value: Any) -> Optional[Union[int, float]]:
     return None
 
 
-def plain_numbers(options: dict) -> None:
-    """Rewrites the numpy scalars (and other non-builtin reals) among ``options``' values, also inside a tuple
-    or list such as ``betas``, as the Python numbers they hold; the ``"params"`` entry is left alone.
+def plain_numbers(options: dict, keys: Container[str]) -> None:
+    """Rewrites the numpy scalars (and other non-builtin reals) among ``options``' values under ``keys`` (an
+    optimizer's own options: entries a user added to a group are not ours to change), also inside a tuple or list
+    such as ``betas``, as the Python numbers they hold.
 
     The updates then compute with what they compute with for a Python number: arithmetic on a numpy float32
     stays in float32 (``1 - np.float32(0.9)``), and torch's ops refuse numpy values in some arguments."""
     for key, value in options.items():
         kind = type(value)
-        if kind in _PLAIN or key == "params":
+        if kind in _PLAIN or key not in keys:
             continue
         if kind is tuple or kind is list:
             if not all(type(v) in _PLAIN for v in value):

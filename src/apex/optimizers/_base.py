@@ -380,8 +380,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
             self._check_torch_options(probe)
             check_flags(probe)
             self._validate_group(probe)
-        plain_numbers(self.defaults)
-        plain_numbers(param_group)
+        plain_numbers(self.defaults, self.defaults)
+        plain_numbers(param_group, self.defaults)
         super().add_param_group(param_group)
 
     def _check_torch_options(self, group: dict) -> None:
@@ -472,7 +472,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 continue
             plans.append((gi, group, sets, [self._plan_grads(s, group, gather) for s in sets]))
         for group in self.param_groups:  # every check passed: numpy options become the numbers they hold
-            plain_numbers(group)
+            plain_numbers(group, self.defaults)
         healed = False
         for gi, group, sets, stale in plans:
             if sets is None:

@@ -289,8 +289,8 @@ class Lamb(torch.optim.Optimizer):
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
             _validate_lamb_group(probe)
-        plain_numbers(self.defaults)
-        plain_numbers(param_group)
+        plain_numbers(self.defaults, self.defaults)
+        plain_numbers(param_group, self.defaults)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -346,7 +346,7 @@ class Lamb(torch.optim.Optimizer):
         loss = _call_closure(closure)
         self._check_step_inputs()
         for group in self.param_groups:  # every check passed: numpy options become the numbers they hold
-            plain_numbers(group)
+            plain_numbers(group, self.defaults)
         gnorm = self._global_norm() if any(g["use_global_grad_norm"] for g in self.param_groups) else None
         for group in self.param_groups:
             b1, b2 = group["betas"]
