@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,8 +93,10 @@ def test_naming_mistakes_are_refused_and_change_nothing(cls):
     groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
     with pytest.raises(ValueError, match="with/without names"):  # one group naming some params only
         opt.add_param_group({"params": [("0.weight", w), b]})
+    unnamed = {"params": [w, b], "lr": np.float32(0.5)}
     with pytest.raises(ValueError, match="with/without names"):  # an unnamed group beside a named one
-        opt.add_param_group({"params": [w, b]})
+        opt.add_param_group(unnamed)
+    assert type(unnamed["lr"]) is np.float32  # refused before anything in the group was rewritten
     with pytest.raises(TypeError, match=r"param 0 is a pair whose name is int"):
         opt.add_param_group({"params": [(0, w), (1, b)]})
     with pytest.raises(TypeError, match=r"param 1 is a tuple of 3"):

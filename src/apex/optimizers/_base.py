@@ -222,6 +222,18 @@ def group_params(param_group) -> Optional[List[torch.Tensor]]:
     return [pair[1] for pair in materialised]
 
 
+def check_names_agree(owner: str, groups: Sequence[dict], param_group: dict) -> None:
+    """A group being added names its params (``(name, tensor)`` pairs) exactly when the existing groups do
+    (ValueError, torch's rule, raised here before the group or the optimizer is changed)."""
+    params = param_group.get("params")
+    if not groups or not isinstance(params, list) or not params:
+        return
+    named, have = isinstance(params[0], tuple), "param_names" in groups[0]
+    if named != have:
+        raise ValueError(f"{owner}: all optimizer param groups should be with/without names: cannot add a param "
+                         f"group {'with' if named else 'without'} names to groups {'with' if have else 'without'}")
+
+
 def _describe_pair(pair: tuple) -> str:
     return (f"a tuple of {len(pair)}" if len(pair) != 2 else
             f"a pair whose name is {type(pair[0]).__name__}")
@@ -373,6 +385,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         params = group_params(param_group)
         if params is not None:
             check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
+            check_names_agree(type(self).__name__, self.param_groups, param_group)
             self._check_params(params)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})

@@ -39,6 +39,7 @@ from ._base import (
     _call_closure,
     _check_adam_group,
     _wrap_host_defaults,
+    check_names_agree,
     check_param_kind,
     group_params,
 )
@@ -285,6 +286,7 @@ class Lamb(torch.optim.Optimizer):
         if params is not None:
             _check_params(self, params)
             check_unique_params(type(self).__name__, self.param_groups, params, len(self.param_groups))
+            check_names_agree(type(self).__name__, self.param_groups, param_group)
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
