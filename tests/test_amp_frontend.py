@@ -665,6 +665,48 @@ def test_o1_runs_losses_called_after_the_forward_in_float32():
     assert F.mse_loss(torch.randn(3, dtype=LOW), torch.randn(3, dtype=LOW)).dtype == LOW
 
 
+def test_o1_runs_the_softmax_family_in_float32_wherever_called():
+    """Loss code takes log_softmax of the forward's low-precision logits (transformers' label smoothing): under O1
+    the softmax family runs in float32, as upstream's O1 ran it and as torch's amp path (fp32 outputs) computes
+    it; a model that calls it inside its forward gets float32 from it as under CUDA's autocast; float64 stays;
+    restored at deinitialize."""
+    import torch.nn.functional as F
+
+    class Smooth(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(512, 16)
+            self.head = torch.nn.Linear(16, 512)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            self.inner = F.softmax(h, dim=-1).dtype
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Smooth()
+    ids = torch.randint(0, 512, (4, 16))
+    with torch.no_grad():
+        ref = -F.log_softmax(model(ids), dim=-1).mean()  # fp32 model, fp32 loss code
+    original = F.log_softmax
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    with torch.no_grad():
+        logits = model(ids)
+        assert logits.dtype == LOW and model.inner == torch.float32
+        lp = F.log_softmax(logits, dim=-1)
+        assert lp.dtype == torch.float32
+        torch.testing.assert_close(lp, F.log_softmax(logits.float(), dim=-1), rtol=0, atol=0)
+        assert (-lp.mean() - ref).abs() < 5e-3  # the low-precision forward's error only
+        for fn in (F.softmax, F.log_softmax, F.softmin, torch.nn.Softmax(dim=-1), torch.nn.LogSoftmax(dim=-1)):
+            kw = {} if isinstance(fn, torch.nn.Module) else {"dim": -1}
+            assert fn(torch.randn(3, dtype=LOW), **kw).dtype == torch.float32
+            assert fn(torch.randn(3, dtype=torch.float64), **kw).dtype == torch.float64
+    amp.deinitialize()
+    assert F.log_softmax is original
+    assert F.log_softmax(torch.randn(3, dtype=LOW), dim=-1).dtype == LOW
+
+
 def test_o1_loss_casts_yield_to_a_user_registration():
     import torch.nn.functional as F
 

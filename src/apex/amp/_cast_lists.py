@@ -62,9 +62,14 @@ FUNCTIONAL_FLOAT = [
     "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
 ]
 
-#: the losses among them: amp.initialize's O1 casts them wherever they are called (its forward is autocast)
+#: the losses among them
 FUNCTIONAL_LOSSES = [n for n in FUNCTIONAL_FLOAT
                      if n.endswith("_loss") or n in ("cross_entropy", "kl_div", "binary_cross_entropy_with_logits")]
+
+#: what amp.initialize's O1 casts to float32 wherever it is called (its forward is autocast): the losses and the
+#: softmax family, which loss code applies to the forward's low-precision output (transformers' label smoothing
+#: takes log_softmax of the logits); torch's CUDA autocast runs the softmax family in float32 as well
+FUNCTIONAL_SESSION_FLOAT = [*FUNCTIONAL_LOSSES, "softmin", "log_softmax", "softmax"]
 
 BCE_MESSAGE = (
     "amp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss`: it needs the output of "

@@ -14,7 +14,7 @@ from .. import _device
 from .._checks import check_int
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
-from ._cast_lists import FLOAT, FUNCTIONAL_LOSSES
+from ._cast_lists import FLOAT, FUNCTIONAL_SESSION_FLOAT
 from ._casts import FunctionPatches
 from ._model import (
     InstancePatch,
@@ -310,9 +310,10 @@ def initialize(
     if session.patch_functions:
         # O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
         # Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32
-        # (torch's CUDA backward of several losses rejects mixed dtypes): the losses keep that rule process-wide
-        # while the session's casts are on. User registrations are installed after, so theirs win.
-        for name in FUNCTIONAL_LOSSES:
+        # (torch's CUDA backward of several losses rejects mixed dtypes): the losses and the softmax family keep
+        # that rule process-wide while the session's casts are on. User registrations are installed after, so
+        # theirs win.
+        for name in FUNCTIONAL_SESSION_FLOAT:
             session.function_patches.install(torch.nn.functional, name, FLOAT)
         session.function_patches.install_registry()
     _record_upstream_state(session, min_loss_scale, max_loss_scale)
