@@ -707,6 +707,36 @@ def test_o1_runs_the_softmax_family_in_float32_wherever_called():
     assert F.log_softmax(torch.randn(3, dtype=LOW), dim=-1).dtype == LOW
 
 
+@pytest.mark.parametrize("before", [True, False], ids=["scheduler_first", "initialize_first"])
+def test_lr_scheduler_built_before_or_after_initialize(before):
+    """transformers' Trainer builds its LR scheduler, then calls amp.initialize: the step amp installs keeps the
+    scheduler's record that step ran (no "optimizer.step() has been overridden" warning), and the schedule is the
+    one a scheduler built after initialize follows."""
+    import warnings
+
+    import apex.optimizers as ao
+
+    model = torch.nn.Linear(4, 2)
+    opt = ao.NpuFusedSGD(model.parameters(), lr=0.1)
+    if before:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale=1.0, verbosity=0)
+    if not before:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.05, 0.025, 0.0125]
+    assert opt._opt_called
+
+
 def test_o1_loss_casts_yield_to_a_user_registration():
     import torch.nn.functional as F
 

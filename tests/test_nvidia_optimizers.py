@@ -820,8 +820,9 @@ def test_transformers_adamw_apex_fused(tmp_path, monkeypatch):
 
 @pytest.mark.full
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-# HF warns because amp.initialize patches optimizer.step after HF built its scheduler (the same with NVIDIA's apex)
-@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+# HF builds its LR scheduler before amp.initialize patches optimizer.step; the patched step keeps the scheduler's
+# record (NVIDIA's apex made torch warn here that step was overridden)
+@pytest.mark.filterwarnings("error:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_transformers_half_precision_backend_apex(tmp_path, monkeypatch, opt_level):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("APEX_AMP_DTYPE", "float16")  # HF's fp16=True asks for fp16 (our CPU default is bf16)

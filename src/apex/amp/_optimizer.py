@@ -574,6 +574,12 @@ def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStas
             if stash.torn_down:
                 return orig() if closure is None else orig(closure)
             return stash.step(orig, closure)
+        if hasattr(orig, "_wrapped_by_lr_sched"):
+            # an LR scheduler built before initialize wrapped step to record that it ran; this step runs that
+            # wrapper whenever it steps, so the record stays true, and the scheduler need not warn that step was
+            # "overridden after learning rate scheduler initialization" (transformers' Trainer builds the
+            # scheduler first)
+            step._wrapped_by_lr_sched = True
         return step
 
     def make_zero_grad(orig):
