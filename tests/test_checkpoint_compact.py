@@ -299,6 +299,41 @@ def test_o2_model_state_dict_is_fp32_and_loads_back():
 
 
 @amp_env
+def test_o2_state_dict_keeps_tied_weights_tied():
+    """A tied weight (an embedding shared with the output layer, as GPT-2 ties them) is one fp32 tensor under both
+    keys, so a checkpoint stores it once, as an fp32 model's stores it; it loads back into a tied fp32 model.
+    A plain dict given as ``destination`` cannot be tracked: the values are right, converted apart."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 8)
+            self.head = torch.nn.Linear(8, 50, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    torch.manual_seed(0)
+    m = Tied()
+    fp32_bytes = io.BytesIO()
+    torch.save(m.state_dict(), fp32_bytes)
+    amp.initialize(m, opt_level="O2", verbosity=0)
+    sd = m.state_dict()
+    assert sd["emb.weight"].dtype == torch.float32 and sd["emb.weight"] is sd["head.weight"]
+    o2_bytes = io.BytesIO()
+    torch.save(sd, o2_bytes)
+    # one copy of the shared weight (a second would add its 50 x 8 x 4 bytes); the pickles differ by a few bytes
+    assert abs(len(o2_bytes.getvalue()) - len(fp32_bytes.getvalue())) < 50 * 8 * 4 // 2
+    o2_bytes.seek(0)
+    back = Tied()
+    back.load_state_dict(torch.load(o2_bytes, weights_only=True))
+    assert back.head.weight is back.emb.weight and torch.equal(back.emb.weight, m.emb.weight.float())
+    apart = m.state_dict(destination={})
+    assert apart["emb.weight"] is not apart["head.weight"] and torch.equal(apart["emb.weight"], apart["head.weight"])
+
+
+@amp_env
 def test_fp32_state_dict_opt_out():
     m = _bn_net()
     amp.initialize(m, opt_level="O2", fp32_state_dict=False, verbosity=0)

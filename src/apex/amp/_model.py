@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import types
+import weakref
 from itertools import chain
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -196,13 +197,44 @@ def _fp32_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, loc
 
     A checkpoint of a cast model then loads into an fp32 model, or back into a cast one (torch's
     ``load_state_dict`` copies into the params, converting). Entries that are the live tensors
-    (``keep_vars=True``) are left as they are. Module-level, so hooked models still pickle.
+    (``keep_vars=True``) are left as they are. Entries that view the same memory (tied weights: GPT-2's
+    embedding and LM head) get the same fp32 tensor, so a checkpoint stores them once, as it stores the live
+    tied param once. Module-level, so hooked models still pickle.
     """
+    copies = _copies_for(state_dict)
     for name, t in chain(module._parameters.items(), module._buffers.items()):
         key = prefix + name
         v = state_dict.get(key) if t is not None else None
         if isinstance(v, torch.Tensor) and v is not t and v.dtype in _LOW_DTYPES:
-            state_dict[key] = v.float()
+            if copies is None:
+                state_dict[key] = v.float()
+                continue
+            same = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype,
+                    v.device)
+            converted = copies.get(same)
+            if converted is None:
+                converted = copies[same] = v.float()
+            state_dict[key] = converted
+
+
+# fp32 copies made for one state_dict() call, per destination dict, by id (dicts are unhashable) while the dict
+# lives (torch's destination is an OrderedDict, which can be weakly referenced; a plain dict given as
+# ``destination`` cannot, and its tied entries are converted apart)
+_FP32_COPIES: Dict[int, Tuple[weakref.ref, dict]] = {}
+
+
+def _copies_for(state_dict: dict) -> Optional[dict]:
+    key = id(state_dict)
+    entry = _FP32_COPIES.get(key)
+    if entry is not None and entry[0]() is state_dict:
+        return entry[1]
+    try:
+        ref = weakref.ref(state_dict, lambda _, key=key: _FP32_COPIES.pop(key, None))
+    except TypeError:
+        return None
+    copies: dict = {}
+    _FP32_COPIES[key] = (ref, copies)
+    return copies
 
 
 class StateDictHooks:
