@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from apex import _core, _device
+from apex import optimizers as _optimizers
 from apex.contrib import is_combined_tensor_valid
 from apex.optimizers import CombinedOptimizer
 
@@ -53,6 +54,32 @@ class Spec:
     state_fill: Dict[str, float] = field(default_factory=dict)
     #: kwargs every constructor needs (e.g. a required lr)
     base: Dict[str, float] = field(default_factory=dict)
+
+
+#: every optimizer class apex.optimizers exports, with options that exercise its paths (for framework behaviour
+#: checked across all of them)
+EVERY_OPTIMIZER = {
+    getattr(_optimizers, name): options for name, options in (
+        ("NpuFusedSGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01, dampening=0.1)),
+        ("NpuFusedAdam", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)),
+        ("NpuFusedAdamW", dict(lr=0.01, weight_decay=0.05, betas=(0.9, 0.99), eps=1e-6)),
+        ("NpuFusedAdamP", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6, delta=0.1, wd_ratio=0.1)),
+        ("NpuFusedBertAdam", dict(lr=0.01, warmup=0.1, t_total=100, b1=0.9, b2=0.99, e=1e-6, weight_decay=0.01,
+                                  max_grad_norm=1.0)),
+        ("NpuFusedAdadelta", dict(lr=1.0, rho=0.8, eps=1e-6, weight_decay=0.01)),
+        ("NpuFusedLamb", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)),
+        ("NpuFusedRMSprop", dict(lr=0.01, alpha=0.9, eps=1e-6, momentum=0.9, weight_decay=0.01)),
+        ("NpuFusedRMSpropTF", dict(lr=0.01, alpha=0.9, eps=1e-6, momentum=0.9, weight_decay=0.01)),
+        ("Lamb", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)),
+        ("FusedAdam", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)),
+        ("FusedSGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+        ("FusedAdagrad", dict(lr=0.05, eps=1e-6, weight_decay=0.01)),
+        ("FusedLAMB", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6, max_grad_norm=1.0)),
+        ("FusedNovoGrad", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)),
+        ("FusedMixedPrecisionLamb", dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6,
+                                         max_grad_norm=1.0)),
+    )
+}
 
 
 # ------------------------------------------------------------------ helpers

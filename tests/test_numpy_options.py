@@ -12,50 +12,15 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from _optim_harness import EVERY_OPTIMIZER
 
 from apex import amp
 from apex._checks import plain_numbers, real_number
 from apex.fp16_utils import DynamicLossScaler, LossScaler
-from apex.optimizers import (
-    FusedAdagrad,
-    FusedAdam,
-    FusedLAMB,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedSGD,
-    Lamb,
-    NpuFusedAdadelta,
-    NpuFusedAdam,
-    NpuFusedAdamP,
-    NpuFusedAdamW,
-    NpuFusedBertAdam,
-    NpuFusedLamb,
-    NpuFusedRMSprop,
-    NpuFusedRMSpropTF,
-    NpuFusedSGD,
-)
+from apex.optimizers import FusedAdam, Lamb, NpuFusedAdam, NpuFusedSGD
 from apex.parallel.LARC import LARC
 
-# every numeric option of each class, at a value that exercises its path
-OPTIONS = {
-    NpuFusedSGD: dict(lr=0.05, momentum=0.9, weight_decay=0.01, dampening=0.1),
-    NpuFusedAdam: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6),
-    NpuFusedAdamW: dict(lr=0.01, weight_decay=0.05, betas=(0.9, 0.99), eps=1e-6),
-    NpuFusedAdamP: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6, delta=0.1, wd_ratio=0.1),
-    NpuFusedBertAdam: dict(lr=0.01, warmup=0.1, t_total=100, b1=0.9, b2=0.99, e=1e-6, weight_decay=0.01,
-                           max_grad_norm=1.0),
-    NpuFusedAdadelta: dict(lr=1.0, rho=0.8, eps=1e-6, weight_decay=0.01),
-    NpuFusedLamb: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6),
-    NpuFusedRMSprop: dict(lr=0.01, alpha=0.9, eps=1e-6, momentum=0.9, weight_decay=0.01),
-    NpuFusedRMSpropTF: dict(lr=0.01, alpha=0.9, eps=1e-6, momentum=0.9, weight_decay=0.01),
-    Lamb: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6),
-    FusedAdam: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6),
-    FusedSGD: dict(lr=0.05, momentum=0.9, weight_decay=0.01),
-    FusedAdagrad: dict(lr=0.05, eps=1e-6, weight_decay=0.01),
-    FusedLAMB: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6, max_grad_norm=1.0),
-    FusedNovoGrad: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6),
-    FusedMixedPrecisionLamb: dict(lr=0.01, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6, max_grad_norm=1.0),
-}
+OPTIONS = EVERY_OPTIMIZER
 CLASSES = sorted(OPTIONS, key=lambda c: c.__name__)
 EXECUTORS = ("auto", "torch", "torch_ops")
 
