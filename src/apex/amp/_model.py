@@ -1,8 +1,7 @@
-"""Model side of amp: checks, casting the network, and the per-instance forward patch.
+"""Model side of amp: checks, casting the network, and the per-instance patches.
 
-Nothing is patched on classes or globally: ``model.forward`` (and, for
-combine_grad sessions, ``model.zero_grad``) get an instance attribute that
-shadows the class method, removed again on teardown.
+Nothing is patched on classes or globally: ``model.forward`` and ``model.zero_grad`` get an instance
+attribute (`AmpForward`, `AmpZeroGrad`) that shadows the class method, removed again on teardown.
 """
 
 from __future__ import annotations
