@@ -49,14 +49,22 @@ def plain_numbers(options: dict, keys: Container[str]) -> None:
             continue
         if kind is tuple or kind is list:
             if not all(type(v) in _PLAIN for v in value):
-                plain = [v if type(v) in _PLAIN or real_number(v) is None else real_number(v) for v in value]
+                plain = list(map(_plain, value))
                 options[key] = plain if kind is list else tuple(plain)
-        elif real_number(value) is not None:
-            options[key] = real_number(value)
+        else:
+            options[key] = _plain(value)
 
 
 # values plain_numbers leaves as they are without asking (what a param group holds but numbers and tensors)
 _PLAIN = frozenset((int, float, bool, str, type(None)))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as the Python number it holds, or as it is when it holds none."""
+    if type(value) in _PLAIN:
+        return value
+    number = real_number(value)
+    return value if number is None else number
 
 
 def check_int(value: Any, what: str, minimum: Optional[int] = None, maximum: Optional[int] = None, *,

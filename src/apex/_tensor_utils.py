@@ -38,8 +38,9 @@ stride = torch.Tensor.stride
 #: owner their buffer, where views of other owners' buffers are read in place at every step
 YIELDS_GRADS = "_apex_yields_grads"
 
-#: attribute a fused optimizer sets on a grad it read in place (its flat set's token): found again at the next
-#: step, the grad was kept between steps and is adopted into the optimizer's buffer
+#: attribute a fused optimizer sets on one grad it read in place (its flat set's token): found again at the next
+#: step, the grad was kept between steps (a tensor made since cannot carry it) and is adopted into the
+#: optimizer's buffer
 READ_IN_PLACE_MARK = "_apex_read_in_place_by"
 
 

@@ -163,9 +163,9 @@ class AmpZeroGrad:
         self.on_zero(self.model, set_to_none)
 
     def __deepcopy__(self, memo: dict) -> Callable:
-        clone = copy.deepcopy(self.model, memo)
         if self.previous is not None:
             return copy.deepcopy(self.previous, memo)
+        clone = copy.deepcopy(self.model, memo)
         return types.MethodType(type(clone).zero_grad, clone)
 
     def __reduce__(self):

@@ -42,7 +42,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from apex import _core
-from apex._checks import FLOAT32_MAX, check_int
+from apex._checks import FLOAT32_MAX, check_int, real_number
 from apex._tensor_utils import (
     data_ptr,
     detach,
@@ -207,11 +207,12 @@ def _number(value: Any, name: str, op: str) -> float:
     after earlier tensors of the call were written."""
     if isinstance(value, torch.Tensor):
         number = float(_scalar_tensor(value, name, op))
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: numpy's scalars too
-        raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
     else:
+        real = real_number(value)  # numpy's scalars too
+        if real is None:
+            raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
         try:
-            number = float(value)
+            number = float(real)
         except OverflowError:  # an int beyond the float range
             raise ValueError(f"{op}: {name} must be within float32's range, got {value}") from None
     if math.isfinite(number) and abs(number) > FLOAT32_MAX:

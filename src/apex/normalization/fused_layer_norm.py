@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from apex._checks import real_number
 from apex._upstream_forms import FunctionForm, run_as_fused
 
 __all__ = [
@@ -81,7 +82,7 @@ def _as_float(value: numbers.Real) -> float:
 
 
 def _check_eps(where: str, eps: Any) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    if real_number(eps) is None:
         raise TypeError(f"{where}: eps must be a finite number >= 0, got {type(eps).__name__}")
     if not 0 <= _as_float(eps) < math.inf:
         raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")

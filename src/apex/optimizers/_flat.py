@@ -65,9 +65,6 @@ _is = operator.is_
 # `expected_grads` entry of a slot whose grad the last step read where autograd left it: that grad is not kept
 # (no reference to a fresh grad outlives the step), only the fact that there was one
 _GATHERED = object()
-# attribute set on one grad a step read in place (its value: the set's own token), so that the next step can
-# tell that the same tensor is still the param's grad (a tensor made since cannot carry it)
-_MARK = READ_IN_PLACE_MARK
 
 #: up to this many grads `FlatSet._clear_of` screens them in Python (sorting and scanning more costs more than the
 #: tensor test's fixed dozen ops)
@@ -179,7 +176,7 @@ class FlatSet:
         self._grad_views: Optional[List[torch.Tensor]] = None
         self._grad_ptrs: Optional[List[int]] = None
         self.expected_grads: List[object] = [None] * self.nseg
-        self._token = object()  # what `_MARK` holds on a grad this set read in place
+        self._token = object()  # what `READ_IN_PLACE_MARK` holds on a grad this set read in place
         self._probe: Optional[int] = None  # the slot whose grad carries the mark, if any
         self._all_gathered = [_GATHERED] * self.nseg  # `expected_grads` when every slot's grad was read in place
 
@@ -420,7 +417,7 @@ class FlatSet:
         if k is None:
             return False
         g = gs[k]
-        return g is not None and getattr(g, _MARK, None) is self._token
+        return g is not None and getattr(g, READ_IN_PLACE_MARK, None) is self._token
 
     def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]],
                     of: Optional[Sequence[torch.Tensor]] = None):
@@ -588,7 +585,7 @@ class FlatSet:
                 if base is not None and base is not self._flat_g and not getattr(base, YIELDS_GRADS, False):
                     return
                 try:
-                    setattr(g, _MARK, self._token)
+                    setattr(g, READ_IN_PLACE_MARK, self._token)
                 except (AttributeError, TypeError, RuntimeError):  # a tensor type refusing attributes: no probe
                     return
                 self._probe = k

@@ -14,12 +14,10 @@ takes the dtypes it is given.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
-from apex._checks import check_int
+from apex._checks import check_int, real_number
 from apex._upstream_forms import FunctionForm
 from apex.normalization.fused_layer_norm import _layer_norm_form
 
@@ -62,7 +60,7 @@ class FastLayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, memory_efficient: bool = False) -> None:
         super().__init__()
         hidden_size = check_int(hidden_size, "FastLayerNorm: hidden_size", 1)
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        if real_number(eps) is None:
             raise TypeError(f"FastLayerNorm: eps must be a number >= 0, got {type(eps).__name__}")
         if not eps >= 0:
             raise ValueError(f"FastLayerNorm: eps must be a number >= 0, got {eps!r}")
