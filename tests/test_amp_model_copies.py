@@ -1,7 +1,8 @@
 """Copies of a model amp prepared: ``copy.deepcopy`` after ``amp.initialize`` (how timm, and most EMA helpers,
 make their averaged model) gives a model that runs its own params, with amp's casts and autocast as the original,
 and whose ``zero_grad`` touches only its own grads; a pickled model (``torch.save(model)``) loads and runs as amp
-prepared it; the forward's signature stays the model's own."""
+prepared it; the forward's signature stays the model's own; torch.nn.DataParallel's replicas (shallow copies of
+the model) run their own params through amp's forward."""
 
 from __future__ import annotations
 
@@ -125,3 +126,100 @@ def test_copies_keep_the_casts_after_the_session_ends():
     assert "forward" not in model.__dict__ and "zero_grad" not in model.__dict__  # the original is unpatched
     x = torch.randn(5, 4)
     assert ema(x).dtype == torch.float32  # fp32 in, low-precision params, fp32 out: the copy's casts stay
+    assert "_replicate_for_data_parallel" not in model.__dict__
+
+
+# -- DataParallel replicas ------------------------------------------------------------------------------------------
+# torch.nn.DataParallel makes its replicas with torch.nn.parallel.replicate: a shallow copy of every module's
+# __dict__ (``_replicate_for_data_parallel``) holding broadcast copies of the params. The broadcast needs an
+# accelerator; these tests replace it by clones on the CPU, which keep the autograd link to the original params as
+# the broadcast does, so torch's own replicate runs unchanged otherwise.
+
+
+@pytest.fixture
+def cpu_replicate(monkeypatch):
+    import sys
+
+    mod = sys.modules["torch.nn.parallel.replicate"]
+
+    def broadcast(tensors, devices, detach=False):
+        return [[(t.detach() if detach else t).clone() for t in tensors] for _ in devices]
+
+    monkeypatch.setattr(mod, "_get_device_index", lambda device, optional=False: 0)
+    monkeypatch.setattr(mod, "_broadcast_coalesced_reshape", broadcast)
+    return lambda model, n=2: torch.nn.parallel.replicate(model, [0] * n)
+
+
+@pytest.mark.parametrize("combine", [None, True], ids=["plain", "combined"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_data_parallel_replicas_run_their_own_params_with_amps_casts(level, combine, cpu_replicate):
+    model, _opt = _prepared(level, combine)
+    x = torch.randn(5, 4)
+    first, second = cpu_replicate(model)
+    out = model(x)
+    assert torch.equal(first(x), out) and first(x).dtype == out.dtype
+    with torch.no_grad():
+        second[0].weight.mul_(0.5)  # the replica's params are its own (on its own device, with DataParallel)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref[0].weight.mul_(0.5)
+    got = second(x)
+    assert got.dtype == out.dtype and torch.equal(got, ref(x)) and not torch.equal(got, out)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_data_parallel_grads_reach_the_original_params(level, cpu_replicate):
+    model, opt = _prepared(level)
+    x = torch.randn(6, 4)
+    model.eval()  # BatchNorm's running statistics aside: the replicas and the model compute the same values
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    direct = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    replicas = cpu_replicate(model)
+    # DataParallel scatters the batch, runs each replica on its share and gathers the outputs
+    loss = torch.cat([r(part) for r, part in zip(replicas, x.chunk(2))]).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    for p, d in zip(model.parameters(), direct):
+        torch.testing.assert_close(p.grad, d, rtol=1e-2, atol=1e-3)  # the batch summed in another order
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_replicas_zero_grad_leaves_the_original_alone(level, cpu_replicate):
+    model, _opt = _prepared(level)
+    replica = cpu_replicate(model, 1)[0]
+    assert replica.zero_grad.__self__ is replica  # the plain one: a replica is not a model of the session
+    model(torch.randn(5, 4)).float().sum().backward()
+    with pytest.warns(UserWarning, match="DataParallel"):  # torch's own zero_grad says it does nothing here
+        replica.zero_grad()
+    assert all(p.grad is not None for p in model.parameters())
+    again = replica._replicate_for_data_parallel()  # replicas of a replica rebind to that replica
+    assert again.forward.model is again
+
+
+def test_replicas_of_a_copy_and_of_a_loaded_model_run_their_own_params(cpu_replicate):
+    model, _ = _prepared("O2")
+    model.eval()
+    x = torch.randn(5, 4)
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    buf = io.BytesIO()
+    torch.save(ema, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for source in (ema, loaded):
+        replica = cpu_replicate(source, 1)[0]
+        assert torch.equal(replica(x), ema(x)) and replica(x).dtype == torch.float32
+        with torch.no_grad():
+            replica[0].weight.zero_()
+        assert not torch.equal(replica(x), source(x))  # its own params, not those of the model it came from
+
+
+def test_data_parallel_without_devices_runs_the_prepared_model():
+    model, _ = _prepared("O2")
+    dp = torch.nn.DataParallel(model)  # no accelerator: DataParallel calls the module itself
+    x = torch.randn(5, 4)
+    assert torch.equal(dp(x), model(x)) and dp(x).dtype == torch.float32

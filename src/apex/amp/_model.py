@@ -1,7 +1,8 @@
 """Model side of amp: checks, casting the network, and the per-instance patches.
 
-Nothing is patched on classes or globally: ``model.forward`` and ``model.zero_grad`` get an instance
-attribute (`AmpForward`, `AmpZeroGrad`) that shadows the class method, removed again on teardown.
+Nothing is patched on classes or globally: ``model.forward``, ``model.zero_grad`` and the hook torch's
+DataParallel makes its replicas with (``_replicate_for_data_parallel``) get an instance attribute (`AmpForward`,
+`AmpZeroGrad`, `AmpReplicate`) that shadows the class method, removed again on teardown.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ class AmpForward:
     def _settings(self) -> tuple:
         return self.input_dtype, self.output_dtype, self.autocast, self.device_type, self.low_dtype
 
+    def bound_to(self, module: torch.nn.Module) -> AmpForward:
+        """The same patch for another instance sharing this one's ``__dict__`` entries (a DataParallel replica)."""
+        return AmpForward(module, _rebound(self.previous, self.model, module), self.session, *self._settings())
+
     def __deepcopy__(self, memo: dict) -> AmpForward:
         # reached through the model's __dict__: memo maps the model to its copy in progress
         return AmpForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.previous, memo), self.session,
@@ -172,6 +177,51 @@ class AmpZeroGrad:
         return _plain_zero_grad, (self.model, self.previous)
 
 
+class AmpReplicate:
+    """The ``_replicate_for_data_parallel`` amp binds on a model instance. torch's DataParallel makes each replica
+    as a shallow copy of the model's ``__dict__``, which carries the instance patches bound to the original: every
+    replica would run the original's forward on the original's params (on the original's device), and a replica's
+    ``zero_grad`` would zero the original's grads. This rebinds them: a replica's forward is an `AmpForward` of the
+    replica (its own broadcast params, the same casts and session), its ``zero_grad`` the plain one (a replica is
+    not a model of the session) and its own replicas are made the same way."""
+
+    def __init__(self, model: torch.nn.Module, previous: Optional[Callable]) -> None:
+        self.model, self.previous = model, previous
+
+    def __call__(self) -> torch.nn.Module:
+        model = self.model
+        if self.previous is not None:
+            replica = self.previous()
+        else:
+            replica = type(model)._replicate_for_data_parallel(model)
+        attrs = replica.__dict__
+        forward = attrs.get("forward")
+        if isinstance(forward, AmpForward) and forward.model is model:
+            attrs["forward"] = forward.bound_to(replica)
+        zero_grad = attrs.get("zero_grad")
+        if isinstance(zero_grad, AmpZeroGrad) and zero_grad.model is model:
+            if zero_grad.previous is None:
+                del attrs["zero_grad"]
+            else:
+                attrs["zero_grad"] = _rebound(zero_grad.previous, model, replica)
+        if attrs.get("_replicate_for_data_parallel") is self:
+            attrs["_replicate_for_data_parallel"] = AmpReplicate(replica, _rebound(self.previous, model, replica))
+        return replica
+
+    def __deepcopy__(self, memo: dict) -> AmpReplicate:
+        return AmpReplicate(copy.deepcopy(self.model, memo), copy.deepcopy(self.previous, memo))
+
+    def __reduce__(self):
+        return AmpReplicate, (self.model, self.previous)
+
+
+def _rebound(fn: Optional[Callable], old: Any, new: Any) -> Optional[Callable]:
+    """``fn`` as a method of ``new`` where it is a method bound to ``old``; anything else as it is."""
+    if isinstance(fn, types.MethodType) and fn.__self__ is old:
+        return types.MethodType(fn.__func__, new)
+    return fn
+
+
 def _plain_zero_grad(model: torch.nn.Module, previous: Optional[Callable]) -> Callable:
     """What an unpickled model gets for `AmpZeroGrad`: the zero_grad it shadowed."""
     return previous if previous is not None else types.MethodType(type(model).zero_grad, model)
@@ -189,6 +239,13 @@ def patch_zero_grad(model: torch.nn.Module, on_zero: Callable[[Any, bool], None]
     """Shadow ``model.zero_grad`` with an `AmpZeroGrad`, so amp learns which grads were zeroed: the grads it set
     aside for the next exit, O2's master grads, and combine_grad's flat buffers known to be zero."""
     return InstancePatch(model, "zero_grad", AmpZeroGrad(model, model.__dict__.get("zero_grad"), on_zero))
+
+
+def patch_replicate(model: torch.nn.Module) -> InstancePatch:
+    """Shadow ``model._replicate_for_data_parallel`` with an `AmpReplicate`, so that DataParallel's replicas run
+    their own params through amp's forward (install after the other patches: it rebinds them)."""
+    return InstancePatch(model, "_replicate_for_data_parallel",
+                         AmpReplicate(model, model.__dict__.get("_replicate_for_data_parallel")))
 
 
 def _fp32_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -24,6 +24,7 @@ from ._model import (
     convert_network,
     model_device,
     patch_forward,
+    patch_replicate,
     patch_zero_grad,
 )
 from ._optimizer import process_optimizer
@@ -302,6 +303,8 @@ def initialize(
     # model.zero_grad() must reach what amp keeps beside the grads: set-aside grads, master grads, flat buffers
     for model in model_list:
         session.model_patches.append(patch_zero_grad(model, session.on_model_zero_grad))
+        # DataParallel copies the model's attributes into its replicas: they must get patches of their own
+        session.model_patches.append(patch_replicate(model))
 
     _amp_state.session = session
     _amp_state.add_session(session)
