@@ -44,7 +44,8 @@ _OPTIMIZERS = {
 def _run(ops, combine, opt_level="O1", loss_scale=128.0, opt="sgd", num_losses=1, bn=False, **extra):
     """Runs ``ops`` under amp; returns the params the optimizer steps on, the loss scales and the clip norms.
 
-    ops: ("fb", {overflow, delay, check, loss_id}) a scaled forward/backward; ("step",); ("zero",) the optimizer's
+    ops: ("fb", {overflow, delay, check, loss_id, step_inside}) a scaled forward/backward (and a step inside its
+    block); ("step",); ("zero",) the optimizer's
     zero_grad(); ("model_zero",) model.zero_grad(); ("clip",) clip_grad_norm_ of the master params (norm recorded);
     ("roundtrip",) opt.load_state_dict(opt.state_dict()); ("noop",) nothing (keeps later batches aligned)."""
     model = _model(bn)
@@ -63,6 +64,8 @@ def _run(ops, combine, opt_level="O1", loss_scale=128.0, opt="sgd", num_losses=1
             with amp.scale_loss(loss, o, loss_id=a.get("loss_id", 0), delay_unscale=a.get("delay", False),
                                 delay_overflow_check=a.get("check", False)) as scaled:
                 scaled.backward()
+                if a.get("step_inside"):  # the step indented into the block
+                    o.step()
         elif kind == "step":
             o.step()
         elif kind == "zero":
@@ -337,6 +340,106 @@ def test_a_step_closes_the_chain_of_every_optimizer_in_it_with_one_scale_update(
     assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
     for p, q in zip([*m1.parameters(), *m2.parameters()], before):
         assert torch.equal(p.detach(), q)
+
+
+# ---------------------------------------------------------------- a step inside the scale_loss block
+_INSIDE = r"step\(\) was called inside its `with amp.scale_loss\(...\)` block \(loss_id 0\).*loss scale"
+
+
+def _inside_run(ops, combine, **kw):
+    with pytest.warns(RuntimeWarning, match=_INSIDE):
+        return _run(ops, combine, **kw)
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+@pytest.mark.parametrize("opt", ["sgd", "npu_sgd", "fused_sgd"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_inside_the_scale_loss_block_does_the_exits_work_first(opt_level, opt, combine):
+    """``optimizer.step()`` indented into its scale_loss block: the grads still carry the loss scale there. The
+    step unscales and checks them first, with a RuntimeWarning, and the exit has nothing left to do: the same bits
+    as the step after the block (upstream stepped on grads 2**7 times too large here)."""
+    inside = [("fb", {"step_inside": True}), ("noop",), ("zero",), ("fb", {"step_inside": True}), ("noop",)]
+    after = [("fb",), ("step",), ("zero",), ("fb",), ("step",)]
+    got = _inside_run(inside, combine, opt_level=opt_level, opt=opt)
+    want = _run(after, combine, opt_level=opt_level, opt=opt)
+    _assert_params(got[0], want[0], atol=0)
+    assert got[1] == want[1]
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+def test_an_overflowed_step_inside_the_block_is_skipped_and_backs_off_once(combine):
+    ops = [("fb", {"overflow": True, "step_inside": True})]
+    got, scales, _ = _inside_run(ops, combine, loss_scale="dynamic")
+    assert scales == [2.0**15]  # not a second time at the exit
+    _assert_params(got, _initial(), atol=0)
+    got, scales, _ = _inside_run([*ops, ("fb",), ("step",)], combine, loss_scale="dynamic")
+    assert scales == [2.0**15]
+    _assert_params(got, _torch_run([("noop",), ("fb",), ("step",)]))
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_inside_a_delay_unscale_block_closes_the_chain(opt_level, combine):
+    inside = [("fb", {"delay": True}), ("fb", {"delay": True, "step_inside": True})]
+    got = _inside_run(inside, combine, opt_level=opt_level)
+    want = _run([("fb", {"delay": True}), ("fb",), ("step",)], combine, opt_level=opt_level)
+    _assert_params(got[0], want[0], atol=0)
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+def test_a_step_inside_a_block_of_two_optimizers_unscales_both_with_one_scale_update(combine):
+    """scale_loss over two optimizers, the first one stepping inside the block: both optimizers' grads are
+    unscaled then (the second steps after the block, as usual), with one warning and one scale update."""
+    def run(inside):
+        torch.manual_seed(0)
+        m1, m2 = nn.Linear(4, 2), nn.Linear(4, 2)
+        o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+        [m1, m2], [o1, o2] = amp.initialize([m1, m2], [o1, o2], opt_level="O1", combine_grad=combine,
+                                            verbosity=0, loss_scale="dynamic")
+        x = torch.randn(3, 4)
+        for it in range(2):
+            overflow = float("inf") if it == 0 else 1.0
+            with amp.scale_loss((m1(x).float().sum() + m2(x).float().sum()) * overflow, [o1, o2]) as scaled:
+                scaled.backward()
+                if inside:
+                    with pytest.warns(RuntimeWarning, match=_INSIDE):
+                        o1.step()
+            if not inside:
+                o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+        out = [p.detach().clone() for p in [*m1.parameters(), *m2.parameters()]], amp._amp_state.loss_scalers[0]
+        scale = out[1].loss_scale()
+        amp.deinitialize()
+        return out[0], scale
+
+    got, got_scale = run(True)
+    want, want_scale = run(False)
+    assert got_scale == want_scale == 2.0**15
+    _assert_params(got, want, atol=0)
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+def test_an_error_in_the_block_after_a_step_inside_it_skips_nothing(combine):
+    """The step inside the block used its grads: an exception raised later in the block leaves no step to skip,
+    and the next iteration trains as usual."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, o = amp.initialize(model, o, opt_level="O1", combine_grad=combine, verbosity=0, loss_scale=128.0)
+    x = torch.randn(3, 4)
+    with pytest.raises(KeyError), pytest.warns(RuntimeWarning, match=_INSIDE):
+        with amp.scale_loss(model(x).float().sum(), o) as scaled:
+            scaled.backward()
+            o.step()
+            raise KeyError("after the step")
+    o.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(x).float().sum(), o) as scaled:
+        scaled.backward()
+    o.step()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("check", [None, True], ids=["", "check_combined_tensors"])

@@ -57,6 +57,7 @@ class AmpStash:
         # (loss_id, scaler, scale) of the open delay_unscale chain: the grads carry that scale until an exit
         # without delay_unscale (or the next step(), see `close_delayed_chain`) unscales them
         self.delayed_chain: Optional[Tuple[int, Any, float]] = None
+        self.open_block: Optional[Any] = None  # the innermost scale_loss block open on this optimizer (handle.py)
         self.skip_pending: Optional[Tuple[int, Any]] = None  # (loss_id, scaler) of the overflow to report
         self.skip_after_error = False  # a combined scale_loss block raised: its grads are dropped, not stepped on
         self.carried_overflow = False  # a delay_overflow_check exit found inf/nan in these grads (see scale_loss)
@@ -374,8 +375,12 @@ class AmpStash:
     def step(self, orig_step, closure=None):
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        if self.open_block is not None:
+            from .handle import close_open_block  # (handle imports the stash's module)
+
+            close_open_block(self)
         if self.delayed_chain is not None:
-            from .handle import close_delayed_chain  # (handle imports the stash's module)
+            from .handle import close_delayed_chain
 
             close_delayed_chain(self)
         if self.skip_pending is not None:

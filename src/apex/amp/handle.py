@@ -50,7 +50,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     ``optimizers`` skips its next ``step()`` once; a static scale never skips.
     ``delay_unscale=True`` leaves the grads scaled, to be unscaled by the next
     exit without it (accumulation without the per-backward cost); a ``step()``
-    reached first unscales and checks them itself, with a RuntimeWarning.
+    reached first unscales and checks them itself, with a RuntimeWarning. So does
+    a ``step()`` of one of ``optimizers`` inside the block: it does the exit's
+    work first, and the exit then has none left.
     ``model`` is accepted for upstream compatibility.
     """
     props = _amp_state.opt_properties
@@ -105,12 +107,16 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         # The register is global: cleared before every backward, read after it. A delay_unscale backward's
         # overflow is read at its own exit and kept per loss (below), so clearing here never loses it.
         _device.npu_clear_overflow_flag()
+    block = _OpenBlock(loss_id, scaler, scale, stashes, delay_overflow_check, use_flag)
     try:
         yield loss.float() * scale
     except BaseException:
-        for stash in stashes:
-            stash.restore_after_error()
+        if not block.leave():  # (closed early by a step inside the block: that step used the grads)
+            for stash in stashes:
+                stash.restore_after_error()
         raise
+    if block.leave():
+        return
 
     if delay_unscale:
         for stash in stashes:
@@ -161,6 +167,46 @@ def _unscale_at_exit(session, loss_id: int, scaler: LossScaler, scale: float, st
             if stash.skip_pending is None:
                 stash.skip_pending = (loss_id, scaler)
             stash.overflowed()
+
+
+class _OpenBlock:
+    """A ``scale_loss`` block between its entry and its exit, as its optimizers' stashes see it (``open_block``):
+    what a ``step()`` inside the block needs to do the exit's work (`close_open_block`). Blocks nest per stash (a
+    block opened inside another one for the same optimizer hides it until it is left)."""
+
+    def __init__(self, loss_id: int, scaler: LossScaler, scale: float, stashes, delay_overflow_check: bool,
+                 use_flag: bool) -> None:
+        self.loss_id, self.scaler, self.scale, self.stashes = loss_id, scaler, scale, stashes
+        self.delay_overflow_check, self.use_flag = delay_overflow_check, use_flag
+        self.closed = False
+        self.outer = [stash.open_block for stash in stashes]
+        for stash in stashes:
+            stash.open_block = self
+
+    def leave(self) -> bool:
+        """The stashes see the enclosing block again (if any); True when a step inside this block closed it."""
+        for stash, outer in zip(self.stashes, self.outer):
+            if stash.open_block is self:
+                stash.open_block = outer
+        return self.closed
+
+
+def close_open_block(stash) -> None:
+    """``step()`` inside a ``scale_loss`` block of its optimizer (the step indented into the block): the grads
+    still carry the loss scale and have not been checked. The block's exit work is done now, for every optimizer of
+    the block (unscale, check, scale update, skip on overflow), and the exit then does nothing. Upstream stepped on
+    the scaled grads."""
+    block = stash.open_block
+    block.leave()
+    block.closed = True
+    warnings.warn(
+        f"apex.amp: optimizer.step() was called inside its `with amp.scale_loss(...)` block (loss_id "
+        f"{block.loss_id}), whose grads still carried the loss scale {block.scale:g}; amp unscaled and checked them "
+        f"before this step, as the block's exit does. Call step() after the with block.", RuntimeWarning,
+        stacklevel=4)
+    session = stash.session
+    _unscale_at_exit(session, block.loss_id, block.scaler, block.scale, block.stashes, block.delay_overflow_check,
+                     flag=_device.npu_get_overflow_flag() if block.use_flag else None)
 
 
 def close_delayed_chain(stash) -> None:
