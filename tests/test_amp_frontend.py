@@ -850,6 +850,53 @@ def test_state_dict_and_scale_loss_name_bad_arguments():
             pass
 
 
+_UNSCALED_BACKWARD = r"\(loss_id 0\) went through the loss but not through scaled_loss"
+
+
+@pytest.mark.parametrize("combine", [None, True], ids=["plain", "combined"])
+def test_loss_backward_inside_scale_loss_warns(combine):
+    """``loss.backward()`` written for ``scaled_loss.backward()``: its grads carry no scale, and the exit divides
+    them by the scale all the same (upstream's rule; nothing tells them apart there). amp warns at the exit."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", combine_grad=combine, loss_scale=128.0, verbosity=0)
+    x = torch.randn(3, 4)
+    loss = model(x).float().pow(2).sum()
+    expect = torch.autograd.grad(loss, model.weight, retain_graph=True)[0] / 128.0
+    with pytest.warns(RuntimeWarning, match=_UNSCALED_BACKWARD):
+        with amp.scale_loss(loss, opt):  # the scaled loss it yields is left unused
+            loss.backward()
+    torch.testing.assert_close(model.weight.grad, expect)
+
+
+def test_backwards_through_the_scaled_loss_do_not_warn():
+    import warnings
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            (scaled / 4).backward()  # a derived tensor (gradient accumulation's division)
+        with amp.scale_loss(model(x).float().sum(), opt, delay_unscale=True) as scaled:
+            scaled.backward()
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            torch.autograd.grad(scaled, list(model.parameters()))
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            pass  # no backward at all
+        with torch.no_grad():
+            plain = model(x).float().sum()
+        with amp.scale_loss(plain, opt) as scaled:
+            pass  # a loss without a graph
+        loss = model(x).float().sum()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward(retain_graph=True)
+        loss.backward()  # after the block: its hooks are gone
+        opt.step()
+
+
 # ---------------------------------------------------------------- training-loop sequences against their meaning
 _CASES = [("O1", None), ("O2", None), ("O1", True), ("O2", True)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from typing import Any, List
@@ -52,7 +53,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     exit without it (accumulation without the per-backward cost); a ``step()``
     reached first unscales and checks them itself, with a RuntimeWarning. So does
     a ``step()`` of one of ``optimizers`` inside the block: it does the exit's
-    work first, and the exit then has none left.
+    work first, and the exit then has none left. A backward that went through
+    ``loss`` but not through the yielded scaled loss (``loss.backward()``) is
+    divided by the scale all the same, with a RuntimeWarning at the exit.
     ``model`` is accepted for upstream compatibility.
     """
     props = _amp_state.opt_properties
@@ -108,13 +111,17 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         # overflow is read at its own exit and kept per loss (below), so clearing here never loses it.
         _device.npu_clear_overflow_flag()
     block = _OpenBlock(loss_id, scaler, scale, stashes, delay_overflow_check, use_flag)
+    scaled = loss.float() * scale
+    watch = _BackwardWatch(loss, scaled)
     try:
-        yield loss.float() * scale
+        yield scaled
     except BaseException:
+        watch.remove()
         if not block.leave():  # (closed early by a step inside the block: that step used the grads)
             for stash in stashes:
                 stash.restore_after_error()
         raise
+    watch.check(loss_id, scale)
     if block.leave():
         return
 
@@ -167,6 +174,37 @@ def _unscale_at_exit(session, loss_id: int, scaler: LossScaler, scale: float, st
             if stash.skip_pending is None:
                 stash.skip_pending = (loss_id, scaler)
             stash.overflowed()
+
+
+class _BackwardWatch:
+    """Tells whether a backward inside a ``scale_loss`` block went through the loss but not through the scaled loss
+    the block yielded (``loss.backward()`` written for ``scaled_loss.backward()``): its grads carry no scale, and the
+    exit divides them by the loss scale all the same, so training goes on with grads too small by that factor. One
+    tensor hook on each (a few microseconds per block); none while torch.compile traces."""
+
+    def __init__(self, loss: torch.Tensor, scaled: torch.Tensor) -> None:
+        self.reached = set()
+        self.handles = []
+        if scaled.requires_grad and not torch.compiler.is_compiling():
+            for name, t in (("loss", loss), ("scaled", scaled)):
+                self.handles.append(t.register_hook(functools.partial(self._mark, name)))
+
+    def _mark(self, name: str, grad: torch.Tensor) -> None:
+        self.reached.add(name)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def check(self, loss_id: int, scale: float) -> None:
+        self.remove()
+        if "loss" in self.reached and "scaled" not in self.reached:
+            warnings.warn(
+                f"apex.amp: a backward inside `with amp.scale_loss(loss, ...) as scaled_loss` (loss_id {loss_id}) "
+                f"went through the loss but not through scaled_loss; its grads carry no loss scale, and the exit "
+                f"divides them by the scale ({scale:g}) all the same. Call scaled_loss.backward().", RuntimeWarning,
+                stacklevel=4)
 
 
 class _OpenBlock:
