@@ -218,6 +218,7 @@ def test_replicas_of_a_copy_and_of_a_loaded_model_run_their_own_params(cpu_repli
         assert not torch.equal(replica(x), source(x))  # its own params, not those of the model it came from
 
 
+@pytest.mark.devices("cpu")  # with an accelerator (an emulated npu too) DataParallel wants the model on it
 def test_data_parallel_without_devices_runs_the_prepared_model():
     model, _ = _prepared("O2")
     dp = torch.nn.DataParallel(model)  # no accelerator: DataParallel calls the module itself
