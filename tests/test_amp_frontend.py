@@ -897,6 +897,58 @@ def test_backwards_through_the_scaled_loss_do_not_warn():
         opt.step()
 
 
+_OUTSIDE = r"a backward outside `amp.scale_loss` reached the model's params.*SGD updates"
+
+
+@pytest.mark.parametrize("combine", [None, True], ids=["plain", "combined"])
+@pytest.mark.parametrize("opt_cls", ["SGD", "FusedSGD", "NpuFusedSGD"])
+def test_o2_backward_outside_scale_loss_warns_at_the_step(opt_cls, combine):
+    """Under master weights a backward with amp left out (``loss.backward()``) reaches no master: the step leaves
+    those params alone (upstream's rule), and amp says so at the step."""
+    import apex.optimizers as optimizers
+
+    cls = getattr(torch.optim, opt_cls, None) or getattr(optimizers, opt_cls)
+    model = torch.nn.Linear(4, 2)
+    opt = cls(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", combine_grad=combine, verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).float().sum().backward()
+    with pytest.warns(RuntimeWarning, match=_OUTSIDE):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_o2_backwards_inside_scale_loss_or_cleared_do_not_warn(zero):
+    import warnings
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with amp.scale_loss(model(x).float().sum(), opt, delay_unscale=True) as scaled:
+                scaled.backward()
+            with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            (opt if zero == "optimizer" else model).zero_grad()
+        model(x).float().sum().backward()  # a stray backward, cleared before the next step
+        (opt if zero == "optimizer" else model).zero_grad()
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        model(x).float().sum().backward()  # followed by an exit, which brings it to the masters as upstream does
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        amp.deinitialize()  # the probe goes with amp
+        model(x.to(model.weight.dtype)).float().sum().backward()
+        opt.step()
+
+
 # ---------------------------------------------------------------- training-loop sequences against their meaning
 _CASES = [("O1", None), ("O2", None), ("O1", True), ("O2", True)]
 

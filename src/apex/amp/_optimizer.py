@@ -17,6 +17,8 @@ into the master grads (created, or added to).
 from __future__ import annotations
 
 import types
+import warnings
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -58,6 +60,9 @@ class AmpStash:
         # without delay_unscale (or the next step(), see `close_delayed_chain`) unscales them
         self.delayed_chain: Optional[Tuple[int, Any, float]] = None
         self.open_block: Optional[Any] = None  # the innermost scale_loss block open on this optimizer (handle.py)
+        # O2: a backward outside scale_loss reached the model params since the last exit (`watch_model_backward`)
+        self.outside_backward = False
+        self._backward_probe: Optional[Any] = None
         self.skip_pending: Optional[Tuple[int, Any]] = None  # (loss_id, scaler) of the overflow to report
         self.skip_after_error = False  # a combined scale_loss block raised: its grads are dropped, not stepped on
         self.carried_overflow = False  # a delay_overflow_check exit found inf/nan in these grads (see scale_loss)
@@ -127,6 +132,27 @@ class AmpStash:
         # Recast per-param state (e.g. from a loaded checkpoint) to the masters' dtype.
         opt.load_state_dict(opt.state_dict())
         self._attach()
+        self.watch_model_backward()
+
+    def watch_model_backward(self) -> None:
+        """Under master weights only a scale_loss exit brings the model's grads to the masters the optimizer
+        updates: a backward run outside any scale_loss block (``loss.backward()`` with amp left out) reaches no
+        master, and the step would silently leave those params alone. A post-accumulate-grad hook on one model
+        param (the first that takes grads: one call per backward, whatever the model's size) notes such a
+        backward; the step warns (`step`). The hook holds the stash weakly and is removed on teardown."""
+        if self._backward_probe is not None or not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return
+        model = next((m for _, m in self.pairs if m.requires_grad), None)
+        if model is None:
+            return
+        ref = weakref.ref(self)
+
+        def saw_backward(param: torch.Tensor) -> None:
+            stash = ref()
+            if stash is not None and stash.open_block is None and not stash.torn_down:
+                stash.outside_backward = True
+
+        self._backward_probe = model.register_post_accumulate_grad_hook(saw_backward)
 
     def _masters_for(self, params, loaded: Optional[List[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
         out = []
@@ -312,6 +338,7 @@ class AmpStash:
 
     def post_backward(self, scale: float, check: bool, fold: bool) -> bool:
         """At scale_loss exit: unscale this backward's grads; True if any was inf/nan."""
+        self.outside_backward = False  # the exit brings every model grad to the masters, that backward's too
         if self.combined is not None:
             return self.combined.unscale(scale, check, fold and self.fold and self._folds_now())
         inv = 1.0 / scale
@@ -383,6 +410,14 @@ class AmpStash:
             from .handle import close_delayed_chain
 
             close_delayed_chain(self)
+        if self.outside_backward:
+            self.outside_backward = False
+            warnings.warn(
+                "apex.amp: a backward outside `amp.scale_loss` reached the model's params since the last "
+                f"scale_loss exit; under master weights (O2) only an exit brings model grads to the fp32 params "
+                f"{type(self.optimizer).__name__} updates, so that backward's grads do not reach this step. Run it "
+                "as `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.",
+                RuntimeWarning, stacklevel=3)
         if self.skip_pending is not None:
             return self._skip()
         if self.skip_after_error:
@@ -455,6 +490,7 @@ class AmpStash:
 
     def zero_grad(self, orig_zero_grad, set_to_none: bool = True) -> None:
         combined = self.combined
+        self.outside_backward = False
         self.drop_stashed_grads()
         self._end_chain()  # no scaled grad is left to unscale
         if not self.master_weights:
@@ -549,6 +585,9 @@ class AmpStash:
             self.attached = False
         if self.combined is not None:
             self.combined.remove_hooks()  # the model params outlive amp
+        if self._backward_probe is not None:
+            self._backward_probe.remove()
+            self._backward_probe = None
         self.torn_down = True
 
 
