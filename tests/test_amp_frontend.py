@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+import warnings
 
 import pytest
 import torch
@@ -712,8 +713,6 @@ def test_lr_scheduler_built_before_or_after_initialize(before):
     """transformers' Trainer builds its LR scheduler, then calls amp.initialize: the step amp installs keeps the
     scheduler's record that step ran (no "optimizer.step() has been overridden" warning), and the schedule is the
     one a scheduler built after initialize follows."""
-    import warnings
-
     import apex.optimizers as ao
 
     model = torch.nn.Linear(4, 2)
@@ -853,13 +852,18 @@ def test_state_dict_and_scale_loss_name_bad_arguments():
 _UNSCALED_BACKWARD = r"\(loss_id 0\) went through the loss but not through scaled_loss"
 
 
+def _linear_sgd(level, **kw):
+    """A Linear(4, 2) and its SGD through amp.initialize at `level`."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level=level, verbosity=0, **kw)
+
+
 @pytest.mark.parametrize("combine", [None, True], ids=["plain", "combined"])
 def test_loss_backward_inside_scale_loss_warns(combine):
     """``loss.backward()`` written for ``scaled_loss.backward()``: its grads carry no scale, and the exit divides
     them by the scale all the same (upstream's rule; nothing tells them apart there). amp warns at the exit."""
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O1", combine_grad=combine, loss_scale=128.0, verbosity=0)
+    model, opt = _linear_sgd("O1", combine_grad=combine, loss_scale=128.0)
     x = torch.randn(3, 4)
     loss = model(x).float().pow(2).sum()
     expect = torch.autograd.grad(loss, model.weight, retain_graph=True)[0] / 128.0
@@ -870,11 +874,7 @@ def test_loss_backward_inside_scale_loss_warns(combine):
 
 
 def test_backwards_through_the_scaled_loss_do_not_warn():
-    import warnings
-
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    model, opt = _linear_sgd("O1")
     x = torch.randn(3, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -920,11 +920,7 @@ def test_o2_backward_outside_scale_loss_warns_at_the_step(opt_cls, combine):
 
 @pytest.mark.parametrize("zero", ["optimizer", "model"])
 def test_o2_backwards_inside_scale_loss_or_cleared_do_not_warn(zero):
-    import warnings
-
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = _linear_sgd("O2")
     x = torch.randn(3, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
