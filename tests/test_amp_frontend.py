@@ -897,6 +897,19 @@ def test_backwards_through_the_scaled_loss_do_not_warn():
         opt.step()
 
 
+def test_scale_loss_works_where_the_loss_takes_no_hooks(monkeypatch):
+    model, opt = _linear_sgd("O1", loss_scale=128.0)
+
+    def refuse(self, hook):
+        raise RuntimeError("no hooks here")
+
+    monkeypatch.setattr(torch.Tensor, "register_hook", refuse)
+    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    assert torch.equal(model.bias.grad, torch.full((2,), 3.0))  # three rows, unscaled
+    opt.step()
+
+
 _OUTSIDE = r"a backward outside `amp.scale_loss` reached the model's params.*SGD updates"
 
 

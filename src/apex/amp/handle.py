@@ -186,8 +186,11 @@ class _BackwardWatch:
         self.reached = set()
         self.handles = []
         if scaled.requires_grad and not torch.compiler.is_compiling():
-            for name, t in (("loss", loss), ("scaled", scaled)):
-                self.handles.append(t.register_hook(functools.partial(self._mark, name)))
+            try:
+                for name, t in (("loss", loss), ("scaled", scaled)):
+                    self.handles.append(t.register_hook(functools.partial(self._mark, name)))
+            except RuntimeError:  # a tensor that takes no hooks (e.g. under a torch.func transform): no watch
+                self.remove()
 
     def _mark(self, name: str, grad: torch.Tensor) -> None:
         self.reached.add(name)
