@@ -496,3 +496,39 @@ def test_a_zero_grad_ends_a_delay_unscale_chain(opt_level, zero, combine):
         warnings.simplefilter("error")
         got, _, _ = _run([("fb", {"delay": True}), (zero,), ("step",)], combine, opt_level=opt_level)
     _assert_params(got, _initial(), atol=1e-2 if opt_level == "O2" else 0)
+
+
+@pytest.mark.parametrize("combine", COMBINE)
+def test_a_block_whose_entry_fails_leaves_no_open_block_and_the_grads_in_place(combine, monkeypatch):
+    """scale_loss fails while making the scaled loss (here a loss whose ``float()`` raises): as after any block that
+    raised, the grads of earlier blocks are back where they were (combined grads: dropped, and the next step
+    skipped), and no block is left open on the optimizer for the next step to close."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, o = amp.initialize(model, o, opt_level="O1", combine_grad=combine, verbosity=0, loss_scale=128.0)
+    x = torch.randn(3, 4)
+    with amp.scale_loss(model(x).float().sum(), o) as scaled:
+        scaled.backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    loss = model(x).float().sum()
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("no float here")
+
+    monkeypatch.setattr(torch.Tensor, "float", refuse)
+    with pytest.raises(RuntimeError, match="no float here"):
+        with amp.scale_loss(loss, o):
+            pass
+    monkeypatch.undo()
+    assert o._amp_stash.open_block is None
+    weights = [p.detach().clone() for p in model.parameters()]
+    if not combine:
+        assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o.step()
+    changed = [not torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights)]
+    assert all(changed) if not combine else not any(changed)

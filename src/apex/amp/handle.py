@@ -110,14 +110,16 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         # The register is global: cleared before every backward, read after it. A delay_unscale backward's
         # overflow is read at its own exit and kept per loss (below), so clearing here never loses it.
         _device.npu_clear_overflow_flag()
-    block = _OpenBlock(loss_id, scaler, scale, stashes, delay_overflow_check, use_flag)
-    scaled = loss.float() * scale
-    watch = _BackwardWatch(loss, scaled)
+    watch = block = None
     try:
+        scaled = loss.float() * scale
+        watch = _BackwardWatch(loss, scaled)
+        block = _OpenBlock(loss_id, scaler, scale, stashes, delay_overflow_check, use_flag)
         yield scaled
     except BaseException:
-        watch.remove()
-        if not block.leave():  # (closed early by a step inside the block: that step used the grads)
+        if watch is not None:
+            watch.remove()
+        if block is None or not block.leave():  # (closed early by a step inside the block: that step used the grads)
             for stash in stashes:
                 stash.restore_after_error()
         raise
