@@ -52,14 +52,15 @@ def _zero(model, set_to_none: bool) -> None:
     model.zero_grad(set_to_none=set_to_none)
 
 
-def _train(opt_cls, set_to_none: bool, use_amp: bool, overflow_at=None, combine=None):
-    """The DCGAN iteration; returns both models' params and the losses seen. ``overflow_at``: the iteration whose
-    generator loss is made inf (amp skips the generator's step; the reference leaves that step out)."""
+def _train(opt_cls, set_to_none: bool, use_amp: bool, overflow_at=None, combine=None, level="O1"):
+    """The DCGAN iteration, under amp at ``level`` or (``use_amp`` False) as a plain torch.autocast loop; returns
+    both models' params, the losses seen and the two optimizers. ``overflow_at``: the iteration whose generator
+    loss is made inf (amp skips the generator's step; the reference leaves that step out)."""
     gen, disc = _nets()
     opt_d, opt_g = _optimizers(opt_cls, gen, disc)
     crit = torch.nn.BCEWithLogitsLoss()
     if use_amp:
-        [disc, gen], [opt_d, opt_g] = amp.initialize([disc, gen], [opt_d, opt_g], opt_level="O1", num_losses=3,
+        [disc, gen], [opt_d, opt_g] = amp.initialize([disc, gen], [opt_d, opt_g], opt_level=level, num_losses=3,
                                                      amp_dtype=LOW, combine_grad=combine, verbosity=0)
 
     def forward(model, x):
@@ -95,7 +96,7 @@ def _train(opt_cls, set_to_none: bool, use_amp: bool, overflow_at=None, combine=
             backward(err_g, opt_g, 2)
             opt_g.step()
         losses.append((err_real.item(), err_fake.item(), err_g.item()))
-    return [p.detach().float().clone() for p in (*disc.parameters(), *gen.parameters())], losses
+    return [p.detach().clone() for p in (*disc.parameters(), *gen.parameters())], losses, (opt_d, opt_g)
 
 
 @pytest.mark.parametrize("combine", [None, True], ids=["plain", "combined"])
@@ -104,8 +105,8 @@ def _train(opt_cls, set_to_none: bool, use_amp: bool, overflow_at=None, combine=
 def test_o1_gan_step_equals_the_autocast_loop(opt_cls, set_to_none, combine):
     if combine and opt_cls is torch.optim.Adam:
         pytest.skip("combine_grad rebinds the grads of apex optimizers")
-    ref, ref_losses = _train(opt_cls, set_to_none, use_amp=False)
-    got, losses = _train(opt_cls, set_to_none, use_amp=True, combine=combine)
+    ref, ref_losses, _ = _train(opt_cls, set_to_none, use_amp=False)
+    got, losses, _ = _train(opt_cls, set_to_none, use_amp=True, combine=combine)
     assert losses == ref_losses
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
@@ -113,8 +114,8 @@ def test_o1_gan_step_equals_the_autocast_loop(opt_cls, set_to_none, combine):
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-dropped", "grads-kept"])
 def test_an_overflow_in_the_generators_loss_skips_only_the_generators_step(set_to_none):
-    ref, _ = _train(FusedAdam, set_to_none, use_amp=False, overflow_at=1)
-    got, _ = _train(FusedAdam, set_to_none, use_amp=True, overflow_at=1)
+    ref, _, _ = _train(FusedAdam, set_to_none, use_amp=False, overflow_at=1)
+    got, _, _ = _train(FusedAdam, set_to_none, use_amp=True, overflow_at=1)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
     scales = [amp.state_dict()[f"loss_scaler{i}"]["loss_scale"] for i in range(3)]
@@ -128,26 +129,8 @@ def test_o2_gan_step_is_the_same_in_every_grad_mode(opt_cls):
     runs = []
     for set_to_none in (True, False):
         for combine in (None, True):
-            gen, disc = _nets()
-            opt_d, opt_g = _optimizers(opt_cls, gen, disc)
-            [disc, gen], [opt_d, opt_g] = amp.initialize([disc, gen], [opt_d, opt_g], opt_level="O2", num_losses=3,
-                                                         amp_dtype=LOW, combine_grad=combine, verbosity=0)
-            crit = torch.nn.BCEWithLogitsLoss()
-            for it in range(ITERS):
-                real, noise = _batch(it)
-                disc.zero_grad(set_to_none=set_to_none)
-                with amp.scale_loss(crit(disc(real).view(-1), torch.ones(6)), opt_d, loss_id=0) as scaled:
-                    scaled.backward()
-                fake = gen(noise)
-                with amp.scale_loss(crit(disc(fake.detach()).view(-1), torch.zeros(6)), opt_d, loss_id=1) as scaled:
-                    scaled.backward()
-                opt_d.step()
-                gen.zero_grad(set_to_none=set_to_none)
-                with amp.scale_loss(crit(disc(fake).view(-1), torch.ones(6)), opt_g, loss_id=2) as scaled:
-                    scaled.backward()
-                opt_g.step()
-            runs.append([p.detach().clone() for p in (*amp.master_params(opt_d), *amp.master_params(opt_g),
-                                                       *disc.parameters(), *gen.parameters())])
+            params, _, opts = _train(opt_cls, set_to_none, use_amp=True, combine=combine, level="O2")
+            runs.append([p.detach().clone() for o in opts for p in amp.master_params(o)] + params)
             amp.deinitialize()
     assert runs[0][-1].dtype == LOW  # the generator's last bias: the model trained in the low dtype
     for other in runs[1:]:
