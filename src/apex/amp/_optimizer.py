@@ -203,6 +203,8 @@ class AmpStash:
         aside for the next exit. Combined grads: see `CombinedGrads.drop_master_grads`."""
         if not self.pairs:
             return
+        if any(id(model) in model_ids for _, model in self.pairs):
+            self.outside_backward = False  # the grads a backward outside scale_loss left there are gone too
         if self.combined is not None:
             self.combined.drop_master_grads(model_ids)
             return

@@ -73,8 +73,6 @@ class _Session:
             return
         ids = frozenset(id(p) for p in model.parameters())
         for stash in stashes:
-            if stash.pairs and any(id(m) in ids for _, m in stash.pairs):
-                stash.outside_backward = False  # those grads are gone
             stash.drop_master_grads(ids)  # O2: the masters' grads are the model's, accumulated
             stash.drop_stashed_grads(ids)
             stash.end_chain_if_zeroed(ids)
