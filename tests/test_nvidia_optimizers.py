@@ -773,13 +773,13 @@ def test_cpu_uses_kernels(make, dtype):
 
 
 # ------------------------------------------------------------------ HF transformers (full tier)
-def _tiny_trainer(tmp_path, **args):
+def _tiny_trainer(tmp_path, model=None, **args):
     transformers = pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    model = GPT2LMHeadModel(config)
+    if model is None:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
     gen = torch.Generator().manual_seed(1)
     # a learnable sequence task: token t+1 = (token t + 1) mod 64
     starts = torch.randint(0, 64, (64, 1), generator=gen)
@@ -834,6 +834,26 @@ def test_transformers_half_precision_backend_apex(tmp_path, monkeypatch, opt_lev
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     assert isinstance(opt, FusedAdam) and hasattr(opt, "_amp_stash")  # went through amp.initialize
     _assert_trained(_losses(trainer))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_transformers_apex_backend_second_trainer_on_the_same_model(tmp_path, monkeypatch, opt_level):
+    """Two-phase training (a second Trainer on the model the first one trained) calls amp.initialize on a model
+    amp prepared already: at O2 it comes in cast to fp16, and training goes on from the first phase's fp32
+    master weights (the first phase's optimizer leaves amp with it)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("APEX_AMP_DTYPE", "float16")
+    pytest.importorskip("apex.amp")
+    kw = dict(optim="adamw_apex_fused", fp16=True, half_precision_backend="apex", fp16_opt_level=opt_level)
+    _, first = _tiny_trainer(tmp_path / "a", **kw)
+    first.train()
+    _, second = _tiny_trainer(tmp_path / "b", model=first.model, **kw)
+    second.train()
+    assert second.use_apex and second.model is first.model
+    losses = _losses(first) + _losses(second)
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(_losses(second)[-4:]) < sum(_losses(first)[:4])
 
 
 # ------------------------------------------------------------------ low precision

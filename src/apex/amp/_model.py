@@ -34,12 +34,13 @@ def check_models(models: List[Any]) -> None:
                             f"{type(model).__name__}")
 
 
-def check_params_fp32(models: List[torch.nn.Module]) -> None:
-    """Upstream's rule: amp does the casting, so incoming floating params and buffers must be fp32."""
+def check_params_fp32(models: List[torch.nn.Module], cast_back: frozenset = frozenset()) -> None:
+    """Upstream's rule: amp does the casting, so incoming floating params and buffers must be fp32.
+    ``cast_back``: ids of tensors an earlier session cast, which are made fp32 again before this one casts."""
     for i, model in enumerate(models):
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
             for name, t in named:
-                if t.is_floating_point() and t.dtype != torch.float32:
+                if t.is_floating_point() and t.dtype != torch.float32 and id(t) not in cast_back:
                     raise RuntimeError(
                         f"Found {kind} {name} of model {i} with dtype {t.dtype}, expected torch.float32.\n"
                         "When using amp.initialize, you do not need to call .half() on your model before passing "
@@ -56,24 +57,65 @@ def model_device(models: List[torch.nn.Module]) -> Optional[torch.device]:
     return None
 
 
-def convert_network(model: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+#: one tensor amp cast: (module, name, is a param, dtype before, dtype after)
+Cast = Tuple[torch.nn.Module, str, bool, torch.dtype, torch.dtype]
+
+
+def convert_network(model: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> List[Cast]:
     """Cast floating params/buffers (and existing grads) to ``dtype`` in place; batchnorm stays fp32 if asked.
 
     Params keep their identity (``param.data`` is replaced), so optimizers built
-    on them before amp.initialize still hold the same objects.
+    on them before amp.initialize still hold the same objects. Returns what was cast (`casts_to_undo`).
     """
+    casts: List[Cast] = []
     with torch.no_grad():
         for module in model.modules():
             if keep_batchnorm_fp32 and isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
                 continue
-            for param in module.parameters(recurse=False):
+            for name, param in module.named_parameters(recurse=False):
                 if param.is_floating_point() and param.dtype != dtype:
+                    casts.append((module, name, True, param.dtype, dtype))
                     param.data = param.data.to(dtype)
                     if param.grad is not None and param.grad.is_floating_point():
                         param.grad = param.grad.to(dtype)
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    casts.append((module, name, False, buf.dtype, dtype))
                     module._buffers[name] = buf.to(dtype)
+    return casts
+
+
+def casts_to_undo(casts: List[Cast]) -> List[Tuple[torch.nn.Module, str, bool, torch.Tensor, torch.dtype]]:
+    """The casts of `convert_network` that still hold: the module has the tensor under that name, in the dtype
+    amp gave it. Each as (module, name, is a param, the tensor now, its dtype before amp). A tensor replaced or
+    cast since (``model.half()`` on top, a new buffer) is the user's, not amp's, and is left out."""
+    out = []
+    for module, name, is_param, before, after in casts:
+        t = (module._parameters if is_param else module._buffers).get(name)
+        if t is not None and t.dtype == after:
+            out.append((module, name, is_param, t, before))
+    return out
+
+
+def undo_casts(casts: List[Cast], masters: Dict[int, torch.Tensor]) -> None:
+    """Give the tensors amp cast their dtype back (a model prepared by an earlier session is passed to
+    `amp.initialize` again). ``masters``: fp32 master weights by id of their model param; a param takes its
+    master's value where the model still holds that master rounded to the model dtype, and its own elsewhere
+    (a weight the user changed since the last step), as `AmpStash.sync_masters` decides."""
+    with torch.no_grad():
+        for module, name, is_param, t, before in casts_to_undo(casts):
+            if not is_param:
+                module._buffers[name] = t.to(before)
+                continue
+            master = masters.get(id(t))
+            if master is not None and master.shape == t.shape and master.device == t.device:
+                value = torch.where(t == master.to(t.dtype), master.detach(), t.detach().to(master.dtype))
+                value = value.to(before)
+            else:
+                value = t.detach().to(before)
+            t.data = value
+            if t.grad is not None and t.grad.is_floating_point():
+                t.grad = t.grad.to(before)
 
 
 class InstancePatch:
@@ -297,6 +339,7 @@ class StateDictHooks:
     """`_fp32_state_dict` on every module of a model; ``restore`` removes them (session teardown)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.obj = model
         self.handles = [m.register_state_dict_post_hook(_fp32_state_dict) for m in model.modules()]
 
     def restore(self) -> None:

@@ -6,7 +6,7 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import MutableMapping
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -17,8 +17,10 @@ from ._amp_state import _amp_state, logger, maybe_log
 from ._cast_lists import FLOAT, FUNCTIONAL_SESSION_FLOAT
 from ._casts import FunctionPatches
 from ._model import (
+    Cast,
     InstancePatch,
     StateDictHooks,
+    casts_to_undo,
     check_models,
     check_params_fp32,
     convert_network,
@@ -26,6 +28,7 @@ from ._model import (
     patch_forward,
     patch_replicate,
     patch_zero_grad,
+    undo_casts,
 )
 from ._optimizer import process_optimizer
 from ._properties import Properties, check_opt_level
@@ -50,6 +53,7 @@ class _Session:
         self.function_patches = FunctionPatches()
         self.model_patches: List[InstancePatch] = []
         self.models: List[torch.nn.Module] = []
+        self.casts: Dict[int, List[Cast]] = {}  # what convert_network cast, by id of the model (held in models)
         self.optimizers: List[torch.optim.Optimizer] = []
         self.loss_scalers: List[LossScaler] = []
         self.overflow_flag = False  # npu without inf/nan mode: read the float-status register
@@ -78,6 +82,35 @@ class _Session:
             stash.end_chain_if_zeroed(ids)
             if stash.combined is not None and not set_to_none:
                 stash.combined.mark_zeroed(ids)
+
+    def holds(self, model: torch.nn.Module) -> bool:
+        return any(m is model for m in self.models)
+
+    def cast_back_to_fp32(self, model: torch.nn.Module) -> set:
+        """Ids of the model's tensors `release_model` gives fp32 back (amp cast them from fp32)."""
+        return {id(t) for _, _, _, t, before in casts_to_undo(self.casts.get(id(model), []))
+                if before == torch.float32}
+
+    def release_model(self, model: torch.nn.Module) -> None:
+        """The model is passed to a new ``amp.initialize``: it leaves this session as if it had never entered it.
+        Its patches go, the tensors amp cast get their dtype back (params their fp32 masters' values), and
+        this session's optimizers that update any of its params are torn down as `deinitialize` does (an O2
+        one keeps stepping its masters, no longer copied into the model). The session's other models stay."""
+        if not self.holds(model):
+            return
+        pids = {id(p) for p in model.parameters()}
+        leaving = [opt for opt in self.optimizers
+                   if any(id(p) in pids for _, p in opt._amp_stash.pairs)
+                   or any(id(p) in pids for g in opt.param_groups for p in g["params"])]
+        masters = {id(p): master for opt in leaving for master, p in opt._amp_stash.pairs if id(p) in pids}
+        for patch in reversed([p for p in self.model_patches if p.obj is model]):
+            patch.restore()
+        self.model_patches = [p for p in self.model_patches if p.obj is not model]
+        undo_casts(self.casts.pop(id(model), []), masters)
+        for opt in leaving:
+            opt._amp_stash.teardown()
+        self.optimizers = [opt for opt in self.optimizers if not any(opt is o for o in leaving)]
+        self.models = [m for m in self.models if m is not model]
 
     def teardown(self) -> None:
         self.function_patches.restore()
@@ -223,8 +256,11 @@ def initialize(
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"amp.initialize: cast_model_outputs must be a floating torch.dtype or None, "
                         f"got {cast_model_outputs!r}")
+    # a model an earlier session prepared leaves it (`_Session.release_model`): what that session cast is
+    # fp32 again before this one casts, so it passes the fp32 check
+    holders = [(model, s) for model in model_list for s in _amp_state.sessions if s.holds(model)]
     if not _amp_state.allow_incoming_model_not_fp32:
-        check_params_fp32(model_list)
+        check_params_fp32(model_list, set().union(*(s.cast_back_to_fp32(m) for m, s in holders)))
 
     device = model_device(model_list)
     device_type = _device.autocast_device_type(device)
@@ -268,10 +304,13 @@ def initialize(
         session.ddp = _ddp.create(session)  # raises before anything changed when no backend is registered
 
     # ---- from here on, models and optimizers are changed
+    for model, earlier in holders:
+        earlier.release_model(model)
     previous = _amp_state.session
     if previous is not None:
         logger.warning("apex.amp: amp.initialize was called again; the previous session's function casts are "
-                       "removed (its models and optimizers stay prepared until amp.deinitialize())")
+                       "removed (its models and optimizers stay prepared until amp.deinitialize(), except the models "
+                       "passed again and the optimizers that update them)")
         previous.function_patches.restore()
     _amp_state.verbosity = verbosity
     maybe_log("Selected optimization level %s: %s (low-precision dtype %s on %s)", opt_level, props.brief, low,
@@ -281,7 +320,7 @@ def initialize(
     autocast = bool(props.patch_torch_functions)  # O1 (also with cast_model_type=torch.float32)
     if props.cast_model_type:
         for model in model_list:
-            convert_network(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
+            session.casts[id(model)] = convert_network(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
             if fp32_state_dict:
                 session.model_patches.append(StateDictHooks(model))
         if not props.master_weights:

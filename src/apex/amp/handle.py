@@ -87,8 +87,11 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     stashes = [opt._amp_stash for opt in optimizers]
     ddp = session.ddp if session is not None else None  # combine_ddp (apex.amp._ddp)
 
-    if not props.master_weights and not scaler.dynamic and scale == 1.0 and ddp is None:
-        # Nothing to unscale and never a skipped step: the grads accumulate as in plain torch.
+    if (not props.master_weights and not any(s.master_weights for s in stashes) and not scaler.dynamic
+            and scale == 1.0 and ddp is None):
+        # Nothing to unscale and never a skipped step: the grads accumulate as in plain torch. (An optimizer of
+        # an earlier O2 session still needs its exit under a later O0/O3 one: only an exit brings the model's
+        # grads to its masters.)
         yield loss.float()
         return
 
