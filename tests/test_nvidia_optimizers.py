@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 import torch
 
+from apex.multi_tensor_apply import multi_tensor_applier
 from apex.optimizers import (
     FusedAdagrad,
     FusedAdam,
@@ -770,6 +771,86 @@ def test_cpu_uses_kernels(make, dtype):
     assert opt.last_executor == "apex_C"
     assert opt.recombine_count == 1  # combined once, sharing intact afterwards
     assert all(torch.isfinite(p.float()).all() for p in params)
+
+
+# ------------------------------------------------------------------ kernel handles for subclasses
+class _ListAdam(FusedAdam):
+    """A subclass that replaces step() with its own loop, as code written against NVIDIA's FusedAdam does:
+    fp32 copies of low-precision params and grads, the update through ``self.multi_tensor_adam``, the result
+    copied back; one step count per group."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            lists, low = [[], [], [], []], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                master = p.data.float() if p.dtype != torch.float32 else p.data
+                if master is not p.data:
+                    low.append((p, master))
+                for lst, t in zip(lists, (p.grad.float(), master, state["exp_avg"], state["exp_avg_sq"])):
+                    lst.append(t)
+            beta1, beta2 = group["betas"]
+            multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, lists, group["lr"], beta1,
+                                 beta2, group["eps"], group["step"], int(self.adam_w_mode),
+                                 int(group["bias_correction"]), group["weight_decay"])
+            for p, master in low:
+                p.data.copy_(master)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_subclass_stepping_through_the_kernel_handles_matches_torch(device, adam_w_mode):
+    params = make_params(shapes_for(3), device)
+    ref = clone_params(params)
+    opt = _ListAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    torch_opt = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(ref, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grads = draw_grads(params, gen)
+        for p, q, g in zip(params, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        torch_opt.step()
+    assert_params_close(params, ref, 1.0, "param")
+    assert opt.state_dict()["param_groups"][0]["step"] == 5
+
+
+def test_kernel_handles_are_upstreams_attributes(device):
+    from apex.multi_tensor_apply import amp_C
+
+    params = make_params([(3,), (2, 2)], device)
+    handles = {
+        FusedAdam: {"multi_tensor_adam": "multi_tensor_adam"},
+        FusedLAMB: {"multi_tensor_lamb": "multi_tensor_lamb", "multi_tensor_l2norm": "multi_tensor_l2norm"},
+        FusedSGD: {"multi_tensor_sgd": "multi_tensor_sgd"},
+        FusedNovoGrad: {"multi_tensor_novograd": "multi_tensor_novograd"},
+        FusedAdagrad: {"multi_tensor_adagrad": "multi_tensor_adagrad"},
+        FusedMixedPrecisionLamb: {"multi_tensor_l2norm": "multi_tensor_l2norm_mp"},
+    }
+    for cls, names in handles.items():
+        opt = cls(params, lr=0.1)
+        for attr, op in names.items():
+            assert getattr(opt, attr) is getattr(amp_C, op), (cls.__name__, attr)
+        flag = opt._dummy_overflow_buf
+        assert flag.dtype == torch.int32 and flag.shape == (1,) and flag.item() == 0
+        assert flag.device == params[0].device and opt._dummy_overflow_buf is flag
+        assert "_dummy_overflow_buf" not in opt.state_dict()
+        assert copy.deepcopy(opt)._dummy_overflow_buf is not flag
+    # CUDA-graph and mixed-precision stage kernels are not provided: hasattr says so, access names the kernel
+    assert not hasattr(FusedAdam(params), "multi_tensor_adam_capturable")
+    mp = FusedMixedPrecisionLamb(params)
+    assert not hasattr(mp, "multi_tensor_lamb")
+    with pytest.raises(AttributeError, match="multi_tensor_lamb_mp"):
+        mp.multi_tensor_lamb  # noqa: B018
+    assert FusedAdagrad([{"params": []}], lr=0.1)._dummy_overflow_buf.device.type == "cpu"  # no params: the CPU
+    opt = FusedSGD(params, lr=0.1)
+    opt.multi_tensor_sgd = len  # an instance may bind its own
+    assert opt.multi_tensor_sgd is len
 
 
 # ------------------------------------------------------------------ HF transformers (full tier)

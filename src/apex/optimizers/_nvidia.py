@@ -8,7 +8,10 @@ can observe, and code written for them must keep working unchanged here:
   group, instead of torch's per-parameter ``state[p]["step"]``;
 * ``set_grad_none``: what ``zero_grad()`` does when called without arguments;
 * constructor options that are optimizer attributes rather than group options
-  (``adam_w_mode``, ``use_nvlamb``, ...), so they are not in state dicts.
+  (``adam_w_mode``, ``use_nvlamb``, ...), so they are not in state dicts;
+* the amp_C kernels as attributes (``multi_tensor_adam``, ...) and a no-op flag
+  ``_dummy_overflow_buf``, which subclasses that replace ``step()`` pass to
+  ``multi_tensor_applier`` (`AmpCOp`, `OverflowFlag`).
 
 The per-group step is written into the flat set's per-segment step array before
 each kernel call, so the kernels (which take per-segment steps) apply NVIDIA's
@@ -32,8 +35,52 @@ from ._state_watch import bind
 
 logger = logging.getLogger("apex.optimizers")
 
-__all__ = ["GradScalerMixin", "NvidiaCompatMixin", "ShadowParamsMixin", "ShadowSet", "check_betas", "group_device",
-           "group_step", "tensor_lr_and_step"]
+__all__ = ["AmpCOp", "GradScalerMixin", "NvidiaCompatMixin", "OverflowFlag", "ShadowParamsMixin", "ShadowSet",
+           "check_betas", "group_device", "group_step", "tensor_lr_and_step"]
+
+
+class AmpCOp:
+    """A class attribute standing for upstream's ``self.multi_tensor_<op> = amp_C.multi_tensor_<op>``.
+
+    Code that subclasses NVIDIA's optimizers and replaces ``step()`` with its own loop over the params calls the
+    kernel through that attribute (``multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf,
+    [g, p, m, v], ...)``; fairseq's FusedAdamV2 refuses to start without it). It is the op of
+    `apex.multi_tensor_apply.amp_C`, which takes tensors on any device, resolved at first use so that importing
+    the optimizers does not import the ops. An op this package does not provide (a CUDA-graph or stage kernel)
+    raises AttributeError naming it, so ``hasattr`` answers False. A non-data descriptor: an instance may
+    assign its own."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        from ..multi_tensor_apply import amp_C
+
+        fn = getattr(amp_C, self.op, None)
+        if fn is None:
+            raise AttributeError(f"{getattr(owner, '__name__', owner)}.{self.name}: amp_C.{self.op} is a CUDA-only "
+                                 "kernel this package does not provide")
+        return fn
+
+
+class OverflowFlag:
+    """Upstream's ``self._dummy_overflow_buf``: a one-element int32 zero on the first param's device (the CPU
+    for an optimizer without params), the ``noop_flag`` its ``step()`` passes to ``multi_tensor_applier``.
+    Made at first access and kept on the instance."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        groups = obj.param_groups
+        flag = torch.zeros(1, dtype=torch.int32, device=group_device(groups[0]) if groups else "cpu")
+        obj.__dict__[self.name] = flag
+        return flag
 
 
 def group_step(group: dict) -> float:

@@ -21,7 +21,7 @@ from .. import _core
 from ._base import CombinedOptimizer, _check_range
 from ._flat import FlatSet
 from ._functional import adagrad_math, settler
-from ._nvidia import NvidiaCompatMixin
+from ._nvidia import AmpCOp, NvidiaCompatMixin, OverflowFlag
 
 __all__ = ["FusedAdagrad"]
 
@@ -31,6 +31,10 @@ class FusedAdagrad(NvidiaCompatMixin, CombinedOptimizer):
 
     Args: params, lr=1e-2, eps=1e-10, weight_decay=0., set_grad_none=True, adagrad_w_mode=False.
     """
+
+    # upstream's kernel handles, for subclasses that replace step() (see `AmpCOp`)
+    multi_tensor_adagrad = AmpCOp("multi_tensor_adagrad")
+    _dummy_overflow_buf = OverflowFlag()
 
     _gather_grads = True  # the kernel reads grads only through OptArgs
 

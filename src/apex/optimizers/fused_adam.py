@@ -44,7 +44,15 @@ from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._functional import adam_math, settler
-from ._nvidia import GradScalerMixin, NvidiaCompatMixin, ShadowParamsMixin, group_device, tensor_lr_and_step
+from ._nvidia import (
+    AmpCOp,
+    GradScalerMixin,
+    NvidiaCompatMixin,
+    OverflowFlag,
+    ShadowParamsMixin,
+    group_device,
+    tensor_lr_and_step,
+)
 from .adam import fused_adam
 
 __all__ = ["FusedAdam"]
@@ -71,6 +79,12 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
     (fp32 params are their own; fp16/bf16 ones get theirs at the first step, None before), all
     None without.
     """
+
+    # upstream's kernel handles, for subclasses that replace step() (see `AmpCOp`)
+    multi_tensor_adam = AmpCOp("multi_tensor_adam")
+    multi_tensor_adam_capturable = AmpCOp("multi_tensor_adam_capturable")
+    multi_tensor_adam_capturable_master = AmpCOp("multi_tensor_adam_capturable_master")
+    _dummy_overflow_buf = OverflowFlag()
 
     _gather_grads = True  # the kernel reads grads only through OptArgs
 

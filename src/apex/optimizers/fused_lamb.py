@@ -40,7 +40,7 @@ from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group, _check_range
 from ._flat import FlatSet
 from ._functional import lamb_trust_ratio
-from ._nvidia import NvidiaCompatMixin
+from ._nvidia import AmpCOp, NvidiaCompatMixin, OverflowFlag
 from .clip import prepared_grad_norm
 from .lamb import lamb_flat_step
 
@@ -83,6 +83,11 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
     constructor's defaults (not per group); ``adam_w_mode``, ``use_nvlamb`` and
     ``set_grad_none`` are optimizer attributes; the step count is per group.
     """
+
+    # upstream's kernel handles, for subclasses that replace step() (see `AmpCOp`)
+    multi_tensor_l2norm = AmpCOp("multi_tensor_l2norm")
+    multi_tensor_lamb = AmpCOp("multi_tensor_lamb")
+    _dummy_overflow_buf = OverflowFlag()
 
     _has_step = False
 

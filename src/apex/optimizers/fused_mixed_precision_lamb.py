@@ -34,7 +34,7 @@ import torch
 
 from .._checks import check_int
 from ._base import _call_closure
-from ._nvidia import GradScalerMixin, ShadowParamsMixin, tensor_lr_and_step
+from ._nvidia import AmpCOp, GradScalerMixin, ShadowParamsMixin, tensor_lr_and_step
 from .fused_lamb import FusedLAMB
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -52,6 +52,10 @@ class FusedMixedPrecisionLamb(GradScalerMixin, ShadowParamsMixin, FusedLAMB):
     ``step(closure=None)``; also accepts NVIDIA's ``grad_scaler=`` keyword (the older GradScaler
     contract). ``zero_grad()`` is torch's (set_to_none=True).
     """
+
+    # upstream's kernel handles (see `AmpCOp`): its mixed-precision variants
+    multi_tensor_l2norm = AmpCOp("multi_tensor_l2norm_mp")
+    multi_tensor_lamb = AmpCOp("multi_tensor_lamb_mp")
 
     _step_supports_amp_scaling = True
 

@@ -45,7 +45,7 @@ import torch
 from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
-from ._nvidia import NvidiaCompatMixin
+from ._nvidia import AmpCOp, NvidiaCompatMixin, OverflowFlag
 from ._state_check import SCALAR
 from ._state_watch import bind
 from .clip import grad_runs, grad_sum_sq_into
@@ -90,6 +90,10 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
     As NVIDIA: ``amsgrad=True`` raises RuntimeError; norm types other than 2 and 0 (inf) raise
     RuntimeError (here when the group is added, not at the first step).
     """
+
+    # upstream's kernel handles, for subclasses that replace step() (see `AmpCOp`)
+    multi_tensor_novograd = AmpCOp("multi_tensor_novograd")
+    _dummy_overflow_buf = OverflowFlag()
 
     _has_step = False
     _gather_grads = True  # the norm pass and the SGD kernel read grads only through OptArgs

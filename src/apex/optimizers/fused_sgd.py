@@ -24,6 +24,7 @@ from torch.optim.optimizer import required
 
 from .. import _core
 from ._flat import FlatSet
+from ._nvidia import AmpCOp, OverflowFlag
 from .clip import grad_runs
 from .sgd import NpuFusedSGD
 
@@ -42,6 +43,10 @@ class FusedSGD(NpuFusedSGD):
     ``self.set_grad_none``; ``zero_grad(set_to_none=False)`` zeroes in place. (The other Fused*
     optimizers document ``set_grad_none=False`` as zeroing in place, and do that.)
     """
+
+    # upstream's kernel handles, for subclasses that replace step() (see `AmpCOp`)
+    multi_tensor_sgd = AmpCOp("multi_tensor_sgd")
+    _dummy_overflow_buf = OverflowFlag()
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
                  wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False):
