@@ -362,6 +362,11 @@ def test_lazy_submodule_access():
         assert hasattr(apex, name), name
     assert not hasattr(apex, "no_such_module")
     assert apex.fp16_utils.FP16_Optimizer is FP16_Optimizer
+    # dir() after some submodules were imported (they are module globals then too): each name once, and the
+    # public names are the submodules
+    names = dir(apex)
+    assert len(names) == len(set(names))
+    assert [n for n in names if not n.startswith("_")] == sorted(apex._SUBMODULES)
 
 
 def test_wraps_apex_fused_optimizers_like_torch_ones():

@@ -8,7 +8,7 @@ fallback finder (``_apex_amp_c``) at interpreter start-up, and ``import apex`` i
 did not run (``python -S``, a source tree on ``PYTHONPATH``).
 """
 
-import importlib
+import importlib as _importlib
 
 import _apex_amp_c
 
@@ -22,11 +22,12 @@ _SUBMODULES = ("amp", "optimizers", "parallel", "contrib", "fp16_utils", "normal
 def __getattr__(name):
     if name in _SUBMODULES:
         try:
-            return importlib.import_module(f"apex.{name}")
+            return _importlib.import_module(f"apex.{name}")
         except ImportError as err:
             raise ImportError(f"apex.{name} is part of this apex but failed to import: {err}") from err
     raise AttributeError(f"module 'apex' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_SUBMODULES))
+    # a submodule already imported is in globals() too: each name once
+    return sorted(set(globals()) | set(_SUBMODULES))
