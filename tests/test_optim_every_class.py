@@ -610,3 +610,53 @@ def test_another_default_device_leaves_the_host_bookkeeping_on_cpu(name):
                 torch.set_default_device("cpu")
     for p, q in zip(plain.parameters(), other.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("name", [*ALL, "FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad",
+                                  "FusedMixedPrecisionLamb"])
+def test_step_called_from_compiled_code_runs_eagerly(name):
+    """``torch.compile`` over a function that calls ``opt.step()`` / ``opt.zero_grad()`` (torch's compiled
+    optimizer recipe), and over a whole training step: the graph breaks at them and they run as they are, so
+    the result has the bits of the eager twin, in both zero_grad modes."""
+    import apex.optimizers as ao
+
+    dynamo = pytest.importorskip("torch._dynamo")
+
+    def make(params):
+        if name.startswith("Fused"):
+            return getattr(ao, name)(params, lr=0.01)
+        return make_opt(name, params)
+
+    dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        models = [Net() for _ in range(3)]
+        for m in models[1:]:
+            m.load_state_dict(models[0].state_dict())
+        eager, stepped, whole = [(m, make(m.parameters())) for m in models]
+
+        @torch.compile(backend="eager")
+        def compiled_step(opt, set_to_none):
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+
+        @torch.compile(backend="eager")
+        def compiled_train(model, opt, x, set_to_none):
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+
+        for i in range(4):
+            set_to_none = i % 2 == 0
+            for model, opt in (eager, stepped):
+                backward(model, i)
+                if opt is eager[1]:
+                    opt.step()
+                    opt.zero_grad(set_to_none=set_to_none)
+                else:
+                    compiled_step(opt, set_to_none)
+            compiled_train(*whole, batch(i), set_to_none)
+        for p, q, r in zip(*(m.parameters() for m, _ in (eager, stepped, whole))):
+            assert torch.equal(p, q) and torch.equal(p, r)
+    finally:
+        dynamo.reset()

@@ -154,7 +154,8 @@ def _on_host_defaults(method: Callable) -> Callable:
     return run
 
 
-#: the entry points that may make or read the host bookkeeping (wrapped by `_on_host_defaults` in every class)
+#: the entry points that may make or read the host bookkeeping (wrapped by `_on_host_defaults` in every class,
+#: and run eagerly under torch.compile: `_wrap_host_defaults`)
 _HOST_DEFAULT_METHODS = ("__init__", "step", "zero_grad", "load_state_dict", "state_dict", "add_param_group",
                          "combined_grad_buffers", "attach_model_params")
 
@@ -805,11 +806,20 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
 
 def _wrap_host_defaults(cls: type) -> None:
-    """`_on_host_defaults` around each entry point ``cls`` itself defines (subclasses get theirs at creation)."""
+    """`_on_host_defaults` around each entry point ``cls`` itself defines (subclasses get theirs at creation).
+
+    They are also kept out of dynamo, as torch keeps its own ``zero_grad``: a function under ``torch.compile``
+    that calls them (torch's "compiled optimizer step" recipe, a whole compiled training step, amp's exit
+    reaching the combined buffers) breaks the graph there and runs them as they are. Traced, their bookkeeping
+    in Python over params and grads broke the graph at every step, and dynamo failed inside its own tracer on
+    some of it.
+    """
     for name in _HOST_DEFAULT_METHODS:
         fn = cls.__dict__.get(name)
         if callable(fn) and not getattr(fn, "_on_host_defaults", False):
-            setattr(cls, name, _on_host_defaults(fn))
+            wrapped = _disable_dynamo(_on_host_defaults(fn))
+            wrapped._on_host_defaults = True
+            setattr(cls, name, wrapped)
 
 
 _wrap_host_defaults(CombinedOptimizer)
