@@ -203,3 +203,12 @@ def test_an_earlier_o2_optimizer_still_trains_under_a_later_static_session(later
     alone, after = run(False), run(True)
     for x, y in zip(alone, after):
         assert torch.equal(x, y)  # bf16 grads scaled by a power of two and back: the same bits
+
+
+def test_the_released_optimizer_says_why_scale_loss_refuses_it():
+    m, o = prepared("O1")
+    amp.initialize(m, opt_level="O1", verbosity=0)
+    loss = m(torch.randn(8, 4)).float().sum()
+    with pytest.raises(RuntimeError, match=r"when a model it updates was passed to a later amp\.initialize"):
+        with amp.scale_loss(loss, o):
+            pass

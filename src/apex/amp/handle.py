@@ -32,9 +32,15 @@ def _optimizer_list(optimizers: Any) -> List[torch.optim.Optimizer]:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"scale_loss: optimizers[{i}] is {type(opt).__name__}, not a torch.optim.Optimizer")
         stash = getattr(opt, "_amp_stash", None)
-        if stash is None or stash.torn_down:
+        if stash is None:
             raise RuntimeError(
                 f"scale_loss: optimizer {i} ({type(opt).__name__}) was not returned by the active amp.initialize"
+            )
+        if stash.torn_down:
+            raise RuntimeError(
+                f"scale_loss: optimizer {i} ({type(opt).__name__}) was not returned by the active amp.initialize: "
+                "it left amp at amp.deinitialize(), or when a model it updates was passed to a later "
+                "amp.initialize; an optimizer goes through amp.initialize once, so pass a new one with the model"
             )
     return optimizers
 
