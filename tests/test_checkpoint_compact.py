@@ -406,3 +406,100 @@ def test_resume_is_bit_identical_in_either_load_order(opt_name, level, load_firs
     for a, b in zip(straight, resumed):
         assert a.dtype == b.dtype
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the loss scale travels with the optimizer
+def _overflowed_twice(level, make_opt, **kw):
+    """An amp run whose scale backed off twice (two overflowing steps) and grew once (window 2)."""
+    m = _bn_net()
+    o = make_opt(m)
+    amp.initialize(m, o, opt_level=level, verbosity=0, scale_window=2, **kw)
+    for i in range(5):
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
+        loss = m(x).float().pow(2).mean() * (float("inf") if i < 2 else 1.0)
+        with amp.scale_loss(loss, o) as scaled:
+            scaled.backward()
+        o.step()
+        o.zero_grad()
+    return m, o
+
+
+@amp_env
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("opt_name", list(MAKERS))
+def test_optimizer_checkpoint_carries_the_loss_scale(opt_name, level):
+    """Code that saves only the optimizer (transformers' Trainer, DeepSpeed) resumes at the loss scale it stopped
+    at: the optimizer's state dict holds amp's scalers, and loading it after initialize restores them."""
+    _, o = _overflowed_twice(level, MAKERS[opt_name])
+    saved = o.state_dict()
+    assert saved["apex_amp_loss_scalers"] == dict(amp.state_dict())
+    assert saved["apex_amp_loss_scalers"]["loss_scaler0"] == {"loss_scale": 2.0 ** 15, "unskipped": 1}
+    ck = copy.deepcopy(saved)
+    amp.deinitialize()
+    m2 = _bn_net(seed=3)
+    o2 = MAKERS[opt_name](m2)
+    amp.initialize(m2, o2, opt_level=level, verbosity=0, scale_window=2)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 16
+    o2.load_state_dict(ck)
+    assert dict(amp.state_dict()) == ck["apex_amp_loss_scalers"]
+    # a checkpoint without the entry (upstream's, or one saved before amp) leaves the scale alone
+    del ck["apex_amp_loss_scalers"]
+    amp._amp_state.loss_scalers[0].load(8.0, 0)
+    o2.load_state_dict(ck)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 8.0, "unskipped": 0}
+
+
+@amp_env
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("opt_name", ["NpuFusedAdam", "FusedAdam"])
+def test_apex_optimizer_loaded_before_initialize_gives_initialize_the_loss_scale(opt_name, level):
+    """mmengine's order (load, then initialize): an apex optimizer keeps the checkpoint's scalers for the
+    initialize that follows, as it keeps its masters."""
+    _, o = _overflowed_twice("O2", MAKERS[opt_name])
+    ck = copy.deepcopy(o.state_dict())
+    amp.deinitialize()
+    m2 = _bn_net(seed=3)
+    o2 = MAKERS[opt_name](m2)
+    o2.load_state_dict(ck)
+    amp.initialize(m2, o2, opt_level=level, verbosity=0, scale_window=2)
+    assert dict(amp.state_dict()) == ck["apex_amp_loss_scalers"]
+    assert o2.loaded_amp_scalers is None  # used once
+
+
+@amp_env
+@pytest.mark.parametrize("opt_name", list(MAKERS))
+@pytest.mark.parametrize("bad, exc", [
+    ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}}, ValueError),
+    ({"loss_scaler0": {"loss_scale": 1024.0}}, TypeError),
+    ({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": -1}}, ValueError),
+    ({"scaler": {"loss_scale": 1024.0, "unskipped": 0}}, RuntimeError),
+    ([1024.0], TypeError),
+])
+def test_a_bad_loss_scale_entry_is_refused_before_anything_loads(opt_name, bad, exc):
+    _, o = _overflowed_twice("O2", MAKERS[opt_name])
+    ck = copy.deepcopy(o.state_dict())
+    ck["apex_amp_loss_scalers"] = bad
+    for group in ck["param_groups"]:
+        group["lr"] = 0.5  # would change if the load went ahead
+    before = copy.deepcopy(o.state_dict())
+    with pytest.raises(exc, match="apex_amp_loss_scalers"):
+        o.load_state_dict(ck)
+    after = o.state_dict()
+    assert [g["lr"] for g in after["param_groups"]] == [g["lr"] for g in before["param_groups"]]
+    assert after["apex_amp_loss_scalers"] == before["apex_amp_loss_scalers"]
+    amp.deinitialize()
+    if opt_name != "torch.Adam":  # apex optimizers check the entry when loaded before initialize, too
+        fresh = MAKERS[opt_name](_bn_net())
+        with pytest.raises(exc, match="apex_amp_loss_scalers"):
+            fresh.load_state_dict(ck)
+
+
+@amp_env
+def test_an_amp_checkpoint_loads_into_an_optimizer_without_amp():
+    _, o = _overflowed_twice("O1", MAKERS["torch.Adam"])
+    ck = copy.deepcopy(o.state_dict())
+    amp.deinitialize()
+    for name, make in MAKERS.items():
+        plain = make(_bn_net())
+        plain.load_state_dict(ck)  # the entry is not the optimizer's: ignored by torch's load, kept by ours
+        assert plain.state_dict()["param_groups"][0]["lr"] == ck["param_groups"][0]["lr"], name

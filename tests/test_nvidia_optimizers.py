@@ -873,9 +873,10 @@ def _tiny_trainer(tmp_path, model=None, **args):
         def __getitem__(self, i):
             return {"input_ids": data[i], "labels": data[i]}
 
-    targs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=4,
-                              learning_rate=1e-2, logging_steps=1, log_level="error", save_strategy="no", report_to=[],
-                              use_cpu=True, disable_tqdm=True, **args)
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=4, learning_rate=1e-2,
+                   logging_steps=1, log_level="error", save_strategy="no", report_to=[], use_cpu=True,
+                   disable_tqdm=True)
+    targs = TrainingArguments(**{**options, **args})
     trainer = Trainer(model=model, args=targs, train_dataset=Data())
     return transformers, trainer
 
@@ -935,6 +936,39 @@ def test_transformers_apex_backend_second_trainer_on_the_same_model(tmp_path, mo
     losses = _losses(first) + _losses(second)
     assert all(math.isfinite(x) for x in losses)
     assert sum(_losses(second)[-4:]) < sum(_losses(first)[:4])
+
+
+@pytest.mark.full
+def test_transformers_apex_backend_resume_keeps_the_loss_scale(tmp_path, monkeypatch):
+    """Trainer saves and loads only the optimizer's state dict (never amp.state_dict()): the loss scale a run
+    reached comes back with it on resume, instead of restarting at 2**16."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("APEX_AMP_DTYPE", "float16")
+    pytest.importorskip("apex.amp")
+    from transformers import TrainerCallback
+
+    from apex import amp
+
+    seen = {}
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # as if two steps had overflowed
+                amp._amp_state.loss_scalers[0].load(2.0 ** 14, 0)
+
+        def on_train_begin(self, args, state, control, **kwargs):  # after the checkpoint was loaded
+            seen.setdefault("begin", []).append(dict(amp.state_dict()["loss_scaler0"]))
+
+    kw = dict(optim="adamw_apex_fused", fp16=True, half_precision_backend="apex", fp16_opt_level="O1",
+              save_strategy="steps", save_steps=4, max_steps=6)
+    _, first = _tiny_trainer(tmp_path, **kw)
+    first.add_callback(Scale())
+    first.train()
+    _, second = _tiny_trainer(tmp_path, **kw)
+    second.add_callback(Scale())
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert seen["begin"][0] == {"loss_scale": 2.0 ** 16, "unskipped": 0}
+    assert seen["begin"][1] == {"loss_scale": 2.0 ** 14, "unskipped": 2}  # two clean steps after the set
 
 
 # ------------------------------------------------------------------ low precision

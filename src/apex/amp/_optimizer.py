@@ -24,13 +24,19 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .._tensor_utils import zero_grad_
-from ._amp_state import logger, maybe_log
+from ._amp_state import _amp_state, logger, maybe_log
 from ._combined import CombinedGrads
 from ._model import InstancePatch
 from ._unscale import unscale_
+from .scaler import check_scaler_states, scaler_states
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 MASTER_KEY = "apex_amp_master_params"
+#: amp's loss scalers in an amp optimizer's checkpoint (`amp.state_dict()`'s format): code that saves and loads
+#: only the optimizer (transformers' Trainer, DeepSpeed) resumes with the loss scale it stopped at. The same
+#: name as `apex.optimizers._base.AMP_SCALERS_KEY`, which apex optimizers read when loaded before initialize
+#: (amp does not import the optimizers package).
+SCALER_KEY = "apex_amp_loss_scalers"
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:
@@ -539,17 +545,36 @@ class AmpStash:
         if self.combined is not None:
             self.combined.invalidate()
 
-    # ------------------------------------------------------------ checkpoints (master weights)
+    # ------------------------------------------------------------ checkpoints
     def state_dict(self, orig_state_dict) -> dict:
         sd = orig_state_dict()
-        masters = {id(m) for m, _ in self.pairs}
-        sd[MASTER_KEY] = [
-            p.detach().clone() if id(p) in masters else None
-            for g in self.optimizer.param_groups for p in g["params"]
-        ]
+        if self.master_weights:
+            masters = {id(m) for m, _ in self.pairs}
+            sd[MASTER_KEY] = [
+                p.detach().clone() if id(p) in masters else None
+                for g in self.optimizer.param_groups for p in g["params"]
+            ]
+        sd[SCALER_KEY] = scaler_states(_amp_state.loss_scalers)
         return sd
 
     def load_state_dict(self, orig_load, state_dict: dict) -> None:
+        """The optimizer's own load, then amp's loss scalers from the checkpoint's `SCALER_KEY` (a checkpoint
+        without it leaves them alone); every part is checked before anything is set."""
+        scalers = None
+        if isinstance(state_dict, dict) and SCALER_KEY in state_dict:
+            scalers = check_scaler_states(state_dict[SCALER_KEY],
+                                          f"{type(self.optimizer).__name__}.load_state_dict: '{SCALER_KEY}'")
+            state_dict = {k: v for k, v in state_dict.items() if k != SCALER_KEY}
+        if self.master_weights:
+            self._load_with_masters(orig_load, state_dict)
+        else:
+            orig_load(state_dict)
+            if self.combined is not None:
+                self.combined.invalidate()
+        if scalers:
+            load_scaler_states(scalers)
+
+    def _load_with_masters(self, orig_load, state_dict: dict) -> None:
         saved = state_dict.get(MASTER_KEY) if isinstance(state_dict, dict) else None
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if saved is not None:
@@ -591,6 +616,15 @@ class AmpStash:
             self._backward_probe.remove()
             self._backward_probe = None
         self.torn_down = True
+
+
+def load_scaler_states(entries) -> None:
+    """Validated `check_scaler_states` entries into the active loss scalers (those beyond ``num_losses`` are
+    skipped, as `amp.load_state_dict` skips them)."""
+    scalers = _amp_state.loss_scalers
+    for idx, _, scale, unskipped in entries:
+        if idx < len(scalers):
+            scalers[idx].load(scale, unskipped)
 
 
 def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStash:
@@ -651,19 +685,13 @@ def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStas
         def load_state_dict(self, state_dict):
             if stash.torn_down:
                 return orig(state_dict)
-            if stash.master_weights:
-                return stash.load_state_dict(orig, state_dict)
-            orig(state_dict)
-            stash.combined.invalidate()
-            return None
+            return stash.load_state_dict(orig, state_dict)
         return load_state_dict
 
     patch("step", make_step)
     patch("zero_grad", make_zero_grad)
     patch("add_param_group", make_add_param_group)
-    if stash.master_weights:
-        patch("state_dict", make_state_dict)
-    if stash.master_weights or stash.combined is not None:
-        patch("load_state_dict", make_load_state_dict)
+    patch("state_dict", make_state_dict)
+    patch("load_state_dict", make_load_state_dict)
     optimizer._amp_stash = stash
     return stash

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,9 +29,9 @@ from ._model import (
     patch_zero_grad,
     undo_casts,
 )
-from ._optimizer import process_optimizer
+from ._optimizer import load_scaler_states, process_optimizer
 from ._properties import Properties, check_opt_level
-from .scaler import LossScaler, check_scale_value
+from .scaler import LossScaler, check_scale_value, check_scaler_states, scaler_states
 
 # More losses than any training script scales separately (GANs use two or three); each gets a scaler at initialize.
 MAX_LOSSES = 2 ** 16
@@ -304,6 +303,9 @@ def initialize(
         session.ddp = _ddp.create(session)  # raises before anything changed when no backend is registered
 
     # ---- from here on, models and optimizers are changed
+    # apex optimizers that loaded an amp checkpoint before this call hand over its loss scale (taken now: the
+    # state reloads below make them forget it)
+    loaded_scalers = [_take_loaded_scalers(opt) for opt in opt_list]
     for model, earlier in holders:
         earlier.release_model(model)
     previous = _amp_state.session
@@ -349,6 +351,8 @@ def initialize(
     _amp_state.add_session(session)
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = session.loss_scalers
+    for loaded in loaded_scalers:
+        load_scaler_states(loaded)
     if session.patch_functions:
         # O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
         # Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32
@@ -360,6 +364,15 @@ def initialize(
         session.function_patches.install_registry()
     _record_upstream_state(session, min_loss_scale, max_loss_scale)
     return result()
+
+
+def _take_loaded_scalers(opt: torch.optim.Optimizer) -> list:
+    """The loss scalers an apex optimizer validated when it loaded an amp checkpoint (none for others)."""
+    loaded = getattr(opt, "loaded_amp_scalers", None)
+    if loaded is None:
+        return []
+    opt.loaded_amp_scalers = None
+    return loaded
 
 
 def _record_upstream_state(session: _Session, min_loss_scale: Optional[float], max_loss_scale: float) -> None:
@@ -395,17 +408,13 @@ def deinitialize() -> None:
     _amp_state.loss_scalers = []
 
 
-_KEY = re.compile(r"loss_scaler(\d{1,9})$")  # an index beyond 9 digits is no loss amp can have (MAX_LOSSES)
-
-
 def state_dict(destination=None):
     """``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`` (upstream's format)."""
     if destination is None:
         destination = OrderedDict()
     elif not isinstance(destination, MutableMapping):
         raise TypeError(f"amp.state_dict: destination must be a dict (or None), got {type(destination).__name__}")
-    for idx, scaler in enumerate(_amp_state.loss_scalers):
-        destination[f"loss_scaler{idx}"] = scaler.state()
+    destination.update(scaler_states(_amp_state.loss_scalers))
     return destination
 
 
@@ -416,29 +425,17 @@ def load_state_dict(state_dict):
     ``{"loss_scale", "unskipped"}`` dict or holds a non-number, ValueError for a non-finite or
     non-positive scale or a negative count (see docs/amp.md, "Checkpointing").
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"amp.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-    unexpected = [k for k in state_dict if not isinstance(k, str) or _KEY.match(k) is None]
-    if unexpected:
-        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-                           + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    entries = check_scaler_states(state_dict, "amp.load_state_dict")
     scalers = _amp_state.loss_scalers
-    updates = []
-    for key, entry in state_dict.items():
-        idx = int(_KEY.match(key).group(1))
-        if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
-            raise TypeError(f"amp.load_state_dict: {key} must be a dict with 'loss_scale' and 'unskipped', "
-                            f"got {entry!r}")
-        scale, unskipped = LossScaler.check_state(key, entry["loss_scale"], entry["unskipped"])
+    for idx, key, _, _ in entries:
         if idx >= len(scalers):
             logger.warning("apex.amp: skipping %s, since num_losses was set to %d", key, len(scalers))
-            continue
-        updates.append((idx, scale, unskipped))
     if len(state_dict) != len(scalers):
         logger.warning("apex.amp: state_dict contains %d entries, while %d loss_scalers are used",
                        len(state_dict), len(scalers))
-    for idx, scale, unskipped in updates:
-        scalers[idx].load(scale, unskipped)
+    for idx, _, scale, unskipped in entries:
+        if idx < len(scalers):
+            scalers[idx].load(scale, unskipped)
 
 
 def active_session() -> Optional[_Session]:

@@ -19,7 +19,8 @@ grows the scale and restarts the count.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+import re
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -179,9 +180,8 @@ class LossScaler:
         return {"loss_scale": self._loss_scale, "unskipped": self._unskipped}
 
     @staticmethod
-    def check_state(key: str, loss_scale: Any, unskipped: Any) -> tuple:
+    def check_state(key: str, loss_scale: Any, unskipped: Any, where: str = "amp.load_state_dict") -> tuple:
         """(scale, unskipped) validated; TypeError/ValueError naming ``key`` and the entry otherwise."""
-        where = "amp.load_state_dict"
         return (_scale(where, f"{key}['loss_scale']", loss_scale),
                 check_int(unskipped, f"{where}: {key}['unskipped']", 0, integral_float=True))
 
@@ -213,3 +213,33 @@ def check_scale_value(name: str, value, allow_none: bool = False, scale: bool = 
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"amp.initialize: {name} must be a finite positive number, got {value}")
     return in_scale_range("amp.initialize", name, value) if scale else value
+
+
+_KEY = re.compile(r"loss_scaler(\d{1,9})$")  # an index beyond 9 digits is no loss amp can have (MAX_LOSSES)
+
+
+def scaler_states(scalers: Sequence[LossScaler]) -> dict:
+    """``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``: upstream's ``amp.state_dict()`` format."""
+    return {f"loss_scaler{idx}": scaler.state() for idx, scaler in enumerate(scalers)}
+
+
+def check_scaler_states(state_dict: Any, where: str) -> List[Tuple[int, str, float, int]]:
+    """Every entry of a `scaler_states` dict, validated: (index, key, scale, unskipped) in the dict's order.
+
+    Raises RuntimeError for keys other than ``loss_scalerN`` (upstream's message), TypeError for a non-dict or an
+    entry that is not a ``{"loss_scale", "unskipped"}`` dict or holds a non-number, ValueError for a non-finite
+    or non-positive scale or a negative count; before anything is set.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+    unexpected = [k for k in state_dict if not isinstance(k, str) or _KEY.match(k) is None]
+    if unexpected:
+        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+                           + ", ".join(f'"{k}"' for k in unexpected) + f". ({where})")
+    out = []
+    for key, entry in state_dict.items():
+        if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
+            raise TypeError(f"{where}: {key} must be a dict with 'loss_scale' and 'unskipped', got {entry!r}")
+        scale, unskipped = LossScaler.check_state(key, entry["loss_scale"], entry["unskipped"], where)
+        out.append((int(_KEY.match(key).group(1)), key, scale, unskipped))
+    return out

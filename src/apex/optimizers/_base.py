@@ -67,6 +67,8 @@ _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fuse
 
 #: where an amp O2 optimizer checkpoint keeps the fp32 masters (apex.amp's key)
 AMP_MASTERS_KEY = "apex_amp_master_params"
+#: where an amp optimizer checkpoint keeps the loss scalers (`amp.state_dict()`'s format)
+AMP_SCALERS_KEY = "apex_amp_loss_scalers"
 
 #: values of `CombinedOptimizer.executor`
 EXECUTORS = ("auto", "torch", "torch_ops")
@@ -321,6 +323,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._model_pairs: Optional[Dict[int, torch.Tensor]] = None
         # fp32 masters of an amp O2 checkpoint loaded before amp.initialize (taken by its master creation)
         self.loaded_amp_masters: Optional[List[Optional[torch.Tensor]]] = None
+        self.loaded_amp_scalers: Optional[list] = None
 
     def __getstate__(self) -> dict:
         """torch's fields plus the optimizer's own options: NVIDIA's classes keep constructor options as
@@ -748,6 +751,15 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return [None if m is None else m.detach().to(device=p.device, dtype=torch.float32, copy=True)
                 for p, m in zip(params, saved)]
 
+    def _check_loaded_scalers(self, saved: Any) -> Optional[list]:
+        """An amp checkpoint's loss scalers, validated (`amp.scaler.check_scaler_states`), for an
+        `amp.initialize` that comes after this load (the load-then-initialize order)."""
+        if saved is None:
+            return None
+        from ..amp.scaler import check_scaler_states  # imported here: apex.amp imports the optimizers
+
+        return check_scaler_states(saved, f"{type(self).__name__}.load_state_dict: '{AMP_SCALERS_KEY}'")
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load (states cast to each param's dtype/device); buffers are re-combined at the next step.
 
@@ -759,9 +771,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """
         self._check_loaded(state_dict)
         masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
+        scalers = self._check_loaded_scalers(state_dict.get(AMP_SCALERS_KEY))
         super().load_state_dict(state_dict)
         self._watch_state()  # torch's load made new dicts: watched before user code can take one
         self.loaded_amp_masters = masters
+        self.loaded_amp_scalers = scalers
         for g in self.param_groups:
             for key, value in self.defaults.items():  # checkpoints of older versions lack newer options
                 g.setdefault(key, value)
