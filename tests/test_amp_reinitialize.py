@@ -11,7 +11,7 @@ from _amp_harness import bn_mlp
 from apex import amp
 from apex.amp._amp_state import _amp_state
 from apex.amp._model import AmpForward, AmpZeroGrad
-from apex.optimizers import FusedAdam
+from apex.optimizers import FusedAdam, NpuFusedSGD
 
 LOW = torch.bfloat16  # the CPU default
 
@@ -212,3 +212,62 @@ def test_the_released_optimizer_says_why_scale_loss_refuses_it():
     with pytest.raises(RuntimeError, match=r"when a model it updates was passed to a later amp\.initialize"):
         with amp.scale_loss(loss, o):
             pass
+
+
+# ---------------------------------------------------------------- any sequence of sessions on one model
+_EXPECTED_LINEAR = {  # (input dtype, output dtype) of the first Linear in the forward, per opt level
+    "O0": (torch.float32, torch.float32),
+    "O1": (torch.float32, LOW),
+    "O2": (LOW, LOW),
+    "O3": (LOW, LOW),
+}
+_OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "torch_adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "fused_adam": lambda ps: FusedAdam(ps, lr=1e-2),
+    "npu_fused_sgd": lambda ps: NpuFusedSGD(ps, lr=0.05, momentum=0.9),
+}
+
+
+def _session_specs():
+    from hypothesis import strategies as st
+
+    def spec(level):
+        combine = st.sampled_from([None, True]) if level in ("O1", "O2") else st.just(None)
+        return st.tuples(st.just(level), st.sampled_from(sorted(_OPTIMIZERS)), combine,
+                         st.sampled_from(["optimizer", "model", "kept"]))
+
+    return st.lists(st.sampled_from(sorted(_EXPECTED_LINEAR)).flatmap(spec), min_size=2, max_size=4)
+
+
+def test_any_sequence_of_sessions_on_one_model_trains_at_the_last_level():
+    """Property: whatever levels, optimizers, combine_grad and zero_grad modes follow each other on one model,
+    each session trains it (finite weights) and its forward casts as its own level says, none of the earlier
+    ones'."""
+    from hypothesis import Phase, given, settings
+
+    @settings(max_examples=20, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
+    @given(_session_specs())
+    def run(specs):
+        amp.deinitialize()
+        m = net()
+        for level, opt_name, combine, zero in specs:
+            opt = _OPTIMIZERS[opt_name](m.parameters())
+            m, opt = amp.initialize(m, opt, opt_level=level, combine_grad=combine, verbosity=0)
+            gen = torch.Generator().manual_seed(len(specs))
+            for _ in range(2):
+                loss = m(torch.randn(8, 4, generator=gen)).float().pow(2).mean()
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+                if zero == "optimizer":
+                    opt.zero_grad()
+                elif zero == "model":
+                    m.zero_grad()
+                else:
+                    opt.zero_grad(set_to_none=False)
+            assert all(torch.isfinite(p.float()).all() for p in m.parameters()), specs
+            assert (m[0].weight.dtype == LOW) == (level in ("O2", "O3")), specs
+            assert layer_dtypes(m, torch.randn(8, 4))[0] == _EXPECTED_LINEAR[level], specs
+
+    run()
