@@ -211,8 +211,19 @@ def test_parallel_wrapped_model_rejected(tmp_path):
 
 def test_optimizer_passed_twice():
     m, o = initialized("O1")
+    session = _amp_state.session
+    _amp_state.loss_scalers[0].load(256.0, 7)
+    # the same call again on what it returned (transformers' Trainer.train() run twice): nothing changes
+    m_again, o_again = amp.initialize(m, o, opt_level="O1", verbosity=0)
+    assert m_again is m and o_again is o and _amp_state.session is session
+    assert _amp_state.loss_scalers[0].state() == {"loss_scale": 256.0, "unskipped": 7}
+    # other options, another model list or a list where one object was given: upstream's refusal
+    for kw in (dict(opt_level="O2"), dict(opt_level="O1", loss_scale=128.0), dict(opt_level="O1", num_losses=2)):
+        with pytest.raises(RuntimeError, match=r"should only be passed through amp\.initialize once"):
+            amp.initialize(m, o, verbosity=0, **kw)
     with pytest.raises(RuntimeError, match=r"should only be passed through amp\.initialize once"):
-        amp.initialize(m, o, opt_level="O1", verbosity=0)
+        amp.initialize([m, net()], o, opt_level="O1", verbosity=0)
+    assert _amp_state.session is session
     amp.deinitialize()  # even after teardown: O2 masters could not be rebuilt from masters
     with pytest.raises(RuntimeError, match=r"only be passed through amp\.initialize once"):
         amp.initialize(m, o, opt_level="O1", verbosity=0)

@@ -939,6 +939,24 @@ def test_transformers_apex_backend_second_trainer_on_the_same_model(tmp_path, mo
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_transformers_apex_backend_train_twice(tmp_path, monkeypatch, opt_level):
+    """``trainer.train()`` a second time passes the model and optimizer amp returned to amp.initialize again, with
+    the same options: they stay as prepared, and training goes on (upstream refused the optimizer)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("APEX_AMP_DTYPE", "float16")
+    pytest.importorskip("apex.amp")
+    _, trainer = _tiny_trainer(tmp_path, optim="adamw_apex_fused", fp16=True, half_precision_backend="apex",
+                               fp16_opt_level=opt_level)
+    trainer.train()
+    first = _losses(trainer)
+    trainer.train()
+    second = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(x) for x in first + second)
+    assert sum(second[-4:]) < sum(first[:4])
+
+
+@pytest.mark.full
 def test_transformers_apex_backend_resume_keeps_the_loss_scale(tmp_path, monkeypatch):
     """Trainer saves and loads only the optimizer's state dict (never amp.state_dict()): the loss scale a run
     reached comes back with it on resume, instead of restarting at 2**16."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Tuple
@@ -59,6 +60,7 @@ class _Session:
         self.pending_flag_overflow: set = set()  # loss ids whose delay_unscale backward raised the register
         self.ddp: Any = None
         self.ddp_replica_count = 4
+        self.request: Optional[tuple] = None  # initialize's options as given (`_repeats_active_session`)
 
     def release_flag_overflows(self, loss_ids) -> None:
         """NPU flag mode: the overflow flags the delayed backwards of these losses raised were acted on, or went
@@ -225,6 +227,17 @@ def initialize(
         _amp_state.session = None
         return result()
 
+    # the same call again on what it returned (transformers' Trainer.train() run twice): nothing to do
+    request = (opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale,
+               cast_model_outputs, num_losses, min_loss_scale, max_loss_scale, dynamic_init_scale,
+               scale_growth_factor, scale_backoff_factor, scale_window, combine_grad, combine_ddp, ddp_replica_count,
+               user_cast_preferred, check_combined_tensors, amp_dtype, fold_unscale, fp32_state_dict,
+               os.environ.get("APEX_AMP_DTYPE"))
+    if _repeats_active_session(model_list, opt_list, request):
+        maybe_log("apex.amp: amp.initialize called again with the same models, optimizers and options: "
+                  "they stay as prepared")
+        return result()
+
     # ---- every check first: nothing is changed unless all of them pass
     check_opt_level(opt_level)
     check_models(model_list)
@@ -290,6 +303,7 @@ def initialize(
                 check_loaded(opt.state_dict())
 
     session = _Session(props, device_type, low)
+    session.request = request
     session.ddp_replica_count = ddp_replica_count
     session.overflow_flag = _device.npu_needs_overflow_flag(device_type)
     session.loss_scalers = [
@@ -364,6 +378,25 @@ def initialize(
         session.function_patches.install_registry()
     _record_upstream_state(session, min_loss_scale, max_loss_scale)
     return result()
+
+
+def _repeats_active_session(models: list, optimizers: list, request: tuple) -> bool:
+    """Whether this call repeats the one that made the active session: the same models and optimizers (the
+    objects it returned, in the same order, none torn down since) and equal options. Upstream refused any
+    optimizer passed a second time; a repeated call is harmless, and a second ``Trainer.train()`` makes one."""
+    session = _amp_state.session
+    if session is None or not optimizers or getattr(session, "request", None) is None:
+        return False
+    same = (len(models) == len(session.models) and all(a is b for a, b in zip(models, session.models))
+            and len(optimizers) == len(session.optimizers)
+            and all(a is b for a, b in zip(optimizers, session.optimizers))
+            and not any(opt._amp_stash.torn_down for opt in optimizers))
+    if not same:
+        return False
+    try:  # options compared as given (a tensor scale or a custom object may not compare to a bool)
+        return bool(request == session.request)
+    except Exception:
+        return False
 
 
 def _take_loaded_scalers(opt: torch.optim.Optimizer) -> list:
