@@ -97,6 +97,12 @@ def casts_to_undo(casts: List[Cast]) -> List[Tuple[torch.nn.Module, str, bool, t
     return out
 
 
+def master_where_kept(master: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    """A master weight after its low-precision model copy may have been written: the master where the model still
+    holds it rounded to the model dtype (its precision is kept), the model's value elsewhere (a change since)."""
+    return torch.where(model == master.to(model.dtype), master, model.to(master.dtype))
+
+
 def undo_casts(casts: List[Cast], masters: Dict[int, torch.Tensor]) -> None:
     """Give the tensors amp cast their dtype back (a model prepared by an earlier session is passed to
     `amp.initialize` again). ``masters``: fp32 master weights by id of their model param; a param takes its
@@ -109,8 +115,7 @@ def undo_casts(casts: List[Cast], masters: Dict[int, torch.Tensor]) -> None:
                 continue
             master = masters.get(id(t))
             if master is not None and master.shape == t.shape and master.device == t.device:
-                value = torch.where(t == master.to(t.dtype), master.detach(), t.detach().to(master.dtype))
-                value = value.to(before)
+                value = master_where_kept(master.detach(), t.detach()).to(before)
             else:
                 value = t.detach().to(before)
             t.data = value

@@ -23,20 +23,16 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from .._checkpoint_keys import AMP_MASTERS_KEY as MASTER_KEY
+from .._checkpoint_keys import AMP_SCALERS_KEY as SCALER_KEY
 from .._tensor_utils import zero_grad_
 from ._amp_state import _amp_state, logger, maybe_log
 from ._combined import CombinedGrads
-from ._model import InstancePatch
+from ._model import InstancePatch, master_where_kept
 from ._unscale import unscale_
-from .scaler import check_scaler_states, scaler_states
+from .scaler import check_scaler_states, load_scaler_states, scaler_states
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
-MASTER_KEY = "apex_amp_master_params"
-#: amp's loss scalers in an amp optimizer's checkpoint (`amp.state_dict()`'s format): code that saves and loads
-#: only the optimizer (transformers' Trainer, DeepSpeed) resumes with the loss scale it stopped at. The same
-#: name as `apex.optimizers._base.AMP_SCALERS_KEY`, which apex optimizers read when loaded before initialize
-#: (amp does not import the optimizers package).
-SCALER_KEY = "apex_amp_loss_scalers"
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:
@@ -199,8 +195,7 @@ class AmpStash:
         with torch.no_grad():
             for i in changed:
                 master, model = self.pairs[i]
-                kept = model == master.to(model.dtype)
-                master.copy_(torch.where(kept, master, model.to(master.dtype)))
+                master.copy_(master_where_kept(master, model))
         self.record_model_versions()
 
     def drop_master_grads(self, model_ids: frozenset) -> None:
@@ -572,7 +567,7 @@ class AmpStash:
             if self.combined is not None:
                 self.combined.invalidate()
         if scalers:
-            load_scaler_states(scalers)
+            load_scaler_states(_amp_state.loss_scalers, scalers)
 
     def _load_with_masters(self, orig_load, state_dict: dict) -> None:
         saved = state_dict.get(MASTER_KEY) if isinstance(state_dict, dict) else None
@@ -616,15 +611,6 @@ class AmpStash:
             self._backward_probe.remove()
             self._backward_probe = None
         self.torn_down = True
-
-
-def load_scaler_states(entries) -> None:
-    """Validated `check_scaler_states` entries into the active loss scalers (those beyond ``num_losses`` are
-    skipped, as `amp.load_state_dict` skips them)."""
-    scalers = _amp_state.loss_scalers
-    for idx, _, scale, unskipped in entries:
-        if idx < len(scalers):
-            scalers[idx].load(scale, unskipped)
 
 
 def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStash:

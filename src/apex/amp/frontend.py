@@ -30,9 +30,9 @@ from ._model import (
     patch_zero_grad,
     undo_casts,
 )
-from ._optimizer import load_scaler_states, process_optimizer
+from ._optimizer import process_optimizer
 from ._properties import Properties, check_opt_level
-from .scaler import LossScaler, check_scale_value, check_scaler_states, scaler_states
+from .scaler import LossScaler, check_scale_value, check_scaler_states, load_scaler_states, scaler_states
 
 # More losses than any training script scales separately (GANs use two or three); each gets a scaler at initialize.
 MAX_LOSSES = 2 ** 16
@@ -366,7 +366,7 @@ def initialize(
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = session.loss_scalers
     for loaded in loaded_scalers:
-        load_scaler_states(loaded)
+        load_scaler_states(session.loss_scalers, loaded)
     if session.patch_functions:
         # O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
         # Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32
@@ -385,7 +385,7 @@ def _repeats_active_session(models: list, optimizers: list, request: tuple) -> b
     objects it returned, in the same order, none torn down since) and equal options. Upstream refused any
     optimizer passed a second time; a repeated call is harmless, and a second ``Trainer.train()`` makes one."""
     session = _amp_state.session
-    if session is None or not optimizers or getattr(session, "request", None) is None:
+    if session is None or not optimizers or session.request is None:
         return False
     same = (len(models) == len(session.models) and all(a is b for a, b in zip(models, session.models))
             and len(optimizers) == len(session.optimizers)
@@ -466,9 +466,7 @@ def load_state_dict(state_dict):
     if len(state_dict) != len(scalers):
         logger.warning("apex.amp: state_dict contains %d entries, while %d loss_scalers are used",
                        len(state_dict), len(scalers))
-    for idx, _, scale, unskipped in entries:
-        if idx < len(scalers):
-            scalers[idx].load(scale, unskipped)
+    load_scaler_states(scalers, entries)
 
 
 def active_session() -> Optional[_Session]:

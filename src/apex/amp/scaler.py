@@ -223,6 +223,14 @@ def scaler_states(scalers: Sequence[LossScaler]) -> dict:
     return {f"loss_scaler{idx}": scaler.state() for idx, scaler in enumerate(scalers)}
 
 
+def load_scaler_states(scalers: Sequence[LossScaler], entries: List[Tuple[int, str, float, int]]) -> None:
+    """`check_scaler_states` entries into ``scalers`` (an entry beyond them, a loss ``num_losses`` did not ask for,
+    is skipped)."""
+    for idx, _, scale, unskipped in entries:
+        if idx < len(scalers):
+            scalers[idx].load(scale, unskipped)
+
+
 def check_scaler_states(state_dict: Any, where: str) -> List[Tuple[int, str, float, int]]:
     """Every entry of a `scaler_states` dict, validated: (index, key, scale, unskipped) in the dict's order.
 

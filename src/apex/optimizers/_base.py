@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .. import _core, _device
+from .._checkpoint_keys import AMP_MASTERS_KEY, AMP_SCALERS_KEY
 from .._checks import FLOAT32_MAX, plain_numbers, real_number
 from .._tensor_utils import data_ptr, zero_grad_
 from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
@@ -65,10 +66,6 @@ _TORCH_ONLY_OPTIONS = {
 }
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
 
-#: where an amp O2 optimizer checkpoint keeps the fp32 masters (apex.amp's key)
-AMP_MASTERS_KEY = "apex_amp_master_params"
-#: where an amp optimizer checkpoint keeps the loss scalers (`amp.state_dict()`'s format)
-AMP_SCALERS_KEY = "apex_amp_loss_scalers"
 
 #: values of `CombinedOptimizer.executor`
 EXECUTORS = ("auto", "torch", "torch_ops")
