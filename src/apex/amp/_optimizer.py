@@ -84,6 +84,10 @@ class AmpStash:
         self._stash_params: Optional[List[torch.Tensor]] = None
         self._grad_stash: Optional[List[Optional[torch.Tensor]]] = None
         self.torn_down = False
+        # Upstream's flags, read and set by checkpoint code written for it (see `lazy_init`). The masters exist
+        # from initialize on, so the lazy initialization counts as done; setting the flags changes nothing.
+        self.lazy_init_called = True
+        self.already_patched = False
 
     # ------------------------------------------------------------ capability
     @property
@@ -251,6 +255,75 @@ class AmpStash:
             models = [m for _, m in self.pairs]
             masters = [m for m, _ in self.pairs]
             torch._foreach_copy_(models, masters)
+
+    # ------------------------------------------------------------ upstream's internal names
+    # Resume and logging code written for upstream's amp calls ``optimizer._lazy_init_maybe_master_weights()`` (or
+    # ``_amp_lazy_init()``), loads the optimizer, then copies its saved masters into ``amp.master_params``; other
+    # code maps masters to param names through ``_amp_stash.all_fp16_params`` / ``all_fp32_from_fp16_params``.
+    # "fp16" in these names means the session's low-precision dtype (bf16 on CPU unless APEX_AMP_DTYPE says).
+    def lazy_init(self) -> None:
+        """Upstream built the fp32 masters from the model's weights here (before the first backward). They exist
+        from initialize on, so what that build would have read, a model changed since (a checkpoint loaded into
+        it), reaches them now, under the rule of the next backward (`sync_masters`)."""
+        if self.master_weights and not self.torn_down:
+            self.sync_masters()
+        self.lazy_init_called = True
+
+    def masters_to_model(self) -> None:
+        """Upstream's ``_master_params_to_model_params``: every model param takes its master's value now (a step
+        does this itself; code calls it after writing the masters, e.g. to evaluate a resumed model)."""
+        if not self.pairs or self.torn_down:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([m for _, m in self.pairs], [m for m, _ in self.pairs])
+        self.record_model_versions()
+
+    def _split_groups(self) -> List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]]:
+        """Per param group, in group order: (low-precision model params, their fp32 masters, the other params,
+        which are their own masters). Without master weights the low-precision params have no master."""
+        model_of = {id(master): model for master, model in self.pairs}
+        out = []
+        for group in self.optimizer.param_groups:
+            low: List[torch.Tensor] = []
+            masters: List[torch.Tensor] = []
+            other: List[torch.Tensor] = []
+            for p in group["params"]:
+                model = model_of.get(id(p))
+                if model is not None:
+                    low.append(model)
+                    masters.append(p)
+                elif p.dtype in _LOW_DTYPES:
+                    low.append(p)
+                else:
+                    other.append(p)
+            out.append((low, masters, other))
+        return out
+
+    @property
+    def fp16_groups(self) -> List[List[torch.Tensor]]:
+        return [low for low, _, _ in self._split_groups()]
+
+    @property
+    def fp32_from_fp16_groups(self) -> List[List[torch.Tensor]]:
+        return [masters for _, masters, _ in self._split_groups()]
+
+    @property
+    def fp32_from_fp32_groups(self) -> List[List[torch.Tensor]]:
+        return [other for _, _, other in self._split_groups()]
+
+    @property
+    def all_fp16_params(self) -> List[torch.Tensor]:
+        return [p for group in self.fp16_groups for p in group]
+
+    @property
+    def all_fp32_from_fp16_params(self) -> List[torch.Tensor]:
+        return [p for group in self.fp32_from_fp16_groups for p in group]
+
+    @property
+    def all_fp32_from_fp32_params(self) -> List[torch.Tensor]:
+        return [p for group in self.fp32_from_fp32_groups for p in group]
+
+    all_fp32_params = all_fp32_from_fp32_params  # upstream's name without master weights
 
     # ------------------------------------------------------------ backward bookkeeping
     def overflowed(self) -> None:
@@ -632,7 +705,7 @@ def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStas
 
     def patch(name: str, make):
         # Bound methods, as upstream installs them: LR schedulers wrap ``optimizer.step.__func__``.
-        orig = getattr(optimizer, name)
+        orig = getattr(optimizer, name, None)  # None: one of upstream's internal names, new here
         stash.patches.append(InstancePatch(optimizer, name, types.MethodType(make(orig), optimizer)))
 
     def make_step(orig):
@@ -679,5 +752,10 @@ def process_optimizer(optimizer: torch.optim.Optimizer, session: Any) -> AmpStas
     patch("add_param_group", make_add_param_group)
     patch("state_dict", make_state_dict)
     patch("load_state_dict", make_load_state_dict)
+    # upstream's per-optimizer internals that user code calls (see `AmpStash.lazy_init`)
+    patch("_lazy_init_maybe_master_weights", lambda orig: lambda self: stash.lazy_init())
+    patch("_amp_lazy_init", lambda orig: lambda self: None if stash.lazy_init_called else stash.lazy_init())
+    if stash.master_weights:
+        patch("_master_params_to_model_params", lambda orig: lambda self: stash.masters_to_model())
     optimizer._amp_stash = stash
     return stash
