@@ -53,6 +53,9 @@ MODULES = [
       "mixed_dtype_fused_layer_norm_affine", "mixed_dtype_fused_rms_norm_affine", "FusedLayerNormAffineFunction",
       "FusedLayerNormFunction", "FusedLayerNormAffineMixedDtypesFunction", "FusedRMSNormAffineFunction",
       "FusedRMSNormFunction", "FusedRMSNormAffineMixedDtypesFunction"]),
+    ("apex.dump", "The Ascend patch's per-module dump tool: forward inputs/outputs and backward grads of a model's "
+     "children for one step, written into an HDF5 file in the patch's layout (needs `h5py`; see "
+     "[upstream-compat.md](upstream-compat.md)).", None),
     ("apex._device", "The device layer (private module, stable for examples and tests): one place that decides "
      "npu > cuda > cpu and never imports torch_npu when it is absent.",
      ["detect_device", "device_available", "default_amp_dtype"]),
@@ -143,6 +146,12 @@ NOTES = {
     "apex.optimizers.FusedAdam": (
         "NVIDIA's signature and defaults (`adam_w_mode=True`, `set_grad_none=True`); runs on every device "
         "(NVIDIA's needs CUDA). `amsgrad=True` raises as NVIDIA's does."),
+    "apex.dump.HookerAndDumper": (
+        "The NPU patch's: same names, file name and layout (groups `NNNN_<Module>`, datasets `feat_input*`, "
+        "`feat_output*`, `grad_output*`, `grad_input*`), same kind of backward hook. New here: quiet unless "
+        "`is_screen_display=True`; `full_backward=True`; bf16 stored as float32 with a `torch_dtype` attribute; "
+        "nested tuples and numbers written; registering again replaces the earlier hooks; bad arguments, a "
+        "missing h5py or a child refusing the hook raise before anything is registered. Not in NVIDIA Apex."),
     "apex.contrib.clip_grad.clip_grad_norm_": (
         "NVIDIA: same signature and result; upstream is torch's `clip_grad_norm_` too, except that it sends the "
         "2-norm of float32/float16 CUDA grads through its multi-tensor kernels (torch's foreach kernels do that "

@@ -1,11 +1,12 @@
 """apex: mixed-precision training for PyTorch on Ascend NPU, CUDA and CPU.
 
 Subpackages load on first use (``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
-``apex.contrib``, and NVIDIA Apex's ``apex.fp16_utils``, ``apex.normalization``, ``apex.mlp`` and
-``apex.multi_tensor_apply``), so ``import apex`` stays cheap. Where NVIDIA's compiled ``amp_C`` is not
-installed, ``import amp_C`` yields apex's multi-tensor ops: the wheel's ``apex-amp_C.pth`` installs that
-fallback finder (``_apex_amp_c``) at interpreter start-up, and ``import apex`` installs it where ``.pth`` files
-did not run (``python -S``, a source tree on ``PYTHONPATH``).
+``apex.contrib``, the Ascend patch's ``apex.dump``, and NVIDIA Apex's ``apex.fp16_utils``,
+``apex.normalization``, ``apex.mlp`` and ``apex.multi_tensor_apply``), so ``import apex`` stays
+cheap. Where NVIDIA's compiled ``amp_C`` is not installed, ``import amp_C`` yields apex's multi-tensor ops:
+the wheel's ``apex-amp_C.pth`` installs that fallback finder (``_apex_amp_c``) at interpreter start-up,
+and ``import apex`` installs it where ``.pth`` files did not run (``python -S``, a source tree on
+``PYTHONPATH``).
 """
 
 import importlib as _importlib
@@ -16,7 +17,8 @@ _apex_amp_c.install()
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("amp", "optimizers", "parallel", "contrib", "fp16_utils", "normalization", "multi_tensor_apply", "mlp")
+_SUBMODULES = ("amp", "optimizers", "parallel", "contrib", "fp16_utils", "normalization", "multi_tensor_apply", "mlp",
+               "dump")
 
 
 def __getattr__(name):
