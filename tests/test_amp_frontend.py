@@ -1067,3 +1067,19 @@ def test_an_overflow_in_a_delayed_block_skips_the_step(opt_level, combine, delay
     assert scale == 2.0**15  # backed off once
     opt.step()
     assert torch.equal(model.weight, before)
+
+
+def test_upstream_level_objects():
+    """``from apex.amp.frontend import O3`` (and ``opt_levels``) as scripts written for upstream import them: each
+    resets a Properties to its level's defaults, as initialize starts from them."""
+    from apex.amp.frontend import O0, O1, O2, O3, Properties, opt_levels
+
+    assert sorted(opt_levels) == ["O0", "O1", "O2", "O3"]
+    for name, cls in (("O0", O0), ("O1", O1), ("O2", O2), ("O3", O3)):
+        level = opt_levels[name]
+        assert isinstance(level, cls) and level.brief.startswith(f"{name}:") and level.more
+        props = Properties("O1" if name != "O1" else "O0", torch.bfloat16)
+        assert level(props) is props
+        assert props.options == Properties(name, torch.bfloat16).options
+    with pytest.raises(TypeError, match="expected amp Properties"):
+        O2()({"opt_level": "O1"})

@@ -163,6 +163,54 @@ class Properties:
         return "\n".join(f"{k:22} : {self.options[k]}" for k in OPTION_NAMES)
 
 
+class _OptLevel:
+    """Upstream's per-level objects (``apex.amp.frontend.O0`` ... ``O3`` and ``opt_levels``): ``brief`` and
+    ``more`` describe the level, and calling one on a `Properties` resets it to that level's defaults (options
+    given to ``initialize`` are applied after that, with `Properties.override`)."""
+
+    name = ""
+    more = ""
+
+    @property
+    def brief(self) -> str:
+        return f"{self.name}:  {_BRIEF[self.name]}"
+
+    def __call__(self, properties: Properties) -> Properties:
+        if not isinstance(properties, Properties):
+            raise TypeError(f"{self.name}: expected amp Properties, got {type(properties).__name__}")
+        properties.options = Properties(self.name, properties.low_dtype).options
+        return properties
+
+    def __repr__(self) -> str:
+        return f"<amp opt level {self.name}>"
+
+
+class O0(_OptLevel):
+    name = "O0"
+    more = "The model stays float32, no casts are inserted and the loss is not scaled: a baseline run."
+
+
+class O1(_OptLevel):
+    name = "O1"
+    more = ("The model's weights stay float32; ops that are safe in low precision run in it under autocast, the "
+            "others in float32. Dynamic loss scaling.")
+
+
+class O2(_OptLevel):
+    name = "O2"
+    more = ("The model is cast to the low-precision dtype, batchnorm kept float32; the optimizer updates float32 "
+            "master weights, copied into the model after each step. Dynamic loss scaling.")
+
+
+class O3(_OptLevel):
+    name = "O3"
+    more = ("The model, batchnorm included, is cast to the low-precision dtype, with no master weights: a speed "
+            "baseline for O1 and O2. Static loss scale 1.")
+
+
+OPT_LEVELS = {"O3": O3(), "O2": O2(), "O1": O1(), "O0": O0()}
+
+
 def _loss_scale(value: Any):
     if value == "dynamic":
         return "dynamic"

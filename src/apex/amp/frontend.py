@@ -31,7 +31,8 @@ from ._model import (
     undo_casts,
 )
 from ._optimizer import process_optimizer
-from ._properties import Properties, check_opt_level
+from ._properties import O0, O1, O2, O3, Properties, check_opt_level  # noqa: F401
+from ._properties import OPT_LEVELS as opt_levels  # noqa: F401  (upstream's names, imported from here)
 from .scaler import LossScaler, check_scale_value, check_scaler_states, load_scaler_states, scaler_states
 
 # More losses than any training script scales separately (GANs use two or three); each gets a scaler at initialize.
