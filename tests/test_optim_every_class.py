@@ -326,6 +326,28 @@ def test_torch_state_dict_with_executor_choices_loads(name):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+NVIDIA_CLASSES = ["FusedAdam", "FusedLAMB", "FusedSGD", "FusedNovoGrad", "FusedAdagrad", "FusedMixedPrecisionLamb"]
+
+
+@pytest.mark.parametrize("name", ALL + NVIDIA_CLASSES)
+def test_state_dict_round_trip_keeps_the_group_keys(name):
+    """Loading an optimizer's own checkpoint gives back exactly its group keys and defaults: torch's load adds
+    "differentiable" to ``defaults``, which NVIDIA's classes do not have, and that must not reach the groups."""
+    import apex.optimizers
+
+    m = Net()
+    if name in NVIDIA_CLASSES:
+        o = getattr(apex.optimizers, name)(m.parameters(), lr=0.01)
+    else:
+        o = make_opt(name, m.parameters())
+    train(m, o, 1)
+    keys, defaults = [sorted(g) for g in o.param_groups], sorted(o.defaults)
+    o.load_state_dict(copy.deepcopy(o.state_dict()))
+    assert [sorted(g) for g in o.param_groups] == keys
+    assert [sorted(g) for g in o.state_dict()["param_groups"]] == keys
+    assert sorted(k for k in o.defaults if k != "differentiable") == [k for k in defaults if k != "differentiable"]
+
+
 # ------------------------------------------------------------------ add_param_group after steps
 @pytest.mark.parametrize("name", ALL)
 def test_add_param_group_after_steps(name):

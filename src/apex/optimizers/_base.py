@@ -769,12 +769,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._check_loaded(state_dict)
         masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
         scalers = self._check_loaded_scalers(state_dict.get(AMP_SCALERS_KEY))
+        # (torch's load adds "differentiable" to self.defaults, which the NVIDIA-family classes do not have)
+        defaults = dict(self.defaults)
         super().load_state_dict(state_dict)
         self._watch_state()  # torch's load made new dicts: watched before user code can take one
         self.loaded_amp_masters = masters
         self.loaded_amp_scalers = scalers
         for g in self.param_groups:
-            for key, value in self.defaults.items():  # checkpoints of older versions lack newer options
+            for key, value in defaults.items():  # checkpoints of older versions lack newer options
                 g.setdefault(key, value)
         self._groups.clear()
         self._force_rebuild = True
