@@ -342,10 +342,13 @@ def test_state_dict_round_trip_keeps_the_group_keys(name):
         o = make_opt(name, m.parameters())
     train(m, o, 1)
     keys, defaults = [sorted(g) for g in o.param_groups], sorted(o.defaults)
-    o.load_state_dict(copy.deepcopy(o.state_dict()))
-    assert [sorted(g) for g in o.param_groups] == keys
-    assert [sorted(g) for g in o.state_dict()["param_groups"]] == keys
-    assert sorted(k for k in o.defaults if k != "differentiable") == [k for k in defaults if k != "differentiable"]
+    for _ in range(2):  # resume code loads twice (NVIDIA's BERT recipe)
+        o.load_state_dict(copy.deepcopy(o.state_dict()))
+        assert [sorted(g) for g in o.param_groups] == keys
+        assert [sorted(g) for g in o.state_dict()["param_groups"]] == keys
+        if name != "lamb_ref":  # (a plain torch.optim.Optimizer: torch's own load adds the default there)
+            assert sorted(o.defaults) == defaults
+    train(m, o, 1)
 
 
 # ------------------------------------------------------------------ add_param_group after steps

@@ -769,9 +769,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._check_loaded(state_dict)
         masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
         scalers = self._check_loaded_scalers(state_dict.get(AMP_SCALERS_KEY))
-        # (torch's load adds "differentiable" to self.defaults, which the NVIDIA-family classes do not have)
+        # torch's load adds "differentiable" to self.defaults; classes that do not have it (NVIDIA's, the Ascend
+        # patch's own) keep their defaults as they were, so a second load does not spread it into the groups
         defaults = dict(self.defaults)
         super().load_state_dict(state_dict)
+        if "differentiable" not in defaults:
+            self.defaults.pop("differentiable", None)
         self._watch_state()  # torch's load made new dicts: watched before user code can take one
         self.loaded_amp_masters = masters
         self.loaded_amp_scalers = scalers
