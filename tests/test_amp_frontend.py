@@ -1083,3 +1083,34 @@ def test_upstream_level_objects():
         assert props.options == Properties(name, torch.bfloat16).options
     with pytest.raises(TypeError, match="expected amp Properties"):
         O2()({"opt_level": "O1"})
+
+
+def _overflowing_step(**kw):
+    m = bn_mlp(8, 16, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    m, o = amp.initialize(m, o, opt_level="O1", **kw)
+    with amp.scale_loss(m(torch.randn(4, 8)).float().sum() * float("inf"), o) as scaled:
+        scaled.backward()
+    o.step()
+
+
+def test_messages_print_where_logging_is_not_configured(monkeypatch, capsys):
+    """A script that never set up logging sees amp's messages on stdout, as upstream printed them (pytest
+    configures logging, so the unconfigured case is made by hiding the handlers)."""
+    from apex.amp._amp_state import logger
+
+    monkeypatch.setattr(logger, "hasHandlers", lambda: False)
+    _overflowing_step()
+    out = capsys.readouterr().out
+    assert "Selected optimization level O1" in out
+    assert "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0" in out
+    amp.deinitialize()
+    _overflowing_step(verbosity=0)
+    assert capsys.readouterr().out == ""
+
+
+def test_messages_go_to_logging_where_it_is_configured(caplog, capsys):
+    with caplog.at_level("INFO", logger="apex.amp"):
+        _overflowing_step()
+    assert "Gradient overflow. Skipping step" in caplog.text
+    assert "Gradient overflow" not in capsys.readouterr().out

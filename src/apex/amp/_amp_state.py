@@ -56,9 +56,28 @@ class AmpState:
 _amp_state = AmpState()
 
 
-def maybe_log(msg: str, *args: Any, level: int = logging.INFO) -> None:
-    """Log through ``apex.amp`` unless verbosity is 0 (then only at DEBUG)."""
-    logger.log(level if _amp_state.verbosity > 0 else logging.DEBUG, msg, *args)
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def maybe_log(msg: str, *args: Any, level: int = logging.INFO, rank0: bool = False) -> None:
+    """amp's messages (options chosen, skipped steps): through the ``apex.amp`` logger when the program configured
+    logging (a handler anywhere from ``apex.amp`` up to the root logger), else printed to stdout, as upstream's amp
+    printed them, so a script that never set up logging still sees "Gradient overflow. Skipping step" lines.
+    ``rank0`` messages (the banner) print on rank 0 only. ``verbosity=0`` keeps them at DEBUG, never printed."""
+    if _amp_state.verbosity <= 0:
+        logger.log(logging.DEBUG, msg, *args)
+        return
+    if logger.hasHandlers():
+        logger.log(level, msg, *args)
+        return
+    if logger.level != logging.NOTSET and not logger.isEnabledFor(level):
+        return  # a level set on apex.amp itself still decides
+    if rank0 and _rank() != 0:
+        return
+    print(msg % args if args else msg, flush=True)
 
 
 def master_params(optimizer):

@@ -331,8 +331,8 @@ def initialize(
         previous.function_patches.restore()
     _amp_state.verbosity = verbosity
     maybe_log("Selected optimization level %s: %s (low-precision dtype %s on %s)", opt_level, props.brief, low,
-              device_type)
-    maybe_log("Processed optimization options:\n%s", props.describe())
+              device_type, rank0=True)
+    maybe_log("Processed optimization options:\n%s", props.describe(), rank0=True)
 
     autocast = bool(props.patch_torch_functions)  # O1 (also with cast_model_type=torch.float32)
     if props.cast_model_type:
