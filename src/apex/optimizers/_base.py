@@ -423,7 +423,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if c.names != self._state_names(group):
             return None  # an option that changes the state layout (e.g. amsgrad) was switched
         for s in c.sets:
-            if s.out_params is not None and not s.out_intact():
+            if (s.out_params is not None and not s.out_intact()) or s.buffers_moved():
                 return None
         return c.sets
 

@@ -350,6 +350,25 @@ class FlatSet:
             self.skip.zero_()
 
     # -- per-step checks ------------------------------------------------------
+    def buffers_moved(self) -> bool:
+        """Whether a buffer whose address the kernel holds was reallocated since it was recorded.
+
+        ``resize_`` that grows a view a user holds (a state entry, ``p.grad`` bound to its slot, ``state['step']``)
+        moves the whole storage it shares with the other slots; the kernel would then read and write freed
+        memory. Found here by the buffers' own addresses (one data_ptr per buffer, not per param), the group is
+        re-combined, which validates every state entry first (a resized one is refused, naming the param and the
+        key). Torch executors use the buffer tensors themselves, which follow their storage."""
+        a = self.args
+        if a is None:
+            return False
+        if self.flat_p.data_ptr() != a.p or self.steps.data_ptr() != a.steps:
+            return True
+        if self._flat_g is not None and self._flat_g.data_ptr() != a.g:
+            return True
+        names = self.state_names
+        recorded = (a.s0, a.s1, a.s2)
+        return any(self.flat_s[n].data_ptr() != recorded[i] for i, n in enumerate(names[:3]))
+
     def params_intact(self) -> bool:
         """Every param still lives at its slot (catches p.data = ..., model.to(...))."""
         return list(map(data_ptr, self.params)) == self.param_ptrs and (

@@ -384,7 +384,7 @@ class ShadowParamsMixin:
         if c.names != self._state_names(group):
             return None
         for s in c.sets:
-            if not s.params_intact() or (s.out_params is not None and not s.out_intact()):
+            if not s.params_intact() or (s.out_params is not None and not s.out_intact()) or s.buffers_moved():
                 return None
         return c.sets
 
