@@ -350,7 +350,7 @@ class _Child:
     def optim(self):
         r = self.rng
         kernels = sorted(n for n in dir(apex_C)
-                         if n.endswith("_step") or "_stage" in n or n in ("row_dots", "grad_sum_sq"))
+                         if n.endswith("_step") or "_stage" in n or n in ("_raw_row_dots", "_raw_grad_sum_sq"))
         name = r.choice(kernels)
         a = apex_C.OptArgs()
         a.pdt, a.gdt = r.choice([0, 0, 1, 2]), r.choice([0, 0, 1, 2])

@@ -484,3 +484,32 @@ def test_step_whose_closure_raises_leaves_the_scaler_as_it_was():
     with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
         opt.loss_scale = 0
     assert opt.loss_scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("loss", ["x", [1.0, 2.0], 3.0, None])
+@pytest.mark.parametrize("make", [lambda: apex.fp16_utils.LossScaler(4), lambda: apex.fp16_utils.DynamicLossScaler()])
+def test_loss_scaler_backward_needs_a_tensor(make, loss):
+    """A str or list times the scale would be repeated (a 4 GiB string for 2**32), not scaled: refused first."""
+    scaler = make()
+    with pytest.raises(TypeError, match="loss must be a tensor"):
+        scaler.backward(loss)
+
+
+def test_loss_scaler_takes_integers_beyond_int64_as_floats():
+    scaler = apex.fp16_utils.LossScaler(2**64 + 5)
+    assert scaler.loss_scale == float(2**64)
+    x = torch.ones(2, requires_grad=True)
+    scaler.backward(x.sum())
+    assert torch.equal(x.grad, torch.full((2,), float(2**64)))
+    with pytest.raises(ValueError, match="finite number > 0"):
+        apex.fp16_utils.LossScaler(10**400)
+
+
+def test_clip_master_grads_names_a_bad_max_norm():
+    model = nn.Linear(2, 2).half()
+    opt = apex.fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.0), verbose=False)
+    for value in ("x", None, [1.0]):
+        with pytest.raises(TypeError, match="max_norm must be a number"):
+            opt.clip_master_grads(value)
+    with pytest.raises(TypeError, match="norm_type must be a number"):
+        opt.clip_master_grads(1.0, norm_type="2")

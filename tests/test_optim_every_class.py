@@ -52,16 +52,16 @@ from apex.optimizers import (
 # name -> (class, hyperparameters exercising the optional paths, torch.optim equivalent, kernel entry point)
 SPECS = {
     "sgd": (NpuFusedSGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True), torch.optim.SGD,
-            "sgd_step"),
-    "adam": (NpuFusedAdam, dict(lr=0.01, weight_decay=0.01, amsgrad=True), torch.optim.Adam, "adam_step"),
-    "adamw": (NpuFusedAdamW, dict(lr=0.01, weight_decay=0.05), torch.optim.AdamW, "adam_step"),
-    "adamp": (NpuFusedAdamP, dict(lr=0.01, weight_decay=0.01, nesterov=True), None, "adamp_stage_b"),
+            "_raw_sgd_step"),
+    "adam": (NpuFusedAdam, dict(lr=0.01, weight_decay=0.01, amsgrad=True), torch.optim.Adam, "_raw_adam_step"),
+    "adamw": (NpuFusedAdamW, dict(lr=0.01, weight_decay=0.05), torch.optim.AdamW, "_raw_adam_step"),
+    "adamp": (NpuFusedAdamP, dict(lr=0.01, weight_decay=0.01, nesterov=True), None, "_raw_adamp_stage_b"),
     "bert_adam": (NpuFusedBertAdam, dict(lr=0.01, warmup=0.1, t_total=100, schedule="warmup_cosine"), None,
-                  "bert_adam_step"),
-    "adadelta": (NpuFusedAdadelta, dict(lr=1.0, weight_decay=0.01), torch.optim.Adadelta, "adadelta_step"),
-    "lamb": (NpuFusedLamb, dict(lr=0.01, weight_decay=0.01), None, "lamb_step"),
-    "rmsprop": (NpuFusedRMSprop, dict(lr=0.01, momentum=0.9, centered=True), torch.optim.RMSprop, "rmsprop_step"),
-    "rmsprop_tf": (NpuFusedRMSpropTF, dict(lr=0.01, momentum=0.9), None, "rmsprop_tf_step"),
+                  "_raw_bert_adam_step"),
+    "adadelta": (NpuFusedAdadelta, dict(lr=1.0, weight_decay=0.01), torch.optim.Adadelta, "_raw_adadelta_step"),
+    "lamb": (NpuFusedLamb, dict(lr=0.01, weight_decay=0.01), None, "_raw_lamb_step"),
+    "rmsprop": (NpuFusedRMSprop, dict(lr=0.01, momentum=0.9, centered=True), torch.optim.RMSprop, "_raw_rmsprop_step"),
+    "rmsprop_tf": (NpuFusedRMSpropTF, dict(lr=0.01, momentum=0.9), None, "_raw_rmsprop_tf_step"),
 }
 # fp16 states: eps=1e-8 is 0 in fp16 and tiny second moments flush to zero, so torch.optim itself diverges there;
 # an fp16-sized eps (centered RMSprop in fp16: see test_centered_rmsprop_fp16_tiny_second_moment)

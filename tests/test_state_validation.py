@@ -335,3 +335,36 @@ def test_o3_recasts_optimizer_state_loaded_before_initialize(make):
     m2(torch.randn(3, 4, dtype=low)).float().pow(2).mean().backward()
     o2.step()
     assert all(torch.isfinite(p.float()).all() for p in m2.parameters())
+
+
+def test_novograd_refuses_a_bad_norm_entry_before_counting_the_step():
+    """FusedNovoGrad's ``exp_avg_sq`` is one norm per tensor: a param-shaped tensor set there is refused by name,
+    and the group's step count stays where it was."""
+    from apex.optimizers import FusedNovoGrad
+
+    ps = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))]
+    opt = FusedNovoGrad(ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[ps[0]]["exp_avg_sq"] = torch.zeros(9)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(TypeError, match="state 'exp_avg_sq' of param 0: expected a number or a 1-element"):
+        opt.step()
+    assert opt.param_groups[0]["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))
+    opt.state[ps[0]]["exp_avg_sq"] = torch.tensor(0.5)  # a norm of the right form is taken
+    opt.step()
+    assert opt.param_groups[0]["step"] == 2
+
+
+def test_base_class_and_clip_function_name_what_they_need():
+    from apex.optimizers import CombinedOptimizer, clip_optimizer_grad_norm_fused
+
+    p = torch.nn.Parameter(torch.randn(2))
+    with pytest.raises(TypeError, match="defaults must be a dict"):
+        CombinedOptimizer([p], [])
+    with pytest.raises(KeyError, match="needs an 'lr'"):
+        CombinedOptimizer([p], {})
+    with pytest.raises(TypeError, match="expected an apex optimizer"):
+        clip_optimizer_grad_norm_fused([], 1.0)

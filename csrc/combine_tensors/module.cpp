@@ -359,7 +359,7 @@ void run_opt(OptFn OptimKernels::*which, PyOptArgs& args, bool needs_steps, bool
   const OptArgs& a = args.resolve();
   if ((a.flags & kF32States) && which != &OptimKernels::adam)
     throw py::value_error(std::string(name) + ": FLAG_F32_STATES (float32 states of fp16/bf16 params) is "
-                          "implemented by adam_step only");
+                          "implemented by _raw_adam_step only");
   check_slots(a, slots(a), name);
   if (needs_steps && a.nseg > 0 && !a.steps)
     throw py::value_error(std::string(name) + ": per-segment steps are required");
@@ -624,22 +624,22 @@ PYBIND11_MODULE(apex_C, m) {
           py::arg("args"));
   };
   // bit i set = state slot s<i> is dereferenced
-  bind("sgd_step", &OptimKernels::sgd, false, false, [](const OptArgs& a) { return a.hp[1] != 0.0 ? 1 : 0; });
-  bind("adam_step", &OptimKernels::adam, true, false,
+  bind("_raw_sgd_step", &OptimKernels::sgd, false, false, [](const OptArgs& a) { return a.hp[1] != 0.0 ? 1 : 0; });
+  bind("_raw_adam_step", &OptimKernels::adam, true, false,
        [](const OptArgs& a) { return (a.flags & kAmsgrad) ? 7 : 3; });
-  bind("adadelta_step", &OptimKernels::adadelta, false, false, [](const OptArgs&) { return 3; });
+  bind("_raw_adadelta_step", &OptimKernels::adadelta, false, false, [](const OptArgs&) { return 3; });
   auto rms_slots = [](const OptArgs& a) { return 1 | (a.hp[4] > 0.0 ? 2 : 0) | ((a.flags & kCentered) ? 4 : 0); };
-  bind("rmsprop_step", &OptimKernels::rmsprop, false, false, rms_slots);
-  bind("rmsprop_tf_step", &OptimKernels::rmsprop_tf, false, false, rms_slots);
-  bind("bert_adam_step", &OptimKernels::bert_adam, false, false, [](const OptArgs&) { return 3; });
-  bind("lamb_stage1", &OptimKernels::lamb_stage1, false, true, [](const OptArgs&) { return 3; });
-  bind("lamb_stage2", &OptimKernels::lamb_stage2, false, false, [](const OptArgs&) { return 3; });
-  bind("lamb_step", &OptimKernels::lamb, false, true, [](const OptArgs&) { return 3; });
-  bind("row_dots", &OptimKernels::row_dots, false, true, [](const OptArgs&) { return 0; });
-  bind("grad_sum_sq", &OptimKernels::grad_sum_sq, false, true, [](const OptArgs&) { return 0; });
-  bind("adamp_stage_a", &OptimKernels::adamp_stage_a, true, true, [](const OptArgs&) { return 3; });
-  bind("adamp_stage_b", &OptimKernels::adamp_stage_b, true, false, [](const OptArgs&) { return 3; });
-  bind("adagrad_step", &OptimKernels::adagrad, true, false, [](const OptArgs&) { return 1; });
+  bind("_raw_rmsprop_step", &OptimKernels::rmsprop, false, false, rms_slots);
+  bind("_raw_rmsprop_tf_step", &OptimKernels::rmsprop_tf, false, false, rms_slots);
+  bind("_raw_bert_adam_step", &OptimKernels::bert_adam, false, false, [](const OptArgs&) { return 3; });
+  bind("_raw_lamb_stage1", &OptimKernels::lamb_stage1, false, true, [](const OptArgs&) { return 3; });
+  bind("_raw_lamb_stage2", &OptimKernels::lamb_stage2, false, false, [](const OptArgs&) { return 3; });
+  bind("_raw_lamb_step", &OptimKernels::lamb, false, true, [](const OptArgs&) { return 3; });
+  bind("_raw_row_dots", &OptimKernels::row_dots, false, true, [](const OptArgs&) { return 0; });
+  bind("_raw_grad_sum_sq", &OptimKernels::grad_sum_sq, false, true, [](const OptArgs&) { return 0; });
+  bind("_raw_adamp_stage_a", &OptimKernels::adamp_stage_a, true, true, [](const OptArgs&) { return 3; });
+  bind("_raw_adamp_stage_b", &OptimKernels::adamp_stage_b, true, false, [](const OptArgs&) { return 3; });
+  bind("_raw_adagrad_step", &OptimKernels::adagrad, true, false, [](const OptArgs&) { return 1; });
 
   // The compiler that built this module: its vectoriser shapes every kernel loop (the bench records it).
 #if defined(__clang__)

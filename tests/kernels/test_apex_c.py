@@ -1113,7 +1113,7 @@ def test_thread_counts_that_are_not_integers_are_refused(threads):
 # ---------------------------------------------------------------------------------------------------------------
 # every optimizer kernel the module binds (they share one argument check), found by name
 OPT_KERNELS = sorted(n for n in dir(apex_C)
-                     if n.endswith("_step") or "_stage" in n or n in ("row_dots", "grad_sum_sq"))
+                     if n.endswith("_step") or "_stage" in n or n in ("_raw_row_dots", "_raw_grad_sum_sq"))
 VALID_COMBOS = [  # (param, grad, out copy or None)
     (F32, F32, None), (F32, F16, None), (F32, BF16, None), (F32, F32, F16), (F32, F32, BF16),
     (F32, F16, F16), (F32, BF16, BF16), (F16, F16, None), (BF16, BF16, None),
@@ -1172,9 +1172,10 @@ def test_optimizer_argument_errors(kernel):
 
 REQUIRED_INPUTS = [
     (kernel, missing)
-    for kernel, missing in [("adam_step", "steps"), ("adamp_stage_a", "steps"), ("adamp_stage_b", "steps"),
-                            ("adagrad_step", "steps"), ("lamb_stage1", "seg_out"), ("row_dots", "seg_out"),
-                            ("grad_sum_sq", "seg_out"), ("adamp_stage_a", "seg_out")]
+    for kernel, missing in [("_raw_adam_step", "steps"), ("_raw_adamp_stage_a", "steps"),
+                            ("_raw_adamp_stage_b", "steps"), ("_raw_adagrad_step", "steps"),
+                            ("_raw_lamb_stage1", "seg_out"), ("_raw_row_dots", "seg_out"),
+                            ("_raw_grad_sum_sq", "seg_out"), ("_raw_adamp_stage_a", "seg_out")]
     if hasattr(apex_C, kernel)
 ]
 
@@ -1197,7 +1198,7 @@ def test_optimizer_required_per_segment_inputs(kernel, missing):
 
 
 def _full_args(n=8, nseg=2):
-    """A valid adam_step argument set over n elements in nseg equal slots, with the arrays it points into."""
+    """A valid _raw_adam_step argument set over n elements in nseg equal slots, with the arrays it points into."""
     bufs = {k: np.zeros(n, np.float32) for k in ("p", "g", "s0", "s1", "s2")}
     seg = np.linspace(0, n, nseg + 1).astype(np.int64)
     steps = np.ones(nseg, np.float32)
@@ -1212,7 +1213,7 @@ def _full_args(n=8, nseg=2):
 def test_optimizer_valid_call_runs():
     a, bufs, _seg, _steps = _full_args()
     bufs["g"][:] = 1.0
-    apex_C.adam_step(a)
+    apex_C._raw_adam_step(a)
     assert (bufs["p"] < 0).all()
 
 

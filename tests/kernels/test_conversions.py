@@ -261,14 +261,14 @@ def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states:
 
 
 OPT_CASES = {
-    "adam": ("adam_step", 0, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
-    "adamw": ("adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
-    "adam-amsgrad": ("adam_step", apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0]),
-    "sgd": ("sgd_step", 0, [0.1, 0.0, 0.0, 0.0]),
-    "sgd-momentum": ("sgd_step", 0, [0.1, 0.9, 0.1, 1e-4]),
-    "sgd-nesterov": ("sgd_step", apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 1e-4]),
-    "sgd-decay-after": ("sgd_step", apex_C.FLAG_DECOUPLED, [0.1, 0.9, 0.1, 1e-4]),
-    "sgd-decay-after-nesterov": ("sgd_step", apex_C.FLAG_DECOUPLED | apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 0.0]),
+    "adam": ("_raw_adam_step", 0, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adamw": ("_raw_adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adam-amsgrad": ("_raw_adam_step", apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0]),
+    "sgd": ("_raw_sgd_step", 0, [0.1, 0.0, 0.0, 0.0]),
+    "sgd-momentum": ("_raw_sgd_step", 0, [0.1, 0.9, 0.1, 1e-4]),
+    "sgd-nesterov": ("_raw_sgd_step", apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 1e-4]),
+    "sgd-decay-after": ("_raw_sgd_step", apex_C.FLAG_DECOUPLED, [0.1, 0.9, 0.1, 1e-4]),
+    "sgd-decay-after-nesterov": ("_raw_sgd_step", apex_C.FLAG_DECOUPLED | apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 0.0]),
 }
 
 
@@ -284,14 +284,14 @@ def test_low_precision_optimizer_steps_match_baseline(level, dt, case):
 # Every elementwise optimizer kernel, with options that take each loop variant.
 ELEMENTWISE_CASES = {
     **OPT_CASES,
-    "adam-f32-out": ("adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
-    "adadelta": ("adadelta_step", 0, [1.0, 0.9, 1e-6, 0.01]),
-    "rmsprop-centered-momentum": ("rmsprop_step", apex_C.FLAG_CENTERED, [1e-2, 0.99, 1e-8, 0.01, 0.9]),
-    "rmsprop-tf-lr-in-momentum": ("rmsprop_tf_step", apex_C.FLAG_LR_IN_MOMENTUM | apex_C.FLAG_DECOUPLED,
+    "adam-f32-out": ("_raw_adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adadelta": ("_raw_adadelta_step", 0, [1.0, 0.9, 1e-6, 0.01]),
+    "rmsprop-centered-momentum": ("_raw_rmsprop_step", apex_C.FLAG_CENTERED, [1e-2, 0.99, 1e-8, 0.01, 0.9]),
+    "rmsprop-tf-lr-in-momentum": ("_raw_rmsprop_tf_step", apex_C.FLAG_LR_IN_MOMENTUM | apex_C.FLAG_DECOUPLED,
                                   [1e-2, 0.9, 1e-10, 0.01, 0.9]),
-    "bert-adam": ("bert_adam_step", 0, [1e-3, 0.9, 0.999, 1e-6, 0.01]),
-    "adagrad": ("adagrad_step", 0, [1e-2, 1e-10, 0.01, 0.1]),
-    "lamb-stage2": ("lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-3, 1e-6, 0.01, 0.9, 0.999]),
+    "bert-adam": ("_raw_bert_adam_step", 0, [1e-3, 0.9, 0.999, 1e-6, 0.01]),
+    "adagrad": ("_raw_adagrad_step", 0, [1e-2, 1e-10, 0.01, 0.1]),
+    "lamb-stage2": ("_raw_lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-3, 1e-6, 0.01, 0.9, 0.999]),
 }
 
 
@@ -400,14 +400,15 @@ def test_sgd_decay_after_momentum_is_the_two_pass_form(level, dt, wd):
     def one_pass():
         pp, m = p0.copy(), m0.copy()
         for g in grads:
-            apex_C.sgd_step(args(pp, g, m.ctypes.data, [lr, b1, damp, wd], apex_C.FLAG_DECOUPLED, umul.ctypes.data))
+            apex_C._raw_sgd_step(args(pp, g, m.ctypes.data, [lr, b1, damp, wd], apex_C.FLAG_DECOUPLED,
+                                      umul.ctypes.data))
         return pp.tobytes(), m.tobytes()
 
     def two_pass():
         pp, m = p0.copy(), m0.copy()
         for g in grads:
-            apex_C.sgd_step(args(pp, g, m.ctypes.data, [0.0, b1, damp, 0.0]))
-            apex_C.sgd_step(args(pp, m, 0, [lr, 0.0, 0.0, wd], seg_gmul=umul.ctypes.data))
+            apex_C._raw_sgd_step(args(pp, g, m.ctypes.data, [0.0, b1, damp, 0.0]))
+            apex_C._raw_sgd_step(args(pp, m, 0, [lr, 0.0, 0.0, wd], seg_gmul=umul.ctypes.data))
         return pp.tobytes(), m.tobytes()
 
     got = one_pass()
@@ -418,9 +419,10 @@ def test_sgd_decay_after_momentum_is_the_two_pass_form(level, dt, wd):
 LAMB_CASES = {
     # stage 1: m, v and the per-segment (||p||^2, ||u||^2), over segments of 1000 and 3099 elements (reduction
     # chunks and lane remainders of both); stage 2: the update with unit trust ratios
-    "lamb-stage1": ("lamb_stage1", apex_C.FLAG_BIAS_CORRECTION | apex_C.FLAG_BETA3, [0.9, 0.999, 1e-6, 0.01, 0.1], 2),
-    "lamb-stage1-nobc": ("lamb_stage1", 0, [0.9, 0.999, 1e-6, 0.0], 2),
-    "lamb-stage2": ("lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-2, 1e-6, 0.01, 0.9, 0.999], 0),
+    "lamb-stage1": ("_raw_lamb_stage1", apex_C.FLAG_BIAS_CORRECTION | apex_C.FLAG_BETA3,
+                    [0.9, 0.999, 1e-6, 0.01, 0.1], 2),
+    "lamb-stage1-nobc": ("_raw_lamb_stage1", 0, [0.9, 0.999, 1e-6, 0.0], 2),
+    "lamb-stage2": ("_raw_lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-2, 1e-6, 0.01, 0.9, 0.999], 0),
 }
 
 
@@ -444,7 +446,7 @@ def test_lamb_stages_match_baseline(level, dt, case):
 
 
 def _grad_sum_sq(g: np.ndarray, dt: int, seg: np.ndarray, skip=None) -> np.ndarray:
-    """grad_sum_sq over the slots of `seg` (a params buffer that must stay untouched rides along)."""
+    """_raw_grad_sum_sq over the slots of `seg` (a params buffer that must stay untouched rides along)."""
     n = int(seg[-1])
     p = np.full(n, 7, STORAGE[dt])
     out = np.full(len(seg) - 1, np.nan, np.float64)
@@ -454,8 +456,8 @@ def _grad_sum_sq(g: np.ndarray, dt: int, seg: np.ndarray, skip=None) -> np.ndarr
     a.seg_out, a.threads = out.ctypes.data, 2
     if skip is not None:
         a.skip = skip.ctypes.data
-    apex_C.grad_sum_sq(a)
-    assert (p == 7).all(), "grad_sum_sq wrote to the params"
+    apex_C._raw_grad_sum_sq(a)
+    assert (p == 7).all(), "_raw_grad_sum_sq wrote to the params"
     return out
 
 
@@ -522,10 +524,10 @@ def test_conversions_under_flush_denormal(level, setter):
         b2f = convert(every, BF16, F32)
         f2h = convert(x, F32, F16)
         f2b = convert(x, F32, BF16)
-        opt = _optimizer_case("adam_step", F16, 0, [1e-3, 0.9, 0.999, 1e-8, 0.01], np.random.default_rng(3))
+        opt = _optimizer_case("_raw_adam_step", F16, 0, [1e-3, 0.9, 0.999, 1e-8, 0.01], np.random.default_rng(3))
         # AMSGrad's max keeps the loaded bf16 subnormal max_exp_avg_sq (a compare under DAZ reads it as zero but
         # selects its bits): the bf16 store itself sees denormal inputs here, and must keep them under DAZ
-        ams = _optimizer_case("adam_step", BF16, apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0],
+        ams = _optimizer_case("_raw_adam_step", BF16, apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0],
                               np.random.default_rng(4), subnormal_states=True)
     finally:
         set_flush_denormal(False)

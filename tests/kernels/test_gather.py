@@ -4,7 +4,7 @@
 instead of the flat grad buffer; the arithmetic is the same, so every kernel must give bitwise the
 same params, states and per-slot outputs either way, at every SIMD level and in every dtype.
 `_raw_scale_gather_` is amp's in-place unscale + non-finite check over separate buffers.
-`lamb_step` (LAMB's two stages and the trust ratios in one call) is checked here against the two stage calls
+`_raw_lamb_step` (LAMB's two stages and the trust ratios in one call) is checked here against the two stage calls
 with the ratios formed in numpy, over the same slot layouts.
 """
 
@@ -107,27 +107,27 @@ class Case:
 F = apex_C
 # (kernel, hyperparameters, flags, seg_out values per slot)
 KERNELS = [
-    ("sgd_step", [0.1, 0.9, 0.1, 0.01], 0, 0),
-    ("sgd_step", [0.1, 0.9, 0.0, 0.01], F.FLAG_NESTEROV, 0),
-    ("sgd_step", [0.1, 0.0, 0.0, 0.01], 0, 0),
-    ("sgd_step", [0.1, 0.9, 0.1, 0.01], F.FLAG_DECOUPLED, 0),
-    ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
-    ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED | F.FLAG_AMSGRAD, 0),
-    ("adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], F.FLAG_NO_BIAS_CORRECTION, 0),
-    ("adadelta_step", [1.0, 0.9, 1e-6, 0.01], 0, 0),
-    ("rmsprop_step", [1e-2, 0.99, 1e-8, 0.01, 0.9], F.FLAG_CENTERED, 0),
-    ("rmsprop_step", [1e-2, 0.99, 1e-8, 0.0, 0.0], 0, 0),
-    ("rmsprop_tf_step", [1e-2, 0.9, 1e-10, 0.01, 0.9], F.FLAG_LR_IN_MOMENTUM | F.FLAG_DECOUPLED, 0),
-    ("bert_adam_step", [1e-3, 0.9, 0.999, 1e-6, 0.01], 0, 0),
-    ("lamb_stage1", [0.9, 0.999, 1e-6, 0.01, 0.1], F.FLAG_BIAS_CORRECTION | F.FLAG_BETA3, 2),
-    ("lamb_step", [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01, 0.9, 0.999, 0.5],
+    ("_raw_sgd_step", [0.1, 0.9, 0.1, 0.01], 0, 0),
+    ("_raw_sgd_step", [0.1, 0.9, 0.0, 0.01], F.FLAG_NESTEROV, 0),
+    ("_raw_sgd_step", [0.1, 0.0, 0.0, 0.01], 0, 0),
+    ("_raw_sgd_step", [0.1, 0.9, 0.1, 0.01], F.FLAG_DECOUPLED, 0),
+    ("_raw_adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
+    ("_raw_adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED | F.FLAG_AMSGRAD, 0),
+    ("_raw_adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], F.FLAG_NO_BIAS_CORRECTION, 0),
+    ("_raw_adadelta_step", [1.0, 0.9, 1e-6, 0.01], 0, 0),
+    ("_raw_rmsprop_step", [1e-2, 0.99, 1e-8, 0.01, 0.9], F.FLAG_CENTERED, 0),
+    ("_raw_rmsprop_step", [1e-2, 0.99, 1e-8, 0.0, 0.0], 0, 0),
+    ("_raw_rmsprop_tf_step", [1e-2, 0.9, 1e-10, 0.01, 0.9], F.FLAG_LR_IN_MOMENTUM | F.FLAG_DECOUPLED, 0),
+    ("_raw_bert_adam_step", [1e-3, 0.9, 0.999, 1e-6, 0.01], 0, 0),
+    ("_raw_lamb_stage1", [0.9, 0.999, 1e-6, 0.01, 0.1], F.FLAG_BIAS_CORRECTION | F.FLAG_BETA3, 2),
+    ("_raw_lamb_step", [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01, 0.9, 0.999, 0.5],
      F.FLAG_BIAS_CORRECTION | F.FLAG_BETA3 | F.FLAG_TRUST_RATIO | F.FLAG_CLAMP_WEIGHT_NORM, 2),
-    ("row_dots", [], 0, 3),
-    ("grad_sum_sq", [], 0, 1),
-    ("adamp_stage_a", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_NESTEROV, 1),
-    ("adamp_stage_b", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
-    ("adagrad_step", [1e-2, 1e-10, 0.01, 0.1], 0, 0),
-    ("adagrad_step", [1e-2, 1e-10, 0.01, 0.0], F.FLAG_DECOUPLED, 0),
+    ("_raw_row_dots", [], 0, 3),
+    ("_raw_grad_sum_sq", [], 0, 1),
+    ("_raw_adamp_stage_a", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_NESTEROV, 1),
+    ("_raw_adamp_stage_b", [1e-3, 0.9, 0.999, 1e-8, 0.01], 0, 0),
+    ("_raw_adagrad_step", [1e-2, 1e-10, 0.01, 0.1], 0, 0),
+    ("_raw_adagrad_step", [1e-2, 1e-10, 0.01, 0.0], F.FLAG_DECOUPLED, 0),
 ]
 
 
@@ -135,7 +135,7 @@ def _run_both(case: Case, name: str, hp, flags: int, nout: int, threads: int = 2
     flat, gath = case.copy(), case.copy()
     for c, gather in ((flat, False), (gath, True)):
         a = c.args(gather, hp, flags, threads, nout)
-        if name == "adamp_stage_b":  # stage B reads stage A's per-row projections: none here
+        if name == "_raw_adamp_stage_b":  # stage B reads stage A's per-row projections: none here
             a.seg_out = 0
         getattr(apex_C, name)(a)
     return flat, gath
@@ -152,14 +152,15 @@ def test_gather_matches_flat_bitwise(level, kernel, hp, flags, nout, dt):
         assert same_bits(a, b), f"{kernel}: state s{j} differs"
     if nout:
         assert same_bits(flat.seg_out, gath.seg_out), f"{kernel}: seg_out differs"
-    assert not same_bits(flat.p, case.p) or kernel in ("row_dots", "grad_sum_sq", "adamp_stage_a", "lamb_stage1")
+    assert not same_bits(flat.p, case.p) or kernel in ("_raw_row_dots", "_raw_grad_sum_sq", "_raw_adamp_stage_a",
+                                                       "_raw_lamb_stage1")
 
 
 @pytest.mark.parametrize("gdt", [F16, BF16], ids=["f16", "bf16"])
 def test_gather_fp32_params_low_precision_grads(level, gdt):
     rng = np.random.default_rng(3)
     case = Case(rng, F32, gdt)
-    flat, gath = _run_both(case, "adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED, 0)
+    flat, gath = _run_both(case, "_raw_adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.01], F.FLAG_DECOUPLED, 0)
     assert same_bits(flat.p, gath.p) and all(same_bits(a, b) for a, b in zip(flat.s, gath.s))
 
 
@@ -168,7 +169,7 @@ def test_gather_skipped_slots_untouched_and_null_address(level):
     skip = [1, 0, 0, 1, 0, 1]
     case = Case(rng, F32, F32, skip=skip)
     assert case.table[0] == 0 and case.table[3] == 0
-    flat, gath = _run_both(case, "adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], 0, 0)
+    flat, gath = _run_both(case, "_raw_adam_step", [1e-3, 0.9, 0.999, 1e-8, 0.0], 0, 0)
     assert same_bits(flat.p, gath.p)
     for k, sk in enumerate(skip):
         lo, hi = case.seg[k], case.seg_end[k]
@@ -185,9 +186,9 @@ def test_gather_thread_counts_agree(level):
     rng = np.random.default_rng(5)
     case = Case(rng, F32, F32)
     one = case.copy()
-    apex_C.lamb_stage1(one.args(True, [0.9, 0.999, 1e-6, 0.01], 0, threads=1, nout=2))
+    apex_C._raw_lamb_stage1(one.args(True, [0.9, 0.999, 1e-6, 0.01], 0, threads=1, nout=2))
     two = case.copy()
-    apex_C.lamb_stage1(two.args(True, [0.9, 0.999, 1e-6, 0.01], 0, threads=2, nout=2))
+    apex_C._raw_lamb_stage1(two.args(True, [0.9, 0.999, 1e-6, 0.01], 0, threads=2, nout=2))
     assert same_bits(one.seg_out, two.seg_out) and same_bits(one.s[0], two.s[0])
 
 
@@ -200,16 +201,16 @@ def test_gather_table_errors():
     bad[2] = 0  # a slot with elements and no skip flag needs one
     a.gtab = bad.ctypes.data
     with pytest.raises(ValueError, match="slot 2 has a null grad address"):
-        apex_C.sgd_step(a)
+        apex_C._raw_sgd_step(a)
     bad = case.table.copy()
     bad[3] += 2  # misaligned for float32
     a.gtab = bad.ctypes.data
     with pytest.raises(ValueError, match="slot 3 is not aligned"):
-        apex_C.sgd_step(a)
+        apex_C._raw_sgd_step(a)
     a.gtab = 0
     a.g = 0
     with pytest.raises(ValueError, match="gtab"):
-        apex_C.sgd_step(a)
+        apex_C._raw_sgd_step(a)
 
 
 # ------------------------------------------------------------------ _raw_scale_gather_
@@ -320,7 +321,7 @@ def test_adam_f32_states_of_low_precision_params(level, dt, flags, gather):
     s_low = [s.copy() for s in s32]
     a = low.args(gather, hp, flags | F.FLAG_F32_STATES)
     a.s0, a.s1 = s_low[0].ctypes.data, s_low[1].ctypes.data
-    apex_C.adam_step(a)
+    apex_C._raw_adam_step(a)
 
     wide = case.copy()
     wide.p, wide.pdt = _widen(case.p, dt), F32
@@ -330,7 +331,7 @@ def test_adam_f32_states_of_low_precision_params(level, dt, flags, gather):
     b.pdt, b.sdt = F32, F32
     b.s0, b.s1 = s_wide[0].ctypes.data, s_wide[1].ctypes.data
     b.out, b.odt = out.ctypes.data, dt
-    apex_C.adam_step(b)
+    apex_C._raw_adam_step(b)
 
     written = np.zeros(n, dtype=bool)
     for s0, e in zip(case.seg[:-1], case.seg_end):
@@ -346,19 +347,19 @@ def test_f32_states_flag_is_checked():
     rng = np.random.default_rng(8)
     case = Case(rng, BF16, BF16, nstates=2, sizes=(5, 3))
     hp = [1e-2, 0.9, 0.999, 1e-8, 0.0]
-    with pytest.raises(ValueError, match="adam_step only"):
-        apex_C.sgd_step(case.args(False, [0.1, 0.9, 0.0, 0.0], F.FLAG_F32_STATES))
+    with pytest.raises(ValueError, match="_raw_adam_step only"):
+        apex_C._raw_sgd_step(case.args(False, [0.1, 0.9, 0.0, 0.0], F.FLAG_F32_STATES))
     wide = Case(rng, F32, F32, nstates=2, sizes=(5, 3))
     with pytest.raises(ValueError, match="FLAG_F32_STATES needs float16/bfloat16 params"):
-        apex_C.adam_step(wide.args(False, hp, F.FLAG_F32_STATES))
+        apex_C._raw_adam_step(wide.args(False, hp, F.FLAG_F32_STATES))
     a = case.args(False, hp, F.FLAG_F32_STATES)
     out = np.zeros(case.total, dtype=np.uint16)
     a.out, a.odt = out.ctypes.data, BF16
     with pytest.raises(ValueError, match="FLAG_F32_STATES needs"):
-        apex_C.adam_step(a)
+        apex_C._raw_adam_step(a)
 
 
-# ------------------------------------------------------------------ lamb_step
+# ------------------------------------------------------------------ _raw_lamb_step
 def _ratios(norms: np.ndarray, clamp) -> np.ndarray:
     """The trust ratios as the optimizers formed them with torch ops: float64 square roots of the summed
     squares, ||p|| clamped, 1 where either norm is 0, then rounded to float32."""
@@ -391,19 +392,19 @@ def test_lamb_step_equals_the_two_stages(level, mode, bias_correction, dt):
 
     ref = case.copy()
     a = ref.args(True, hp1, flags, nout=2)
-    apex_C.lamb_stage1(a)
+    apex_C._raw_lamb_stage1(a)
     ratio = _ratios(ref.seg_out, clamp)
     a.hp, a.seg_out = hp2, 0
     if extra:
         a.seg_mul = ratio.ctypes.data
     else:
         a.seg_mul = 0
-    apex_C.lamb_stage2(a)
+    apex_C._raw_lamb_stage2(a)
 
     one = case.copy()
     one.seg_mul = np.full(len(case.sizes), -7.0, dtype=np.float32)  # written only with FLAG_TRUST_RATIO
     a = one.args(True, hp1 + hp2 + [clamp or 0.0], flags | extra, nout=2)
-    apex_C.lamb_step(a)
+    apex_C._raw_lamb_step(a)
     assert same_bits(one.p, ref.p) and all(same_bits(x, y) for x, y in zip(one.s, ref.s))
     assert same_bits(one.seg_out, ref.seg_out)
     if extra:
@@ -426,7 +427,7 @@ def test_lamb_step_nan_norm_gives_nan_ratio():
     case.own[1][3] = np.nan
     a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01, 0.9, 0.999, 10.0],
                   F.FLAG_TRUST_RATIO | F.FLAG_CLAMP_WEIGHT_NORM, nout=2)
-    apex_C.lamb_step(a)
+    apex_C._raw_lamb_step(a)
     assert np.isfinite(case.seg_mul[0]) and np.isnan(case.seg_mul[1])
 
 
@@ -437,13 +438,13 @@ def test_lamb_step_argument_errors():
     before = case.p.copy()
     a.seg_mul = 0
     with pytest.raises(ValueError, match="FLAG_TRUST_RATIO needs seg_mul"):
-        apex_C.lamb_step(a)
+        apex_C._raw_lamb_step(a)
     a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01], 0, nout=2)
     a.seg_out = 0
     with pytest.raises(ValueError, match="seg_out"):
-        apex_C.lamb_step(a)
+        apex_C._raw_lamb_step(a)
     a = case.args(True, [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01], 0, nout=2)
     a.s1 = 0
     with pytest.raises(ValueError, match="state slot s1"):
-        apex_C.lamb_step(a)
+        apex_C._raw_lamb_step(a)
     assert same_bits(case.p, before)

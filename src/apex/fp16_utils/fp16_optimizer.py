@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from apex._checks import real_number
 from apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params, model_grads_to_master_grads
 from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler, _check_positive
 
@@ -177,6 +178,9 @@ class FP16_Optimizer:
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clip the masters' grads to total norm ``max_norm``; returns the norm before clipping, or -1 when
         the last backward overflowed (nothing is clipped then)."""
+        for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if real_number(value) is None:
+                raise TypeError(f"FP16_Optimizer.clip_master_grads: {name} must be a number, got {value!r}")
         if self.overflow:
             return -1
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -37,6 +37,11 @@ def _check_positive(value: Any, name: str, where: str) -> float:
     number = real_number(value)
     if number is None:
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
+    if isinstance(number, int) and number >= 2**63:  # beyond what a tensor multiplies by as an integer
+        try:
+            number = float(number)
+        except OverflowError:
+            raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}") from None
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"{where}: {name} must be a finite number > 0, got {number}")
     return number
@@ -88,6 +93,8 @@ class LossScaler:
         return tuple(self.loss_scale * g if g is not None else None for g in grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        if not isinstance(loss, torch.Tensor):  # (a list or str times the scale would be repeated, not scaled)
+            raise TypeError(f"{type(self).__name__}.backward: loss must be a tensor, got {type(loss).__name__}")
         (loss * self.loss_scale).backward(retain_graph=retain_graph)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -302,6 +302,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
     _reads_values = False
 
     def __init__(self, params: Iterable, defaults: dict):
+        if not isinstance(defaults, dict):
+            raise TypeError(f"{type(self).__name__}: defaults must be a dict of hyperparameters, got "
+                            f"{type(defaults).__name__}")
         self._init_combined()
         super().__init__(params, defaults)
         # watched from the start: a per-param dict taken before the first step (``opt.state[p]``) is then the
@@ -355,6 +358,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ groups
     def _validate_group(self, group: dict) -> None:
         """Range checks of hyperparameters; raises before anything is changed."""
+        if "lr" not in group:
+            raise KeyError(f"{type(self).__name__}: a param group needs an 'lr' (a learning rate), and the "
+                           f"optimizer's defaults have none; the group has {sorted(map(str, group))}")
         _check_range("learning rate", group["lr"], 0.0)
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:

@@ -40,7 +40,7 @@ def settler(dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
 
 def adam_math(p, g, m, v, vmax, *, lr, beta1, beta2, eps, weight_decay, step, amsgrad, decoupled, grad_scale,
               bias_correction=True, settle: Callable[[torch.Tensor], None] = _keep) -> None:
-    """One Adam(W) update on fp32 tensors (in place): torch.optim.Adam's formulas, the apex_C ``adam_step`` math.
+    """One Adam(W) update on fp32 tensors (in place): torch.optim.Adam's formulas, the apex_C ``_raw_adam_step`` math.
 
     ``decoupled`` shrinks p by ``1 - lr * weight_decay`` first (AdamW), else the decay is added
     to the grad (L2). ``vmax`` (AMSGrad's running maximum) is read only with ``amsgrad``.

@@ -56,7 +56,7 @@ class NpuFusedAdadelta(CombinedOptimizer):
         return [float(group[k]) for k in ("lr", "rho", "eps", "weight_decay")]
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
-        _core.ext.adadelta_step(self._prepare_args(s, self._hp(group)))
+        _core.ext._raw_adadelta_step(self._prepare_args(s, self._hp(group)))
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         lr, rho, eps, weight_decay = self._hp(group)

@@ -100,7 +100,7 @@ class NpuFusedAdam(CombinedOptimizer):
             _core.ext.FLAG_DECOUPLED if self._decoupled else 0
         )
         a = self._prepare_args(s, [float(group["lr"]), b1, b2, group["eps"], group["weight_decay"]], flags)
-        _core.ext.adam_step(a)
+        _core.ext._raw_adam_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         # (where torch has a fused Adam for the set, `_update` runs `_torch_gather_step` instead)

@@ -17,10 +17,10 @@ clamped on its own; the docs' ``max(||g|| ||p||, eps)`` is not what the code doe
 
 CPU executor, per group x dtype, over ROWS of the flat buffers (a param that
 cannot project is one row; the zero gap after each slot is a row of its own,
-always skipped): ``row_dots`` (one pass over grads and params) gives per-row
+always skipped): ``_raw_row_dots`` (one pass over grads and params) gives per-row
 g.p, g.g, p.p; the decision per param is a few small torch ops on those;
-``adamp_stage_a`` (only when some param projects) gives per-row <p_n, d>;
-``adamp_stage_b`` updates m, v, p. The torch executor runs the same math with
+``_raw_adamp_stage_a`` (only when some param projects) gives per-row <p_n, d>;
+``_raw_adamp_stage_b`` updates m, v, p. The torch executor runs the same math with
 torch ops, elementwise on flat slices and the projection per param (tensor ops
 only, no host sync). Low-precision m, v are stored before d is formed in both
 executors, so d is computed from the stored moments.
@@ -110,7 +110,7 @@ class _RowPlan:
         self.ineligible_rows = (~self.eligible[self.row_param] | self.gap_rows).to(torch.uint8)
         self.steps = torch.zeros(self.nrows, dtype=torch.float32)
         self.skip = self.gap_rows.to(torch.uint8)  # + rows of params without a grad, per step
-        self.aux_skip = torch.zeros(self.nrows, dtype=torch.uint8)  # rows row_dots / stage A leave out
+        self.aux_skip = torch.zeros(self.nrows, dtype=torch.uint8)  # rows _raw_row_dots / stage A leave out
         self.dots = torch.zeros(3 * self.nrows, dtype=torch.float64)
         self.coef = torch.zeros(self.nrows, dtype=torch.float64)
         self.mul = torch.zeros(self.nrows, dtype=torch.float32)
@@ -223,17 +223,17 @@ class NpuFusedAdamP(CombinedOptimizer):
             torch.bitwise_or(plan.ineligible_rows, plan.skip, out=plan.aux_skip)
             a.skip = plan.aux_skip.data_ptr()
             a.seg_out = plan.dots.data_ptr()
-            _core.ext.row_dots(a)
+            _core.ext._raw_row_dots(a)
             projects = self._decide(plan, s, group)
         if projects:
             a.skip = plan.aux_skip.data_ptr()  # stage A reads projected rows only
             a.seg_mul = plan.mul.data_ptr()
             a.seg_aux = plan.wdr.data_ptr()
             a.seg_out = plan.coef.data_ptr()
-            _core.ext.adamp_stage_a(a)
+            _core.ext._raw_adamp_stage_a(a)
             self._layer_sums(plan, s)
         a.skip = plan.skip.data_ptr()
-        _core.ext.adamp_stage_b(a)
+        _core.ext._raw_adamp_stage_b(a)
         a.seg_out = a.seg_mul = a.seg_aux = 0
 
     @staticmethod

@@ -238,7 +238,7 @@ class NpuFusedBertAdam(CombinedOptimizer):
             a.seg_gmul = 0
         try:
             if len(counts) <= 1:
-                _core.ext.bert_adam_step(a)
+                _core.ext._raw_bert_adam_step(a)
                 return
             # Params with different step counts get different scheduled lrs: one pass per count,
             # skipping the other segments (rare: only after params missed updates).
@@ -249,7 +249,7 @@ class NpuFusedBertAdam(CombinedOptimizer):
                 skip = mask.to(torch.uint8)
                 a.skip = skip.data_ptr()
                 a.hp = [scheduled_lr(group, t), *hp_tail]
-                _core.ext.bert_adam_step(a)
+                _core.ext._raw_bert_adam_step(a)
         finally:
             # the args outlive this call: leave no pointer to this step's temporaries behind
             a.seg_gmul = 0

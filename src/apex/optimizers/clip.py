@@ -109,12 +109,12 @@ def total_grad_norm(sets: List[FlatSet], norm_type: float, use_kernel: bool = Tr
 
 
 def grad_sum_sq_into(a, out: torch.Tensor) -> None:
-    """apex_C ``grad_sum_sq`` over the slots of kernel arguments `a` into `out` (float64, one per slot; 0 for
+    """apex_C ``_raw_grad_sum_sq`` over the slots of kernel arguments `a` into `out` (float64, one per slot; 0 for
     skipped slots), reading grads where the update reads them (flat buffer or gather table). `a` outlives the
     call, so no pointer to `out` is left in it."""
     a.seg_out = out.data_ptr()
     try:
-        _core.ext.grad_sum_sq(a)
+        _core.ext._raw_grad_sum_sq(a)
     finally:
         a.seg_out = 0
 
@@ -136,7 +136,7 @@ def prepared_grad_norm(sets: List[FlatSet], use_kernel: bool = True) -> Union[fl
     """2-norm of all grads of sets prepared for a step (`CombinedOptimizer._prepare_step`), before any unscale;
     params with ``.grad is None`` are excluded.
 
-    Kernel sets are read per slot by apex_C ``grad_sum_sq`` (float64, summed exactly on the host), whether their
+    Kernel sets are read per slot by apex_C ``_raw_grad_sum_sq`` (float64, summed exactly on the host), whether their
     grads are in the flat buffer or read where they are: the norm has the same bits either way. A Python float
     when every set is a kernel set; otherwise a 0-d float32 tensor as `total_grad_norm` returns it.
     """
@@ -178,6 +178,9 @@ def clip_optimizer_grad_norm_fused(self, max_norm: float, norm_type: float = 2.0
     grads) raises ValueError. Raises RuntimeError for a non-finite total norm when
     `error_if_nonfinite` is set, before any grad is changed.
     """
+    if not callable(getattr(self, "_grad_scale", None)):
+        raise TypeError(f"clip_optimizer_grad_norm_fused: expected an apex optimizer (as its first argument, or "
+                        f"called as its method), got {type(self).__name__}")
     try:
         max_norm = float(max_norm)
         norm_type = float(norm_type)

@@ -8,7 +8,7 @@ decay, accumulator starting at 0)::
     adagrad_w_mode=True (decoupled decay):
         h = h + grad^2 ;  p = p - lr * (grad / (sqrt(h) + eps) + weight_decay * p)
 
-Executors: the apex_C ``adagrad_step`` kernel on CPU (one pass per group x dtype),
+Executors: the apex_C ``_raw_adagrad_step`` kernel on CPU (one pass per group x dtype),
 the same math as torch ops on flat slices elsewhere. ``state[p]`` holds ``sum`` only
 (NVIDIA's layout; torch's Adagrad also keeps a ``step``).
 """
@@ -59,7 +59,7 @@ class FusedAdagrad(NvidiaCompatMixin, CombinedOptimizer):
         flags = _core.ext.FLAG_DECOUPLED if self.adagrad_w_mode else 0
         # hp[3] = lr_decay = 0: the per-segment steps the kernel reads then do not matter
         a = self._prepare_args(s, [group["lr"], group["eps"], group["weight_decay"], 0.0], flags)
-        _core.ext.adagrad_step(a)
+        _core.ext._raw_adagrad_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         settle = settler(s.dtype)

@@ -10,7 +10,7 @@ Per param group, with the group's step count ``t`` (NVIDIA keeps one per group):
 
 so ``adam_w_mode=True`` (the default) is torch.optim.AdamW and ``adam_w_mode=False``
 torch.optim.Adam: the same math as NpuFusedAdam(W), with a per-group step count and
-optional bias correction. Executors: the apex_C ``adam_step`` kernel on CPU (one pass
+optional bias correction. Executors: the apex_C ``_raw_adam_step`` kernel on CPU (one pass
 per group x dtype); elsewhere torch's fused Adam(W) (`adam.fused_adam`) for fp32 sets with
 the bias correction on, where the device has it, else NpuFusedAdam's torch ops on flat
 slices. All shrink p by ``1 - lr * weight_decay`` before the Adam step, which is
@@ -166,7 +166,7 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
         if not group["bias_correction"]:
             flags |= _core.ext.FLAG_NO_BIAS_CORRECTION
         a = self._prepare_args(s, [float(group["lr"]), b1, b2, group["eps"], group["weight_decay"]], flags)
-        _core.ext.adam_step(a)
+        _core.ext._raw_adam_step(a)
 
     def _torch_gather_ok(self, s: FlatSet, group: dict) -> bool:
         # torch's fused Adam(W) is this class's math with the bias correction on, the moments in the params'

@@ -16,7 +16,7 @@ then per param group, with the group's step count ``t``::
     r  = ||p|| / ||u||  per tensor               only when weight_decay != 0 or use_nvlamb; r = 1 if either norm is 0
     p  = p - lr * r * u
 
-Executors: on CPU the apex_C ``grad_sum_sq`` pass for the global norm, then one ``lamb_step``
+Executors: on CPU the apex_C ``_raw_grad_sum_sq`` pass for the global norm, then one ``_raw_lamb_step``
 call per group x dtype making two passes (stage 1: m, v and the per-tensor norms of p and u;
 the trust ratios from those norms; stage 2: the update). Both grad reads take the grads where
 autograd left them after ``zero_grad(set_to_none=True)`` (no copy), except with
@@ -144,7 +144,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
         self._clip = self._global_clip(prepared)
         self._update(prepared)
 
-    _gather_grads = True  # lamb_step reads grads only through OptArgs (in its stage 1)
+    _gather_grads = True  # _raw_lamb_step reads grads only through OptArgs (in its stage 1)
     _reads_values = True  # the global grad norm (max_grad_norm clipping) is read on the host
 
     def _gathers(self, s: FlatSet, group: dict) -> bool:
@@ -200,7 +200,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
             if self._uses_ratio(group):
                 a.flags = flags | _core.ext.FLAG_TRUST_RATIO
                 a.seg_mul = scratch.ratio.data_ptr()
-            _core.ext.lamb_step(a)
+            _core.ext._raw_lamb_step(a)
         finally:
             a.seg_out = 0
             a.seg_mul = 0

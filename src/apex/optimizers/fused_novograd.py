@@ -22,7 +22,7 @@ tensor holding gn (the norm itself, not its square, as NVIDIA stores it; NVIDIA 
 these in ``group["exp_avg_sq"]`` as one tensor per dtype, which cannot survive params
 being skipped or added, so they are per param here).
 
-Executors on CPU: the per-tensor norms in one apex_C pass (``grad_sum_sq``; the
+Executors on CPU: the per-tensor norms in one apex_C pass (``_raw_grad_sum_sq``; the
 inf norm via torch's foreach norm), then the elementwise update on the apex_C SGD
 kernel, which takes a per-tensor grad multiplier: with ``reg_inside_moment=True`` it
 is exactly one SGD-with-momentum pass (grad multiplier 1/d, momentum beta1, dampening
@@ -46,7 +46,7 @@ from .. import _core
 from ._base import CombinedOptimizer, _call_closure, _check_adam_group
 from ._flat import FlatSet
 from ._nvidia import AmpCOp, NvidiaCompatMixin, OverflowFlag
-from ._state_check import SCALAR
+from ._state_check import SCALAR, _check_entry
 from ._state_watch import bind
 from .clip import grad_runs, grad_sum_sq_into
 
@@ -68,7 +68,7 @@ class _Norms:
     def __init__(self, s: FlatSet, state):
         self.gn = torch.zeros(s.nseg, dtype=torch.float32)
         self.seen = torch.zeros(s.nseg, dtype=torch.bool)
-        self.sums = torch.zeros(s.nseg, dtype=torch.float64)  # kernel output of grad_sum_sq
+        self.sums = torch.zeros(s.nseg, dtype=torch.float64)  # kernel output of _raw_grad_sum_sq
         self.gmul = torch.ones(s.nseg, dtype=torch.float32)
         for k, p in enumerate(s.params):
             st = state.get(p)
@@ -127,6 +127,15 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
 
     def _state_names(self, group: dict) -> List[str]:
         return ["exp_avg"]
+
+    def _check_rebuild(self, group: dict) -> None:
+        """Also the per-tensor norms user code may have set (``state[p]["exp_avg_sq"] = ...``), before the step
+        count moves: each becomes one float32 slot of the set's norm table."""
+        super()._check_rebuild(group)
+        for k, p in enumerate(group["params"]):
+            st = self.state.get(p)
+            if st and "exp_avg_sq" in st:
+                _check_entry(f"state 'exp_avg_sq' of param {k}", SCALAR, st["exp_avg_sq"], p)
 
     def _loaded_state_spec(self, group: dict) -> Dict[str, str]:
         return {**super()._loaded_state_spec(group), "exp_avg_sq": SCALAR}  # the per-tensor grad norm
@@ -221,7 +230,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
                 a.seg_gmul = aux.gmul.data_ptr()
                 a.seg_mul = 0
                 a.hp = [lr / bc1, b1, 1.0 - b3, wd]
-                _core.ext.sgd_step(a)
+                _core.ext._raw_sgd_step(a)
             else:
                 # m = b1*m + b3*g, then p = p - lr * (m / (bc1*d) + wd * p) with m as stored: the decay after the
                 # momentum and a per-tensor multiplier on it (FLAG_DECOUPLED), one pass
@@ -230,7 +239,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
                 a.seg_mul = aux.gmul.data_ptr()
                 a.flags = _core.ext.FLAG_DECOUPLED
                 a.hp = [lr, b1, 1.0 - b3, wd]
-                _core.ext.sgd_step(a)
+                _core.ext._raw_sgd_step(a)
         finally:
             a.first = s.first.data_ptr()
             a.seg_gmul = 0

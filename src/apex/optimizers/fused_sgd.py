@@ -80,7 +80,7 @@ class FusedSGD(NpuFusedSGD):
         flags = _core.ext.FLAG_DECOUPLED | (_core.ext.FLAG_NESTEROV if group["nesterov"] else 0)
         a = self._prepare_args(s, self._hp(group), flags)
         a.seg_mul = 0
-        _core.ext.sgd_step(a)
+        _core.ext._raw_sgd_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         super()._torch_step(s, self._decay_first(s, group))

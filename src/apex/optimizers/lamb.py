@@ -16,7 +16,7 @@ they are); the global norm is taken over the grads of all param groups
 (params without a grad excluded) and applied to every group whose
 ``use_global_grad_norm`` is set.
 
-Executors: on CPU one apex_C call per group x dtype (``lamb_step``) making two passes:
+Executors: on CPU one apex_C call per group x dtype (``_raw_lamb_step``) making two passes:
 stage 1 updates m, v and sums per-param ||p||^2 and ||u||^2, reading fresh grads where
 autograd left them unless a global norm is asked for; the trust ratios are formed from
 those sums in the same call; stage 2 applies them. Plus
@@ -244,7 +244,7 @@ class NpuFusedLamb(CombinedOptimizer):
         else:
             a.flags = _core.ext.FLAG_TRUST_RATIO | _core.ext.FLAG_CLAMP_WEIGHT_NORM
             a.seg_mul = plan.ratio.data_ptr()
-        _core.ext.lamb_step(a)
+        _core.ext._raw_lamb_step(a)
 
     def _torch_step(self, s: FlatSet, group: dict) -> None:
         b1, b2 = group["betas"]

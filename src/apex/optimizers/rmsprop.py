@@ -116,4 +116,4 @@ class NpuFusedRMSprop(RMSpropFamily):
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         a = self._prepare_args(s, self._hp(group), _core.ext.FLAG_CENTERED if group["centered"] else 0)
         self._bind_slots(s, a)
-        _core.ext.rmsprop_step(a)
+        _core.ext._raw_rmsprop_step(a)

@@ -82,4 +82,4 @@ class NpuFusedRMSpropTF(RMSpropFamily):
         )
         a = self._prepare_args(s, self._hp(group), flags)
         self._bind_slots(s, a)
-        ext.rmsprop_tf_step(a)
+        ext._raw_rmsprop_tf_step(a)

@@ -89,7 +89,7 @@ class NpuFusedSGD(CombinedOptimizer):
 
     def _kernel_step(self, s: FlatSet, group: dict) -> None:
         flags = _core.ext.FLAG_NESTEROV if group["nesterov"] else 0
-        _core.ext.sgd_step(self._prepare_args(s, self._hp(group), flags))
+        _core.ext._raw_sgd_step(self._prepare_args(s, self._hp(group), flags))
 
     def _torch_fused_ok(self, s: FlatSet) -> bool:
         return _FUSED_SGD is not None and super()._torch_fused_ok(s)
