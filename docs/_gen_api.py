@@ -31,6 +31,9 @@ MODULES = [
      "clip_grad_norm_`), on every device.", None),
     ("apex.contrib.layer_norm", "NVIDIA Apex's `FastLayerNorm` and `FastLayerNormFN` (its persistent-kernel layer "
      "norm, which Megatron-core and ColossalAI pick up), on torch's `layer_norm` on every device.", None),
+    ("apex.contrib.optimizers", "NVIDIA Apex's older contrib optimizers: `FP16_Optimizer` driving `FusedAdam` (the "
+     "pair old BERT fine-tuning scripts import) and `FusedLAMB`, on every device (see "
+     "[upstream-compat.md](upstream-compat.md)).", None),
     ("apex.parallel", "Distributed data parallel on torch.distributed (gloo / nccl / hccl), LARC and SyncBatchNorm"
      + (" (see [distributed.md](distributed.md))." if (Path(__file__).resolve().parent / "distributed.md").exists()
         else "."), None),
@@ -146,6 +149,22 @@ NOTES = {
     "apex.optimizers.FusedAdam": (
         "NVIDIA's signature and defaults (`adam_w_mode=True`, `set_grad_none=True`); runs on every device "
         "(NVIDIA's needs CUDA). `amsgrad=True` raises as NVIDIA's does."),
+    "apex.contrib.optimizers.FusedAdam": (
+        "NVIDIA's contrib FusedAdam: same signature, `step(closure, grads, output_params, scale, grad_norms)` and "
+        "kernel math (eps inside or outside the root, decay added to the update, combined scale with "
+        "`max_grad_norm`); torch ops on every device instead of the `fused_adam_cuda` extension. New here: the "
+        "group norm is computed when `max_grad_norm > 0` and no `grad_norms` are given (NVIDIA failed); bad "
+        "lengths, shapes and hyperparameters raise before anything changes; the amp-stash path is not taken "
+        "(amp unscales before `step()`). Not the same math as `apex.optimizers.FusedAdam`."),
+    "apex.contrib.optimizers.FP16_Optimizer": (
+        "NVIDIA's contrib FP16_Optimizer: fp32 master groups, loss scale (static, or dynamic from 2**16, halved on "
+        "overflow to at least 1, doubled every 1000 clean steps), `state_dict` keys. New here: "
+        "`dynamic_loss_args` may give `init_scale`, `scale_factor`, `scale_window` (NVIDIA refused any); an "
+        "optimizer whose step cannot take flat grads, a closure or a non-tensor loss raise instead of failing "
+        "later; groups without grads get norm 0 (NVIDIA misaligned the norms); banners print only with `verbose`."),
+    "apex.contrib.optimizers.FusedLAMB": (
+        "NVIDIA's contrib FusedLAMB signature over `apex.optimizers.FusedLAMB`'s math with `use_nvlamb=False`, on "
+        "every device (NVIDIA's needed `fused_lamb_cuda`)."),
     "apex.dump.HookerAndDumper": (
         "The NPU patch's: same names, file name and layout (groups `NNNN_<Module>`, datasets `feat_input*`, "
         "`feat_output*`, `grad_output*`, `grad_input*`), same kind of backward hook. New here: quiet unless "
