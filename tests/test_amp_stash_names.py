@@ -12,6 +12,7 @@ import io
 
 import pytest
 import torch
+from _amp_harness import amp_steps
 
 import apex.optimizers as O
 from apex import amp
@@ -39,26 +40,16 @@ def _groups(model):
     return [{"params": decay}, {"params": rest}]
 
 
-def _steps(model, optimizer, start, stop):
-    dtype = next(model.parameters()).dtype
-    for i in range(start, stop):
-        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
-        optimizer.zero_grad()
-        with amp.scale_loss((model(x.to(dtype)).float() - 1).pow(2).mean(), optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-
-
 def _saved_run(opt_name, **kw):
     """Two steps, the checkpoint upstream's examples write, then two more steps (the uninterrupted run)."""
     model = _net()
     optimizer = MAKERS[opt_name](_groups(model))
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0, **kw)
-    _steps(model, optimizer, 0, 2)
+    amp_steps(model, optimizer, 0, 2)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "master params": list(amp.master_params(optimizer)), "amp": amp.state_dict()}, buf)
-    _steps(model, optimizer, 2, 4)
+    amp_steps(model, optimizer, 2, 4)
     expected = [p.detach().clone() for p in model.parameters()]
     amp.deinitialize()
     buf.seek(0)
@@ -89,7 +80,7 @@ def test_upstream_o2_resume_recipe_continues_bit_for_bit(opt_name, combine_grad,
     for param, saved in zip(amp.master_params(optimizer), ck["master params"]):
         param.data.copy_(saved.data)
     amp.load_state_dict(ck["amp"])
-    _steps(model, optimizer, 2, 4)
+    amp_steps(model, optimizer, 2, 4)
     got = list(model.parameters())
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
@@ -122,7 +113,7 @@ def test_stash_lists_pair_each_model_param_with_its_master(combine_grad):
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = O.NpuFusedAdam(_groups(model), lr=1e-2)
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0, combine_grad=combine_grad)
-    _steps(model, optimizer, 0, 1)
+    amp_steps(model, optimizer, 0, 1)
     stash = optimizer._amp_stash
     low = stash.all_fp16_params
     masters = stash.all_fp32_from_fp16_params
@@ -158,7 +149,7 @@ def test_master_params_to_model_params_copies_now_and_is_kept(opt_name):
     model = _net()
     optimizer = MAKERS[opt_name](model.parameters())
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
-    _steps(model, optimizer, 0, 1)
+    amp_steps(model, optimizer, 0, 1)
     with torch.no_grad():
         for master in amp.master_params(optimizer):
             master.add_(0.5)

@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from _amp_harness import amp_steps
 
 import apex.optimizers as O
 from apex import amp
@@ -266,16 +267,6 @@ def _bn_net(seed=0):
                                torch.nn.Linear(12, 3))
 
 
-def _amp_steps(m, o, start, stop):
-    dtype = next(m.parameters()).dtype
-    for i in range(start, stop):
-        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
-        o.zero_grad()
-        with amp.scale_loss((m(x.to(dtype)).float() - 1).pow(2).mean(), o) as scaled:
-            scaled.backward()
-        o.step()
-
-
 @amp_env
 def test_o2_model_state_dict_is_fp32_and_loads_back():
     m = _bn_net()
@@ -283,7 +274,7 @@ def test_o2_model_state_dict_is_fp32_and_loads_back():
     amp.initialize(m, o, opt_level="O2", verbosity=0)
     low = m[0].weight.dtype
     assert low in (torch.float16, torch.bfloat16)
-    _amp_steps(m, o, 0, 2)
+    amp_steps(m, o, 0, 2)
     sd = m.state_dict()
     assert all(v.dtype == torch.float32 for k, v in sd.items() if v.is_floating_point())
     assert torch.equal(sd["0.weight"], m[0].weight.float())
@@ -359,10 +350,10 @@ def _resume(level, make_opt, load_first, caplog):
     m = _bn_net()
     o = make_opt(m)
     amp.initialize(m, o, **kw)
-    _amp_steps(m, o, 0, 2)
+    amp_steps(m, o, 0, 2)
     buf = io.BytesIO()
     torch.save({"model": m.state_dict(), "opt": o.state_dict(), "amp": amp.state_dict()}, buf)
-    _amp_steps(m, o, 2, 4)
+    amp_steps(m, o, 2, 4)
     straight = [p.detach().clone() for p in m.parameters()]
     amp.deinitialize()
 
@@ -381,7 +372,7 @@ def _resume(level, make_opt, load_first, caplog):
             m2.load_state_dict(ck["model"])
             o2.load_state_dict(ck["opt"])
         amp.load_state_dict(ck["amp"])
-    _amp_steps(m2, o2, 2, 4)
+    amp_steps(m2, o2, 2, 4)
     return straight, [p.detach().clone() for p in m2.parameters()], caplog.text
 
 

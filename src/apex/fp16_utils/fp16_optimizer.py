@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from apex._checks import real_number
+from apex._wrapped_optimizer import WrapsOptimizer
 from apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params, model_grads_to_master_grads
 from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler, _check_positive
 
@@ -39,7 +40,7 @@ def _flag(value: Any, name: str, where: str) -> bool:
                     + (f" with {value.numel()} elements" if isinstance(value, torch.Tensor) else ""))
 
 
-class FP16_Optimizer:
+class FP16_Optimizer(WrapsOptimizer):
     """Wrap ``init_optimizer`` with fp32 masters for its fp16/bf16 params and a loss scaler.
 
     Args:
@@ -194,22 +195,6 @@ class FP16_Optimizer:
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self.loss_scaler.cur_scale = _check_positive(value, "loss_scale", "FP16_Optimizer")
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self.optimizer.param_groups = value
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """``(loss.float() * loss_scale).backward()``, then :meth:`update_master_grads` unless told not to."""

@@ -23,6 +23,7 @@ from typing import Any, Dict, List
 import torch
 
 from ..._checks import check_int, real_number
+from ..._wrapped_optimizer import WrapsOptimizer
 
 
 def _takes_flat_grads(optimizer: Any) -> bool:
@@ -33,7 +34,7 @@ def _takes_flat_grads(optimizer: Any) -> bool:
     return all(n in names for n in ("grads", "output_params", "scale", "grad_norms"))
 
 
-class FP16_Optimizer:
+class FP16_Optimizer(WrapsOptimizer):
     """``FP16_Optimizer(init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None,
     verbose=True)``; see the module docstring. ``dynamic_loss_args`` (NVIDIA refused any) may give
     ``init_scale``, ``scale_factor`` and ``scale_window``."""
@@ -143,23 +144,6 @@ class FP16_Optimizer:
             print(f"\nGrad overflow on iteration {self.cur_iter}")
             print(f"Using static loss scale of {self.cur_scale}")
         self.cur_iter += 1
-
-    # ------------------------------------------------------------ the wrapped optimizer's fields
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self.optimizer.param_groups = value
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
