@@ -415,12 +415,25 @@ def _overflowed_twice(level, make_opt, **kw):
     return m, o
 
 
+def _scale_used(m, o, loss_id=0):
+    """The loss scale of one clean scale_loss block on ``o`` (the scaled loss over the loss)."""
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(99))
+    loss = m(x.to(next(m.parameters()).dtype)).float().pow(2).mean()
+    with amp.scale_loss(loss, o, loss_id=loss_id) as scaled:
+        used = float(scaled.detach() / loss.detach())
+        scaled.backward()
+    o.step()
+    o.zero_grad()
+    return used
+
+
 @amp_env
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("opt_name", list(MAKERS))
 def test_optimizer_checkpoint_carries_the_loss_scale(opt_name, level):
     """Code that saves only the optimizer (transformers' Trainer, DeepSpeed) resumes at the loss scale it stopped
-    at: the optimizer's state dict holds amp's scalers, and loading it after initialize restores them."""
+    at: the optimizer's state dict holds amp's scalers, and the loaded optimizer's first scale_loss per loss
+    restores that loss's scaler."""
     _, o = _overflowed_twice(level, MAKERS[opt_name])
     saved = o.state_dict()
     assert saved["apex_amp_loss_scalers"] == dict(amp.state_dict())
@@ -432,12 +445,34 @@ def test_optimizer_checkpoint_carries_the_loss_scale(opt_name, level):
     amp.initialize(m2, o2, opt_level=level, verbosity=0, scale_window=2)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 16
     o2.load_state_dict(ck)
-    assert dict(amp.state_dict()) == ck["apex_amp_loss_scalers"]
+    assert o2.state_dict()["apex_amp_loss_scalers"] == ck["apex_amp_loss_scalers"]  # held, saved again as loaded
+    assert _scale_used(m2, o2) == 2.0 ** 15
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0 ** 16, "unskipped": 0}  # grew: window 2
     # a checkpoint without the entry (upstream's, or one saved before amp) leaves the scale alone
     del ck["apex_amp_loss_scalers"]
     amp._amp_state.loss_scalers[0].load(8.0, 0)
     o2.load_state_dict(ck)
-    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 8.0, "unskipped": 0}
+    assert _scale_used(m2, o2) == 8.0
+
+
+@amp_env
+def test_optimizer_checkpoint_restores_only_the_losses_it_is_scaled_with():
+    """NVIDIA's checkpoint tests train a restored copy beside the original in one process, the copy on other loss
+    ids: loading the copy's optimizer must not move the original's scale (the scalers are process-wide)."""
+    m, o = _overflowed_twice("O1", MAKERS["torch.Adam"], num_losses=2)
+    ck = copy.deepcopy(o.state_dict())
+    assert ck["apex_amp_loss_scalers"]["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+    m2 = _bn_net(seed=3)
+    o2 = MAKERS["torch.Adam"](m2)
+    amp.initialize(m2, o2, opt_level="O1", verbosity=0, scale_window=2, num_losses=2)
+    o2.load_state_dict(ck)
+    assert _scale_used(m, o, loss_id=0) == 2.0 ** 16  # the original, on the new session's fresh scaler 0
+    assert _scale_used(m2, o2, loss_id=1) == 2.0 ** 16  # the copy: its checkpoint's (unused) scaler 1
+    # an explicit amp checkpoint decides over what optimizers hold
+    o2.load_state_dict(ck)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    assert _scale_used(m2, o2, loss_id=0) == 4.0
 
 
 @amp_env
@@ -453,8 +488,8 @@ def test_apex_optimizer_loaded_before_initialize_gives_initialize_the_loss_scale
     o2 = MAKERS[opt_name](m2)
     o2.load_state_dict(ck)
     amp.initialize(m2, o2, opt_level=level, verbosity=0, scale_window=2)
-    assert dict(amp.state_dict()) == ck["apex_amp_loss_scalers"]
-    assert o2.loaded_amp_scalers is None  # used once
+    assert o2.loaded_amp_scalers is None  # taken by initialize
+    assert _scale_used(m2, o2) == 2.0 ** 15
 
 
 @amp_env

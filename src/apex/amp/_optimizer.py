@@ -19,7 +19,7 @@ from __future__ import annotations
 import types
 import warnings
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,7 +30,7 @@ from ._amp_state import _amp_state, logger, maybe_log
 from ._combined import CombinedGrads
 from ._model import InstancePatch, master_where_kept
 from ._unscale import unscale_
-from .scaler import check_scaler_states, load_scaler_states, scaler_states
+from .scaler import check_scaler_states, scaler_states
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -88,6 +88,9 @@ class AmpStash:
         # from initialize on, so the lazy initialization counts as done; setting the flags changes nothing.
         self.lazy_init_called = True
         self.already_patched = False
+        # loss_id -> (scale, unskipped) from this optimizer's checkpoint, for the losses it has not been scaled
+        # with since (see `take_pending_scaler`)
+        self.pending_scalers: Dict[int, Tuple[float, int]] = {}
 
     # ------------------------------------------------------------ capability
     @property
@@ -622,8 +625,19 @@ class AmpStash:
                 p.detach().clone() if id(p) in masters else None
                 for g in self.optimizer.param_groups for p in g["params"]
             ]
-        sd[SCALER_KEY] = scaler_states(_amp_state.loss_scalers)
+        states = scaler_states(_amp_state.loss_scalers)
+        for idx, (scale, unskipped) in self.pending_scalers.items():  # restored, not reached yet: still this run's
+            states[f"loss_scaler{idx}"] = {"loss_scale": scale, "unskipped": unskipped}
+        sd[SCALER_KEY] = states
         return sd
+
+    def hold_scalers(self, entries: List[Tuple[int, str, float, int]]) -> None:
+        """A checkpoint's loss scalers (`check_scaler_states` entries), kept until this optimizer is first scaled
+        with each loss (`take_pending_scaler`)."""
+        self.pending_scalers = {idx: (scale, unskipped) for idx, _, scale, unskipped in entries}
+
+    def take_pending_scaler(self, loss_id: int) -> Optional[Tuple[float, int]]:
+        return self.pending_scalers.pop(loss_id, None)
 
     def load_state_dict(self, orig_load, state_dict: dict) -> None:
         """The optimizer's own load, then amp's loss scalers from the checkpoint's `SCALER_KEY` (a checkpoint
@@ -639,8 +653,10 @@ class AmpStash:
             orig_load(state_dict)
             if self.combined is not None:
                 self.combined.invalidate()
-        if scalers:
-            load_scaler_states(_amp_state.loss_scalers, scalers)
+        # applied when this optimizer is first scaled with each loss, not here: the scalers are process-wide, and
+        # another run in this process may be using a loss this checkpoint also saved. A checkpoint without them
+        # drops what an earlier load held.
+        self.hold_scalers(scalers or [])
 
     def _load_with_masters(self, orig_load, state_dict: dict) -> None:
         saved = state_dict.get(MASTER_KEY) if isinstance(state_dict, dict) else None

@@ -366,8 +366,9 @@ def initialize(
     _amp_state.add_session(session)
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = session.loss_scalers
-    for loaded in loaded_scalers:
-        load_scaler_states(session.loss_scalers, loaded)
+    for opt, loaded in zip(opt_list, loaded_scalers):
+        if loaded:
+            opt._amp_stash.hold_scalers(loaded)  # applied at its first scale_loss per loss (handle.py)
     if session.patch_functions:
         # O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
         # Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32
@@ -468,6 +469,11 @@ def load_state_dict(state_dict):
         logger.warning("apex.amp: state_dict contains %d entries, while %d loss_scalers are used",
                        len(state_dict), len(scalers))
     load_scaler_states(scalers, entries)
+    for session in _amp_state.sessions:  # the amp checkpoint decides: optimizers' held scalers are dropped
+        for opt in session.optimizers:
+            stash = getattr(opt, "_amp_stash", None)
+            if stash is not None:
+                stash.pending_scalers.clear()
 
 
 def active_session() -> Optional[_Session]:

@@ -45,6 +45,20 @@ def _optimizer_list(optimizers: Any) -> List[torch.optim.Optimizer]:
     return optimizers
 
 
+def _restore_held_scaler(stashes: list, loss_id: int, scaler: Any) -> None:
+    """The first ``scale_loss`` of an optimizer loaded from a checkpoint, per loss: that loss's scaler takes the
+    scale the checkpoint reached. Optimizer checkpoints carry every loss's scaler, but only the losses this
+    optimizer is then scaled with are restored, so a second run in the same process (NVIDIA's checkpoint tests
+    train a restored copy beside the original, on other loss ids) does not move the scale another one uses."""
+    for stash in stashes:
+        held = stash.take_pending_scaler(loss_id)
+        if held is not None:
+            scaler.load(*held)
+            for other in stashes:
+                other.take_pending_scaler(loss_id)
+            return
+
+
 @contextlib.contextmanager
 def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bool = False,
                delay_overflow_check: bool = False):
@@ -89,8 +103,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         )
     session = _amp_state.session
     scaler = scalers[loss_id]
-    scale = scaler.loss_scale()
     stashes = [opt._amp_stash for opt in optimizers]
+    _restore_held_scaler(stashes, loss_id, scaler)
+    scale = scaler.loss_scale()
     ddp = session.ddp if session is not None else None  # combine_ddp (apex.amp._ddp)
 
     if (not props.master_weights and not any(s.master_weights for s in stashes) and not scaler.dynamic
