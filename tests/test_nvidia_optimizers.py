@@ -973,9 +973,13 @@ def test_transformers_apex_backend_resume_keeps_the_loss_scale(tmp_path, monkeyp
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:  # as if two steps had overflowed
                 amp._amp_state.loss_scalers[0].load(2.0 ** 14, 0)
+            if state.global_step == 5:  # the first step after the resume point
+                seen.setdefault("step5", []).append(dict(amp.state_dict()["loss_scaler0"]))
 
         def on_train_begin(self, args, state, control, **kwargs):  # after the checkpoint was loaded
             seen.setdefault("begin", []).append(dict(amp.state_dict()["loss_scaler0"]))
+            held = kwargs["optimizer"].state_dict()["apex_amp_loss_scalers"]["loss_scaler0"]
+            seen.setdefault("held", []).append(dict(held))
 
     kw = dict(optim="adamw_apex_fused", fp16=True, half_precision_backend="apex", fp16_opt_level="O1",
               save_strategy="steps", save_steps=4, max_steps=6)
@@ -986,7 +990,10 @@ def test_transformers_apex_backend_resume_keeps_the_loss_scale(tmp_path, monkeyp
     second.add_callback(Scale())
     second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert seen["begin"][0] == {"loss_scale": 2.0 ** 16, "unskipped": 0}
-    assert seen["begin"][1] == {"loss_scale": 2.0 ** 14, "unskipped": 2}  # two clean steps after the set
+    # the resumed optimizer holds the checkpoint's scaler (two clean steps after the set) and restores it at its
+    # first scale_loss: step 5 of both runs ends at the same scale and count
+    assert seen["held"][1] == {"loss_scale": 2.0 ** 14, "unskipped": 2}
+    assert seen["step5"] == [{"loss_scale": 2.0 ** 14, "unskipped": 3}] * 2
 
 
 # ------------------------------------------------------------------ low precision
