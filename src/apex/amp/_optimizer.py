@@ -251,8 +251,10 @@ class AmpStash:
             )
             self.attached = False
 
-    def copy_masters_to_model(self) -> None:
-        if not self.pairs or self.attached:
+    def copy_masters_to_model(self, force: bool = False) -> None:
+        """After a step: the masters into their model params, unless the optimizer did it (``attached``);
+        ``force`` copies anyway."""
+        if not self.pairs or (self.attached and not force):
             return
         with torch.no_grad():
             models = [m for _, m in self.pairs]
@@ -277,8 +279,7 @@ class AmpStash:
         does this itself; code calls it after writing the masters, e.g. to evaluate a resumed model)."""
         if not self.pairs or self.torn_down:
             return
-        with torch.no_grad():
-            torch._foreach_copy_([m for _, m in self.pairs], [m for m, _ in self.pairs])
+        self.copy_masters_to_model(force=True)
         self.record_model_versions()
 
     def _split_groups(self) -> List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]]:

@@ -22,8 +22,10 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..._checks import check_int, real_number
+from ..._checks import check_int
 from ..._wrapped_optimizer import WrapsOptimizer
+from ...fp16_utils.loss_scaler import _check_positive
+from .fused_adam import group_grad_norm
 
 
 def _takes_flat_grads(optimizer: Any) -> bool:
@@ -83,13 +85,7 @@ class FP16_Optimizer(WrapsOptimizer):
 
     @staticmethod
     def _positive(value: Any, name: str) -> float:
-        number = real_number(value)
-        if number is None:
-            raise TypeError(f"FP16_Optimizer: {name} must be a number, got {value!r}")
-        number = float(number)
-        if not number > 0 or number == float("inf"):
-            raise ValueError(f"FP16_Optimizer: {name} must be a finite number > 0, got {number}")
-        return number
+        return float(_check_positive(value, name, "FP16_Optimizer"))
 
     # ------------------------------------------------------------ training
     def zero_grad(self, set_grads_to_None: bool = True) -> None:
@@ -113,15 +109,7 @@ class FP16_Optimizer(WrapsOptimizer):
         if closure is not None:
             raise RuntimeError("apex.contrib.optimizers.FP16_Optimizer.step does not take a closure")
         fp16_grads = [[p.grad for p in group] for group in self.fp16_groups]
-        norms = []
-        for grads in fp16_grads:
-            present = [g.detach() for g in grads if g is not None and g.numel()]
-            if present:
-                norm = torch.linalg.vector_norm(torch.stack(
-                    [torch.linalg.vector_norm(g, dtype=torch.float32) for g in present]))
-                norms.append(float(norm))
-            else:
-                norms.append(0.0)
+        norms = [group_grad_norm(grads) for grads in fp16_grads]
         if any(n != n or n in (float("inf"), float("-inf")) for n in norms):
             self._update_scale(True)
             return None

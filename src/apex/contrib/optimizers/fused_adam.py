@@ -50,6 +50,16 @@ def _per_group(value: Any, n_groups: int, name: str) -> List[Optional[list]]:
     return [None if v is None else list(v) for v in value]
 
 
+def group_grad_norm(grads: List[Optional[torch.Tensor]]) -> float:
+    """The 2-norm of a group's grads (each tensor's norm in float32, then the norm of those), as the scaled norm
+    FP16_Optimizer passes in ``grad_norms``; 0 with no grad element. None entries are skipped."""
+    present = [g.detach() for g in grads if g is not None and g.numel()]
+    if not present:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g, dtype=torch.float32) for g in present])))
+
+
 class FusedAdam(torch.optim.Optimizer):
     """``FusedAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False,
     weight_decay=0., max_grad_norm=0., amsgrad=False, use_mt=False, amp_scale_adjustment=1.0)``; see the module
@@ -80,14 +90,6 @@ class FusedAdam(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-
-    @staticmethod
-    def _group_norm(grads: List[torch.Tensor]) -> float:
-        present = [g for g in grads if g is not None and g.numel()]
-        if not present:
-            return 0.0
-        return float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in present])))
 
     @torch.no_grad()
     def step(self, closure=None, grads=None, output_params=None, scale=1.0, grad_norms=None):
@@ -137,7 +139,7 @@ class FusedAdam(torch.optim.Optimizer):
             combined = float(scale)
             if group["max_grad_norm"] > 0:
                 if norm is None:
-                    norm = self._group_norm([g for _, g, _ in items])
+                    norm = group_grad_norm([g for _, g, _ in items])
                 clip = ((float(norm) / scale) + 1e-6) / group["max_grad_norm"]
                 if clip > 1:
                     combined = clip * scale
