@@ -48,6 +48,8 @@ MODULES = [
      "`import amp_C` finds these ops, before or after `import apex` (see `register_amp_C`).", None),
     ("apex.mlp", "NVIDIA Apex's `MLP`: linear layers each followed by one activation, on torch's ops on every "
      "device.", None),
+    ("apex.fused_dense", "NVIDIA Apex's `FusedDense` (`x W^T + b`) and `FusedDenseGeluDense` (`GELU(x W1^T + b1) "
+     "W2^T + b2`, GELU's tanh form) with upstream's `*Func.apply` forms, on torch's ops on every device.", None),
     ("apex.normalization", "NVIDIA Apex's fused layer norm and RMS norm modules, on torch's own kernels on every "
      "device.", None),
     ("apex.normalization.fused_layer_norm", "The functional forms and upstream's `*Function.apply` names (the "
@@ -195,6 +197,28 @@ NOTES = {
         "NVIDIA: a `torch.autograd.Function` over its CUDA extension; here `forward(ctx, bias, activation, *args)` "
         "with upstream's arguments and `apply(...)` = `forward(None, ...)`, autograd by torch."),
     "apex.mlp.mlp_function": "NVIDIA: same arguments; arguments checked (shapes, codes) before anything runs.",
+    "apex.fused_dense.FusedDense": (
+        "NVIDIA: same arguments, parameters (`weight` out x in, `bias` or None) and autocast rule; upstream runs a "
+        "cuBLASLt GEMM with the bias in its epilogue on CUDA, here `F.linear` on any device and dtype (the bias is "
+        "also added inside the GEMM call: one rounding). Parameters start as `nn.Linear`'s (upstream left them "
+        "uninitialised); `device=` / `dtype=` keywords as `nn.Linear`; input of any rank (upstream: 2-D); shapes "
+        "and dtypes checked before anything runs."),
+    "apex.fused_dense.FusedDenseGeluDense": (
+        "NVIDIA: same arguments, parameters (`weight1`, `bias1`, `weight2`, `bias2`, registered in that order) and "
+        "math (GELU's tanh approximation, cuBLASLt's epilogue); here `F.linear`, `F.gelu(approximate='tanh')`, "
+        "`F.linear` on any device and dtype. `bias=False` gives a form without biases (upstream refused it); "
+        "initialisation as two `nn.Linear`s; input of any rank."),
+    "apex.fused_dense.FusedDenseFunc": (
+        "NVIDIA: a `torch.autograd.Function` over its CUDA extension; here `forward(ctx, input, weight, bias)` with "
+        "upstream's argument names and `apply(...)` = `forward(None, ...)`, autograd by torch. Runs in the dtypes "
+        "given, never casting (as upstream's extension), whatever autocast says."),
+    "apex.fused_dense.DenseNoBiasFunc": (
+        "NVIDIA: `apply(input, weight)` = `input @ weight.T`; here `F.linear` without bias, any input rank, in the "
+        "dtypes given."),
+    "apex.fused_dense.FusedDenseGeluDenseFunc": (
+        "NVIDIA: `apply(input, weight1, bias1, weight2, bias2)` over its CUDA extension; here torch's ops (biases "
+        "may be None), in the dtypes given; autograd keeps what upstream's backward kept (input, weights, GELU "
+        "input and output)."),
     "apex.contrib.combine_tensors": (
         "The NPU patch's `combine_npu`, with this package's layout (also exported as torch_npu's "
         "`npu_combine_tensors`; `combine_npu` itself keeps the patch's layout). "

@@ -261,6 +261,27 @@ def test_amp_dtype_errors(clean_env):
         _device.default_amp_dtype(0)
 
 
+def test_bf16_supported(fake_npu, clean_env):
+    assert _device.bf16_supported("cpu") is True
+    clean_env.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device.bf16_supported("cuda") is False  # no CUDA here: nothing computes in bfloat16
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert _device.bf16_supported(torch.device("cuda", 1)) is False
+    clean_env.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert _device.bf16_supported("cuda:0") is True
+    assert _device.bf16_supported("npu") is False  # no torch_npu
+    fake = fake_npu()
+    assert _device.bf16_supported("npu") is True  # a runtime without the query: torch_npu's autocast assumes it
+    fake.npu.is_bf16_supported = lambda: False
+    assert _device.bf16_supported("npu") is False
+    fake.npu.is_bf16_supported = lambda: 1 / 0  # a driver error is no bfloat16, not an exception
+    assert _device.bf16_supported("npu") is False
+    assert _device.bf16_supported() is False  # the detected device (npu)
+    with pytest.raises(ValueError, match="bf16_supported: expected one of cpu, cuda, npu, got 'xpu'"):
+        _device.bf16_supported("xpu")
+
+
 def test_autocast_device_type(clean_env):
     assert _device.autocast_device_type("cuda:3") == "cuda"
     assert _device.autocast_device_type(torch.device("cpu")) == "cpu"

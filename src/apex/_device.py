@@ -41,6 +41,7 @@ __all__ = [
     "DeviceLike",
     "any_npu_private_format",
     "autocast_device_type",
+    "bf16_supported",
     "cuda_available",
     "default_amp_dtype",
     "detect_device",
@@ -230,6 +231,30 @@ def default_amp_dtype(device: DeviceLike = None) -> torch.dtype:
         return dtype
     kind = _device_type(device, "default_amp_dtype")
     return torch.bfloat16 if kind == "cpu" else torch.float16
+
+
+def bf16_supported(device: DeviceLike = None) -> bool:
+    """Whether the device type (None: the detected one) computes in bfloat16: always on cpu; on cuda and npu what
+    the runtime reports (``is_bf16_supported()``: compute capability 8.0 and later, Ascend 910B and later); an npu
+    runtime without that query counts as supporting it, as torch_npu's autocast does. A device type that is not
+    usable here gives False; only a ``device`` that names no device raises (TypeError / ValueError)."""
+    kind = _device_type(device, "bf16_supported")
+    if kind == "cpu":
+        return True
+    if kind == "cuda":
+        module = torch.cuda if cuda_available() else None
+    else:
+        torch_npu = import_torch_npu()
+        module = _npu_module(torch_npu) if torch_npu is not None and npu_available() else None
+    if module is None:
+        return False
+    query = getattr(module, "is_bf16_supported", None)
+    if query is None:
+        return True
+    try:
+        return bool(query())
+    except Exception:  # a driver error is no bfloat16
+        return False
 
 
 # ---------------------------------------------------------------- fused optimizer kernels
