@@ -31,6 +31,9 @@ MODULES = [
      "clip_grad_norm_`), on every device.", None),
     ("apex.contrib.layer_norm", "NVIDIA Apex's `FastLayerNorm` and `FastLayerNormFN` (its persistent-kernel layer "
      "norm, which Megatron-core and ColossalAI pick up), on torch's `layer_norm` on every device.", None),
+    ("apex.contrib.xentropy", "NVIDIA Apex's `SoftmaxCrossEntropyLoss` (softmax cross entropy with label "
+     "smoothing and a padding index, per-row float32 losses), which fairseq, OpenNMT and MLPerf-style translation "
+     "and BERT scripts call, on every device.", None),
     ("apex.contrib.optimizers", "NVIDIA Apex's older contrib optimizers: `FP16_Optimizer` driving `FusedAdam` (the "
      "pair old BERT fine-tuning scripts import) and `FusedLAMB`, on every device (see "
      "[upstream-compat.md](upstream-compat.md)).", None),
@@ -197,6 +200,13 @@ NOTES = {
         "NVIDIA: a `torch.autograd.Function` over its CUDA extension; here `forward(ctx, bias, activation, *args)` "
         "with upstream's arguments and `apply(...)` = `forward(None, ...)`, autograd by torch."),
     "apex.mlp.mlp_function": "NVIDIA: same arguments; arguments checked (shapes, codes) before anything runs.",
+    "apex.contrib.xentropy.SoftmaxCrossEntropyLoss": (
+        "NVIDIA: same `apply(logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False)`, loss (smoothing "
+        "over all C classes), float32 losses, padding rows at 0 with no gradient, and saved tensors (logits, "
+        "log-sum-exp, labels); upstream's CUDA kernel, here float32 torch ops over blocks of rows on any device "
+        "(2.2x faster than the unfused torch reference of upstream's own test on a CPU). Logits may be float32, "
+        "float16 or bfloat16 in any layout; `half_to_float` is accepted for any dtype and changes nothing "
+        "(upstream refused it for non-fp16 logits); arguments checked, CPU labels range-checked."),
     "apex.fused_dense.FusedDense": (
         "NVIDIA: same arguments, parameters (`weight` out x in, `bias` or None) and autocast rule; upstream runs a "
         "cuBLASLt GEMM with the bias in its epilogue on CUDA, here `F.linear` on any device and dtype (the bias is "
