@@ -31,6 +31,8 @@ MODULES = [
      "clip_grad_norm_`), on every device.", None),
     ("apex.contrib.layer_norm", "NVIDIA Apex's `FastLayerNorm` and `FastLayerNormFN` (its persistent-kernel layer "
      "norm, which Megatron-core and ColossalAI pick up), on torch's `layer_norm` on every device.", None),
+    ("apex.contrib.group_norm", "NVIDIA Apex's `GroupNorm` with an optional fused SiLU (Stable Diffusion UNets in "
+     "NeMo and diffusers-based trainers swap it in for `nn.GroupNorm`), on every device, dtype and layout.", None),
     ("apex.contrib.xentropy", "NVIDIA Apex's `SoftmaxCrossEntropyLoss` (softmax cross entropy with label "
      "smoothing and a padding index, per-row float32 losses), which fairseq, OpenNMT and MLPerf-style translation "
      "and BERT scripts call, on every device.", None),
@@ -200,6 +202,15 @@ NOTES = {
         "NVIDIA: a `torch.autograd.Function` over its CUDA extension; here `forward(ctx, bias, activation, *args)` "
         "with upstream's arguments and `apply(...)` = `forward(None, ...)`, autograd by torch."),
     "apex.mlp.mlp_function": "NVIDIA: same arguments; arguments checked (shapes, codes) before anything runs.",
+    "apex.contrib.group_norm.GroupNorm": (
+        "NVIDIA: same arguments (`act` None / '' / 'silu' / 'swish'), parameters (ones / zeros), output dtype and "
+        "layout (the input's) and float32 statistics; upstream ran NHWC CUDA kernels for listed channel and group "
+        "counts and `F.group_norm` (in the weight's dtype) otherwise, here one float32 path for every shape, "
+        "layout, dtype pairing and device; the backward keeps the input in its own dtype and per-group statistics "
+        "as upstream's kernel. An unknown `act` raises ValueError (upstream's fallback ignored it); sizes, eps and "
+        "the input's channels are checked. Upstream's functional names (`torch_group_norm`, "
+        "`cuda_group_norm_nhwc_one_pass` / `_two_pass`, `cuda_group_norm_v2_nhwc`) run the same math; the "
+        "kernel-selection internals (`_check_legality`, `SUPPORTED_CHANNELS`, ...) are not provided."),
     "apex.contrib.xentropy.SoftmaxCrossEntropyLoss": (
         "NVIDIA: same `apply(logits, labels, smoothing=0.0, padding_idx=0, half_to_float=False)`, loss (smoothing "
         "over all C classes), float32 losses, padding rows at 0 with no gradient, and saved tensors (logits, "
