@@ -10,6 +10,7 @@ the notes on how each name differs from the original NPU patch and from NVIDIA A
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import inspect
 import sys
@@ -55,6 +56,11 @@ MODULES = [
      "device.", None),
     ("apex.fused_dense", "NVIDIA Apex's `FusedDense` (`x W^T + b`) and `FusedDenseGeluDense` (`GELU(x W1^T + b1) "
      "W2^T + b2`, GELU's tanh form) with upstream's `*Func.apply` forms, on torch's ops on every device.", None),
+    ("apex.transformer", "NVIDIA Apex's Megatron-style enums (`apex.transformer.enums`); its model-parallel parts "
+     "(`parallel_state`, `tensor_parallel`, `pipeline_parallel`) are not part of this package (see "
+     "[upstream-compat.md](upstream-compat.md)).", ["AttnMaskType", "AttnType", "LayerType", "ModelType"]),
+    ("apex.transformer.functional", "Upstream's fused scale-mask softmax (Megatron's attention softmax, NeMo) and "
+     "rotary position embeddings (Megatron-core's `apply_rope_fusion`), on torch's ops on every device.", None),
     ("apex.normalization", "NVIDIA Apex's fused layer norm and RMS norm modules, on torch's own kernels on every "
      "device.", None),
     ("apex.normalization.fused_layer_norm", "The functional forms and upstream's `*Function.apply` names (the "
@@ -218,6 +224,34 @@ NOTES = {
         "(2.2x faster than the unfused torch reference of upstream's own test on a CPU). Logits may be float32, "
         "float16 or bfloat16 in any layout; `half_to_float` is accepted for any dtype and changes nothing "
         "(upstream refused it for non-fp16 logits); arguments checked, CPU labels range-checked."),
+    "apex.transformer.AttnMaskType": "NVIDIA: same members and values (`padding` 1, `causal` 2).",
+    "apex.transformer.AttnType": "NVIDIA: same members and values (`self_attn` 1, `cross_attn` 2).",
+    "apex.transformer.LayerType": "NVIDIA: same members and values (`encoder` 1, `decoder` 2).",
+    "apex.transformer.ModelType": (
+        "NVIDIA: same members and values (`encoder_or_decoder` 1, `encoder_and_decoder` 2); upstream defined it in "
+        "`apex.transformer.enums` without exporting it from the package, here both."),
+    "apex.transformer.functional.FusedScaleMaskSoftmax": (
+        "NVIDIA: same arguments, checks (RuntimeError for both dtype flags or a scale without `softmax_in_fp32`) "
+        "and choice of path (`is_kernel_available`: upstream's CUDA kernel limits, `get_batch_per_block` from its "
+        "launch shape); the fused path is upstream's kernel math (float32 softmax, masked score -10000, fully "
+        "masked rows zero, causal keys above the diagonal zero) on torch's ops on every device, the torch path "
+        "upstream's sequence. Inputs and masks are checked (ValueError / TypeError)."),
+    "apex.transformer.functional.GenericFusedScaleMaskSoftmax": (
+        "NVIDIA: same arguments; with fusion on, the fused padding-mask math for every key length (upstream "
+        "assigned its generic function to the fusion flag, so its kernel limits still applied on CUDA)."),
+    "apex.transformer.functional.fused_apply_rotary_pos_emb": (
+        "NVIDIA: same arguments and bits (the rotation computed in the input's dtype, as upstream's kernel and "
+        "Megatron's unfused reference: cos / sin rounded to it, products and sum rounded); "
+        "`transpose_output_memory` lays the output out as (b, s, h, d). `freqs` may be longer than s and of any "
+        "floating dtype; shapes checked before anything runs."),
+    "apex.transformer.functional.fused_apply_rotary_pos_emb_cached": (
+        "NVIDIA: same arguments and bits, with `cos_` / `sin_` given (float32 or the input's dtype)."),
+    "apex.transformer.functional.fused_apply_rotary_pos_emb_thd": (
+        "NVIDIA: same arguments and bits for packed sequences; `cu_seqlens` (int32 or int64) is checked to rise "
+        "from 0 to the token count (one host read of the b + 1 offsets)."),
+    "apex.transformer.functional.fused_apply_rotary_pos_emb_2d": (
+        "NVIDIA: same arguments and bits (rows rotate the first half of each head, columns the second); the head "
+        "dimension must be a multiple of 4 and the tables at least `img_h` / `img_w` long (checked)."),
     "apex.fused_dense.FusedDense": (
         "NVIDIA: same arguments, parameters (`weight` out x in, `bias` or None) and autocast rule; upstream runs a "
         "cuBLASLt GEMM with the bias in its epilogue on CUDA, here `F.linear` on any device and dtype (the bias is "
@@ -561,6 +595,10 @@ def _signature(qual: str, obj) -> str:
     name = qual.rsplit(".", 1)[1]
     if inspect.isclass(obj) and issubclass(obj, BaseException):
         return f"class {name}({obj.__bases__[0].__name__})"
+    if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+        # the members, not Enum's constructor (whose signature changes between Python versions)
+        members = ", ".join(f"{m.name} = {m.value!r}" for m in obj)
+        return f"class {name}(enum.Enum): {members}"
     try:
         sig = str(inspect.signature(obj))
     except (TypeError, ValueError):
