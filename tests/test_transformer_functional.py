@@ -177,7 +177,9 @@ def test_module_under_autocast(device):
     (lambda: FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, True, "f", True, None), TypeError,
      "mask_func must be callable"),
     (lambda: FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, True, _mask_fill, True, None)(
-        torch.randn(3, 4, 4), None), ValueError, r"attention scores \(b, np, sq, sk\)"),
+        torch.randn(3, 4, 4), None), ValueError, r"inputs must have 4 dimensions, got shape \(3, 4, 4\)"),
+    (lambda: FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, False, _mask_fill, True, None)(
+        torch.ones(1, 1, 4, 4, dtype=torch.long), None), TypeError, "inputs must be a floating-point tensor"),
     (lambda: ScaledMaskedSoftmax.apply(torch.randn(2, 3, 4, 5), torch.zeros(2, 3, 4, 5, dtype=torch.bool), 1.0),
      ValueError, r"mask must have shape \(2 or 1, 1, 4, 5\)"),
     (lambda: ScaledMaskedSoftmax.apply(torch.randn(2, 3, 4, 5), torch.zeros(2, 1, 4, 5), 1.0), TypeError,
@@ -288,6 +290,8 @@ def test_rope_2d(device):
      r"freqs must have shape \(>= 4, 1, 1, d2 \(even, <= 8\)\), got \(3, 1, 1, 8\)"),
     (lambda: fused_apply_rotary_pos_emb(torch.randn(4, 1, 1, 8), torch.randn(4, 1, 1, 3)), ValueError, "even"),
     (lambda: fused_apply_rotary_pos_emb(torch.randn(4, 1, 1, 8), torch.randn(4, 1, 1, 10)), ValueError, "<= 8"),
+    (lambda: fused_apply_rotary_pos_emb(torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)), ValueError,
+     r"freqs must have shape \(>= 4, 1, 1, d2"),
     (lambda: fused_apply_rotary_pos_emb(torch.ones(4, 1, 1, 8, dtype=torch.long), torch.randn(4, 1, 1, 8)),
      TypeError, "t must be a floating-point"),
     (lambda: fused_apply_rotary_pos_emb_cached(torch.randn(4, 1, 1, 8), torch.randn(4, 1, 1, 8),

@@ -82,7 +82,8 @@ def _check_table(table, name: str, where: str, t: torch.Tensor, rows: int, row_d
     d = t.shape[-1]
     d2 = table.shape[-1] if table.dim() == 4 else -1
     ok_width = d2 == width if width is not None else 0 < d2 <= d and d2 % 2 == 0
-    if table.dim() != 4 or table.shape[row_dim] < rows or not ok_width:
+    ones = table.dim() == 4 and all(table.shape[i] == 1 for i in range(3) if i != row_dim)
+    if not ones or table.shape[row_dim] < rows or not ok_width:
         want = f"{width}" if width is not None else f"d2 (even, <= {d})"
         shape = ["1", "1", "1", want]
         shape[row_dim] = f">= {rows}"

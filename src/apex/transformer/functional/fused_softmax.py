@@ -229,9 +229,7 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
                                  "AttnMaskType.causal)")
 
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if not isinstance(input, torch.Tensor) or input.dim() != 4:
-            got = tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
-            raise ValueError(f"{type(self).__name__}: input must be attention scores (b, np, sq, sk), got {got}")
+        _check_scores(input, type(self).__name__, 4)
         if self.is_kernel_available(mask, *input.size()):
             return self.forward_fused_softmax(input, mask)
         return self.forward_torch_softmax(input, mask)
