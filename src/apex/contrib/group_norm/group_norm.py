@@ -11,8 +11,9 @@ parameters' dtypes (any pairing of float32 / float16 / bfloat16), the result rou
 laid out as the input (channels-last in, channels-last out; upstream's kernel wrote its output NHWC the same way).
 
 The backward keeps what upstream's kernel kept: the input in its own dtype and one mean and one reciprocal standard
-deviation per (sample, group), not a float32 copy of the input; it recomputes the float32 input (and, with SiLU,
-the normalized output) when it runs. Gradients come back in the dtypes of the input, weight and bias.
+deviation per (sample, group), not a float32 copy of the input; it makes the float32 input again when it runs and,
+with SiLU, the normalized output from those statistics in one elementwise pass. Gradients come back in the dtypes
+of the input, weight and bias.
 
 Upstream's functional names take the same arguments and run the same math (``torch_group_norm``,
 ``cuda_group_norm_nhwc_one_pass``, ``cuda_group_norm_nhwc_two_pass``, ``cuda_group_norm_v2_nhwc``: the names keep
@@ -43,12 +44,6 @@ def _act_name(act, where: str) -> Optional[str]:
     return name or None
 
 
-def _silu_grad(pre: torch.Tensor) -> torch.Tensor:
-    # d/dz z*sigmoid(z) = s + z*s*(1 - s) = s * (1 + z * (1 - s))
-    s = torch.sigmoid(pre)
-    return s.mul_(pre.mul(s.neg().add_(1.0)).add_(1.0))
-
-
 def _like_input(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     t = t.to(x.dtype)
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
@@ -68,21 +63,30 @@ class _GroupNormFunction(torch.autograd.Function):
         pre, mean, rstd = torch.native_group_norm(x.to(compute), wc, bc, n, c, hw, groups, eps)
         out = torch.nn.functional.silu(pre) if act else pre
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.shape = (n, c, hw, groups, eps, act, compute)
+        ctx.shape = (n, c, hw, groups, act, compute)
         return _like_input(out, x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        n, c, hw, groups, eps, act, compute = ctx.shape
+        n, c, hw, groups, act, compute = ctx.shape
         xc = x.to(compute)
         wc = None if weight is None else weight.to(compute)
         g = grad_out.to(compute)
         if act:
-            bc = None if bias is None else bias.to(compute)
-            pre = torch.native_group_norm(xc, wc, bc, n, c, hw, groups, eps)[0]
-            g = g * _silu_grad(pre)
+            # the SiLU's input again, in one elementwise pass from the kept statistics: per (sample, channel)
+            # x * (rstd * w) + (b - mean * rstd * w); keeping it instead would double what the backward holds
+            shape = (n, c) + (1,) * (x.dim() - 2)
+            per_channel = c // groups
+            scale = rstd.repeat_interleave(per_channel, dim=1)
+            if wc is not None:
+                scale = scale * wc
+            shift = -mean.repeat_interleave(per_channel, dim=1) * scale
+            if bias is not None:
+                shift = shift + bias.to(compute)
+            pre = torch.addcmul(shift.view(shape), xc, scale.view(shape))
+            g = torch.ops.aten.silu_backward(g, pre)
         need = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
                 bias is not None and ctx.needs_input_grad[3]]
         dx, dw, db = torch.ops.aten.native_group_norm_backward(g.contiguous(memory_format=_format(xc)), xc, mean,

@@ -112,9 +112,16 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
         rows, classes = logits.shape
         g = torch.where(keep, grad_loss.float(), torch.zeros((), dtype=torch.float32, device=grad_loss.device))
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        # g * (softmax - eps / C) over the row, then g * (eps - 1) added at the target: three passes over a block
+        # (the shifted exponent, its scaling, the store), the target a gather-sized scatter
+        at_target = (g * (eps - 1.0)).unsqueeze(1)
+        direct = grad.dtype == torch.float32  # float32 logits: each block is computed where its grad goes
         for lo, hi in _blocks(rows, classes):
-            p = torch.exp(_rows(logits, lo, hi) - lse[lo:hi].unsqueeze(1))
-            p.sub_(eps / classes)
-            p.scatter_add_(1, target[lo:hi], torch.full((hi - lo, 1), eps - 1.0, device=p.device))
-            grad[lo:hi] = p.mul_(g[lo:hi].unsqueeze(1))
+            gi = g[lo:hi].unsqueeze(1)
+            p = torch.sub(_rows(logits, lo, hi), lse[lo:hi].unsqueeze(1), out=grad[lo:hi] if direct else None)
+            p.exp_()
+            torch.addcmul(gi * (-eps / classes), p, gi, out=p)
+            p.scatter_add_(1, target[lo:hi], at_target[lo:hi])
+            if not direct:
+                grad[lo:hi] = p
         return grad, None, None, None, None

@@ -38,16 +38,23 @@ __all__ = [
 ]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """``x * cos + rot(x) * sin`` (``transpose``: ``x * cos + rot^T(x * sin)``) over x's last dimension, in x's
-    dtype: cos and sin rounded to it, then two rounded products and a rounded sum (no fused multiply-add, which
-    would round once where upstream's kernel rounds three times)."""
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> None:
+    """``out = x * cos + rot(x) * sin`` (``transpose``: ``x * cos + rot^T(x * sin)``) over x's last dimension, in
+    x's dtype: cos and sin rounded to it, then two rounded products and a rounded sum, as upstream's kernel (no
+    fused multiply-add, which would round once where it rounds three times). Half by half, so no rotated copy of x
+    is made: with ``[x1, x2]``, ``[c1, c2]``, ``[s1, s2]`` the halves,
+    forward ``[x1 c1 - x2 s1, x2 c2 + x1 s2]``, transpose ``[x1 c1 + x2 s2, x2 c2 - x1 s1]``."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if transpose:
-        s1, s2 = (x * sin).chunk(2, dim=-1)
-        return x * cos + torch.cat((s2, -s1), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    c1, c2 = cos.chunk(2, dim=-1)
+    s1, s2 = sin.chunk(2, dim=-1)
+    o1, o2 = out.chunk(2, dim=-1)
+    if transpose:
+        torch.mul(x1, c1, out=o1).add_(x2 * s2)
+        torch.mul(x2, c2, out=o2).sub_(x1 * s1)
+    else:
+        torch.mul(x1, c1, out=o1).sub_(x2 * s1)
+        torch.mul(x2, c2, out=o2).add_(x1 * s2)
 
 
 def _apply(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool,
@@ -57,7 +64,7 @@ def _apply(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: boo
     d2 = cos.shape[-1]
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    out[..., :d2] = _rotate(t[..., :d2], cos, sin, transpose)
+    _rotate_into(out[..., :d2], t[..., :d2], cos, sin, transpose)
     if d2 < t.shape[-1]:
         out[..., d2:] = t[..., d2:]
     return out
@@ -206,8 +213,8 @@ def _apply_2d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w, transpose: bool) -> t
     half = d // 2
     rows = (cos_h[:, :img_h].unsqueeze(2), sin_h[:, :img_h].unsqueeze(2))  # (1, img_h, 1, 1, d/2)
     cols = (cos_w[:, :img_w].unsqueeze(1), sin_w[:, :img_w].unsqueeze(1))  # (1, 1, img_w, 1, d/2)
-    out[..., :half] = _rotate(grid[..., :half], *rows, transpose)
-    out[..., half:] = _rotate(grid[..., half:], *cols, transpose)
+    _rotate_into(out[..., :half], grid[..., :half], *rows, transpose)
+    _rotate_into(out[..., half:], grid[..., half:], *cols, transpose)
     return out.view(b, s, h, d)
 
 
