@@ -19,9 +19,9 @@ EPOCH_FALLBACK = "315532800"
 # x86_64 SIMD levels of apex_C and the /proc/cpuinfo flags each needs; aarch64: NEON is part of the architecture.
 X86_LEVELS = {"avx2": {"avx2", "fma", "f16c"},
               "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
-# What the full suite needs beyond numpy and pytest (property tests, safetensors checkpoints): the wheelhouse
-# downloads them for full-suite cells, test_cell.py installs them there.
-FULL_TEST_TOOLS = ("hypothesis", "safetensors")
+# What the full suite needs beyond numpy and pytest (property tests, safetensors checkpoints, apex.dump's HDF5
+# files): the wheelhouse downloads them for full-suite cells, test_cell.py installs them there.
+FULL_TEST_TOOLS = ("hypothesis", "safetensors", "h5py")
 
 
 class WheelNotFound(LookupError):
