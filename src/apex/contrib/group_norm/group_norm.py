@@ -60,7 +60,7 @@ class _GroupNormFunction(torch.autograd.Function):
         hw = x.numel() // (n * c) if n * c else 0
         wc = None if weight is None else weight.to(compute)
         bc = None if bias is None else bias.to(compute)
-        pre, mean, rstd = torch.native_group_norm(x.to(compute), wc, bc, n, c, hw, groups, eps)
+        pre, mean, rstd = torch.native_group_norm(_kernel_layout(x.to(compute)), wc, bc, n, c, hw, groups, eps)
         out = torch.nn.functional.silu(pre) if act else pre
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.shape = (n, c, hw, groups, act, compute)
@@ -71,7 +71,7 @@ class _GroupNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         n, c, hw, groups, act, compute = ctx.shape
-        xc = x.to(compute)
+        xc = _kernel_layout(x.to(compute))
         wc = None if weight is None else weight.to(compute)
         g = grad_out.to(compute)
         if act:
@@ -93,6 +93,12 @@ class _GroupNormFunction(torch.autograd.Function):
                                                                rstd, wc, n, c, hw, groups, need)
         return (None if dx is None else _like_input(dx, x), None,
                 None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None, None)
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    # torch's CPU group norm reads channels-last input as it is; elsewhere (a device's own kernel, or the
+    # decomposition a backend without one falls back to, which views the input as (N, G, -1)) it is made contiguous
+    return t if t.device.type == "cpu" else t.contiguous()
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:
