@@ -45,10 +45,14 @@ def _act_name(act, where: str) -> Optional[str]:
 
 
 def _like_input(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    t = t.to(x.dtype)
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        t = t.contiguous(memory_format=torch.channels_last)
-    return t
+    return t.to(x.dtype).contiguous(memory_format=_format(x))
+
+
+def _check_eps(eps, where: str) -> float:
+    value = real_number(eps)
+    if value is None or not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
+    return float(value)
 
 
 class _GroupNormFunction(torch.autograd.Function):
@@ -128,10 +132,7 @@ def _group_norm(where: str, x, groups, weight, bias, eps, act) -> torch.Tensor:
                              f"got {tuple(t.shape)}")
         if t.device != x.device:
             raise ValueError(f"{where}: {name} must be on the input's device ({x.device}), got {t.device}")
-    value = real_number(eps)
-    if value is None or not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
-    return _GroupNormFunction.apply(x, groups, weight, bias, float(value), _act_name(act, where))
+    return _GroupNormFunction.apply(x, groups, weight, bias, _check_eps(eps, where), _act_name(act, where))
 
 
 def torch_group_norm(x, g, w, b, eps, act=""):
@@ -176,10 +177,7 @@ class GroupNorm(nn.Module):
         if self.num_channels % self.num_groups:
             raise ValueError(f"{where}: num_channels must be divisible by num_groups, got {self.num_channels} "
                              f"and {self.num_groups}")
-        value = real_number(eps)
-        if value is None or not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
-        self.eps = float(value)
+        self.eps = _check_eps(eps, where)
         self.affine = bool(affine)
         self.act = act.lower() if isinstance(act, str) else act
         _act_name(act, where)

@@ -166,20 +166,22 @@ def scaled_upper_triang_masked_softmax(inputs, _, scale):
     return probs.view(b, np_, sq, sk)
 
 
+def _scores_as_fused(inputs, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    # upstream's autocast rule on the scores' device (anything but a tensor goes on to fn's own check)
+    return run_as_fused(inputs.device.type if isinstance(inputs, torch.Tensor) else "cpu", fn, (inputs,))
+
+
 def scaled_masked_softmax(inputs, mask, scale):
     """Upstream's functional form: :class:`ScaledMaskedSoftmax` (or :class:`ScaledSoftmax` when ``mask`` is None)
     under upstream's autocast rule."""
     if mask is None:
-        return run_as_fused(inputs.device.type if isinstance(inputs, torch.Tensor) else "cpu",
-                            lambda x: ScaledSoftmax.apply(x, scale), (inputs,))
-    return run_as_fused(inputs.device.type if isinstance(inputs, torch.Tensor) else "cpu",
-                        lambda x: ScaledMaskedSoftmax.apply(x, mask, scale), (inputs,))
+        return _scores_as_fused(inputs, lambda x: ScaledSoftmax.apply(x, scale))
+    return _scores_as_fused(inputs, lambda x: ScaledMaskedSoftmax.apply(x, mask, scale))
 
 
 def generic_scaled_masked_softmax(inputs, mask, scale):
     """Upstream's functional form of :class:`GenericScaledMaskedSoftmax`, under upstream's autocast rule."""
-    return run_as_fused(inputs.device.type if isinstance(inputs, torch.Tensor) else "cpu",
-                        lambda x: GenericScaledMaskedSoftmax.apply(x, mask, scale), (inputs,))
+    return _scores_as_fused(inputs, lambda x: GenericScaledMaskedSoftmax.apply(x, mask, scale))
 
 
 def _warp_batches(sk: int) -> int:
