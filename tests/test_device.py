@@ -467,3 +467,10 @@ def test_harness_rejects_an_unavailable_device(pytester, clean_env):
     result = pytester.runpytest_inprocess("--device", "cuda")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--device cuda was requested, but no cuda device is available here*"])
+
+
+def test_block_elements_per_device():
+    # blockwise layer functions: cache-sized blocks on the CPU, larger ones where every pass is a kernel launch
+    assert _device.block_elements(torch.device("cpu")) == 1 << 18
+    for name in ("cuda", "meta"):
+        assert _device.block_elements(torch.device(name)) == 1 << 22

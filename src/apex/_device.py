@@ -284,6 +284,19 @@ def fused_optimizer_devices() -> frozenset:
 FUSED_POSITION_FREE_DEVICES = frozenset({"cuda"})
 
 
+#: Elements per block for the layer functions that work over a large tensor block by block in float32 (focal loss,
+#: cross entropy): on the CPU a block's temporaries (1 MiB each) stay in the L2 cache across the dozen elementwise
+#: passes (measured: 28 ms against 51 ms for 2^22 on a 3.5M-element focal loss); an accelerator's passes are
+#: kernel launches, each with a fixed cost, so there the blocks are 16x larger.
+_BLOCK_ELEMENTS = {"cpu": 1 << 18}
+_DEFAULT_BLOCK_ELEMENTS = 1 << 22
+
+
+def block_elements(device: torch.device) -> int:
+    """How many elements one block of a blockwise layer function holds on ``device`` (see ``_BLOCK_ELEMENTS``)."""
+    return _BLOCK_ELEMENTS.get(device.type, _DEFAULT_BLOCK_ELEMENTS)
+
+
 def host_scalars_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor (step counts) copied to ``device`` without waiting for the device's queued work.
 

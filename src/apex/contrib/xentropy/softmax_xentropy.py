@@ -29,11 +29,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from apex._checks import check_int, real_number
+from apex._device import block_elements
 
 __all__ = ["SoftmaxCrossEntropyLoss"]
 
-# float32 elements of one block of rows: bounds the temporary copy (16 MiB) whatever N x C is
-_BLOCK_ELEMENTS = 1 << 22
+# float32 elements of one block of rows (None: the device's choice, apex._device.block_elements): bounds the
+# temporary copy whatever N x C is
+_BLOCK_ELEMENTS = None
 
 _WHERE = "SoftmaxCrossEntropyLoss"
 
@@ -69,8 +71,8 @@ def _check(logits, labels, smoothing, padding_idx, half_to_float) -> Tuple[float
     return float(eps), pad
 
 
-def _blocks(rows: int, classes: int):
-    step = max(1, _BLOCK_ELEMENTS // classes)
+def _blocks(rows: int, classes: int, device: torch.device):
+    step = max(1, (_BLOCK_ELEMENTS or block_elements(device)) // classes)
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -93,7 +95,7 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
         target = torch.where(keep, labels, torch.zeros_like(labels)).unsqueeze(1)  # padding rows read class 0
         losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        for lo, hi in _blocks(rows, classes):
+        for lo, hi in _blocks(rows, classes, logits.device):
             x = _rows(logits, lo, hi)
             lse[lo:hi] = torch.logsumexp(x, dim=1)
             nll = lse[lo:hi] - x.gather(1, target[lo:hi]).squeeze(1)
@@ -116,7 +118,7 @@ class SoftmaxCrossEntropyLoss(torch.autograd.Function):
         # (the shifted exponent, its scaling, the store), the target a gather-sized scatter
         at_target = (g * (eps - 1.0)).unsqueeze(1)
         direct = grad.dtype == torch.float32  # float32 logits: each block is computed where its grad goes
-        for lo, hi in _blocks(rows, classes):
+        for lo, hi in _blocks(rows, classes, logits.device):
             gi = g[lo:hi].unsqueeze(1)
             p = torch.sub(_rows(logits, lo, hi), lse[lo:hi].unsqueeze(1), out=grad[lo:hi] if direct else None)
             p.exp_()
