@@ -12,7 +12,10 @@ file in the package namespace one top-level statement at a time:
 * a statement that raises (typically an import of a CUDA-only extension on a machine without
   it, or of an upstream module that relies on internals of a package we replaced) is logged on
   the ``apex.overlay`` logger and recorded in `REPORT`; the rest of the init still runs, so
-  one unavailable feature never makes ``import apex`` fail.
+  one unavailable feature never makes ``import apex`` fail;
+* what a statement prints goes to that logger (and `REPORT`) instead of stdout: upstream's
+  contrib inits print "apex was installed without --<feature> flag" when their CUDA extension
+  is missing, which is untrue in a package whose init is also ours (ours provides the feature).
 
 Only the standard library is used here (no torch import).
 """
@@ -20,6 +23,8 @@ Only the standard library is used here (no torch import).
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import logging
 import os
 from typing import Dict, List, Set
@@ -29,7 +34,7 @@ logger = logging.getLogger("apex.overlay")
 # module-level dunders that are ours to keep (upstream's init must not replace our lazy loader or version)
 _OUR_DUNDERS = ("__getattr__", "__dir__", "__version__", "__build_variant__")
 
-#: one entry per upstream statement: package, line, status ("ran", "skipped", "failed"), error
+#: one entry per upstream statement: package, line, status ("ran", "skipped", "failed"), error, what it printed
 REPORT: List[Dict[str, object]] = []
 
 
@@ -68,16 +73,22 @@ def run_upstream_init(namespace: dict, filename: str = "_upstream_init.py") -> N
         if names and names <= set(ours):
             REPORT.append({"package": package, "line": line, "status": "skipped", "error": None})
             continue
+        printed = io.StringIO()
         try:
-            exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), namespace)
+            with contextlib.redirect_stdout(printed):
+                exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), namespace)
         except Exception as exc:  # an unavailable upstream feature must not break `import apex`
             REPORT.append({"package": package, "line": line, "status": "failed",
-                           "error": f"{type(exc).__name__}: {exc}"})
+                           "error": f"{type(exc).__name__}: {exc}", "printed": printed.getvalue()})
             logger.info("apex overlay: %s line %d of upstream's init not available here (%s: %s)",
                         package, line, type(exc).__name__, exc)
         else:
-            REPORT.append({"package": package, "line": line, "status": "ran", "error": None})
+            REPORT.append({"package": package, "line": line, "status": "ran", "error": None,
+                           "printed": printed.getvalue()})
         finally:
+            if printed.getvalue():
+                logger.info("apex overlay: %s line %d of upstream's init printed: %s", package, line,
+                            printed.getvalue().strip())
             for name, value in ours.items():  # ours win per name
                 if namespace.get(name, value) is not value:
                     namespace[name] = value

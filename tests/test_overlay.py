@@ -99,7 +99,16 @@ UPSTREAM_FILES = {
     "apex/parallel/LARC.py": "class LARC:\n    upstream = True\n",
     "apex/parallel/upstream_helper.py": "class UpstreamHelper:\n    upstream_only = True\n",
     "apex/contrib/__init__.py": "",
-    "apex/contrib/focal_loss/__init__.py": "UPSTREAM_CONTRIB = True\n",
+    "apex/contrib/transducer/__init__.py": "UPSTREAM_CONTRIB = True\n",
+    # a contrib package both sides have, whose upstream init reports its missing CUDA extension with a print
+    "apex/contrib/focal_loss/__init__.py": """\
+        try:
+            import focal_loss_cuda
+            from .focal_loss import focal_loss
+            del focal_loss_cuda
+        except ImportError as err:
+            print("focal_loss: the CUDA extension is not installed")
+        """,
 }
 
 OLD_AMP_FILES = {  # releases up to 25.05 still shipped amp
@@ -176,7 +185,7 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
         data = {n: zf.read(n) for n in names}
     # upstream-only files are kept, as they are
     for rel in ("apex/optimizers/upstream_lars.py", "apex/normalization/upstream_layer_norm.py",
-                "apex/parallel/upstream_helper.py", "apex/contrib/focal_loss/__init__.py"):
+                "apex/parallel/upstream_helper.py", "apex/contrib/transducer/__init__.py"):
         assert data[rel] == (tmp_path / "upstream" / rel).read_bytes()
     # ours win on conflicting modules, and all of ours is there
     for path in ours_src.rglob("*.py"):
@@ -278,6 +287,8 @@ def test_merged_wheel_imports(tmp_path, our_ext, with_amp):
         from apex.normalization import UpstreamLayerNorm
         from apex.parallel import LARC, UpstreamHelper
         from apex.contrib.combine_tensors import combine_tensors
+        from apex.contrib.focal_loss import focal_loss, FocalLoss   # ours; upstream's init printed into the log
+        from apex.contrib.transducer import UPSTREAM_CONTRIB      # upstream-only contrib package
         from apex import amp
         import apex_C
         assert apex.__file__.startswith({str(site)!r}), apex.__file__
@@ -295,6 +306,10 @@ def test_merged_wheel_imports(tmp_path, our_ext, with_amp):
         failed = [r for r in _overlay.REPORT if r["status"] == "failed"]
         assert [r["package"] for r in failed] == ["apex"] and "fused_layer_norm_cuda" in failed[0]["error"], failed
         assert apex.amp_C.__apex_fallback__                         # upstream's `import amp_C` got our ops
+        assert focal_loss.FocalLoss is FocalLoss and UPSTREAM_CONTRIB
+        printed = [r for r in _overlay.REPORT if r.get("printed")]
+        assert [(r["package"], r["printed"]) for r in printed] == [
+            ("apex.contrib.focal_loss", "focal_loss: the CUDA extension is not installed\\n")], printed
         skipped = [r for r in _overlay.REPORT if r["status"] == "skipped" and r["package"] == "apex.optimizers"]
         assert len(skipped) == 1                                    # `from .fused_adam import FusedAdam`: ours
         p = torch.nn.Parameter(torch.ones(3))
@@ -305,6 +320,7 @@ def test_merged_wheel_imports(tmp_path, our_ext, with_amp):
         from apex.__main__ import collect  # what `python -m apex` reports
         print(json.dumps(collect()))
     """, site, tmp_path)
+    assert "CUDA extension is not installed" not in out
     info = json.loads(out.strip().splitlines()[-1])
     assert info["apex"] == result["version"] and info["core"]["loaded"] is True
     assert info["core"]["path"].startswith(str(site))
