@@ -11,7 +11,11 @@ dropped after the call), ours against torch in the same round:
 * fused scale-mask softmax (``apex.transformer.functional``, its fused path) against the module's own torch path
   with fp32 softmax;
 * RoPE (``fused_apply_rotary_pos_emb``) against Megatron's unfused rotate-half code;
-* ``FusedDenseGeluDense`` against ``nn.Linear`` -> tanh GELU -> ``nn.Linear``.
+* ``FusedDenseGeluDense`` against ``nn.Linear`` -> tanh GELU -> ``nn.Linear``;
+* focal loss with label smoothing over padded classes (``apex.contrib.focal_loss``) against EfficientDet's unfused
+  smoothed focal loss on one-hot targets, ignored anchors masked out;
+* self attention with a key padding mask (``apex.contrib.multihead_attn.SelfMultiheadAttn``) against
+  ``nn.MultiheadAttention`` holding the same weights.
 
 ``bytes_per_param`` counts the tensor traffic both sides cannot avoid (read the input in the forward; read the
 saved tensor(s) and the incoming grad, write the input's grad in the backward), so GB/s compare with the roofline;
@@ -196,6 +200,80 @@ def _dense_verify(st):
     torch.testing.assert_close(st["ours_fn"](st["x"].detach()), st["ref_fn"](st["x"].detach()), rtol=0, atol=0)
 
 
+# ---------------------------------------------------------------- focal loss
+
+
+def _focal_setup(ctx: Context):
+    from apex.contrib.focal_loss import focal_loss
+
+    anchors, classes, real = ((2, 16, 16, 9), 96, 90) if ctx.quick else ((4, 32, 32, 9), 96, 90)
+    g = torch.Generator().manual_seed(ctx.seed)
+    x = torch.randn(*anchors, classes, generator=g).to(ctx.device).requires_grad_()
+    labels = torch.randint(-2, real, anchors, generator=g).to(ctx.device)
+    npos = torch.tensor(float((labels >= 0).sum()) + 1.0, device=ctx.device)
+    keep = (labels != -2).unsqueeze(-1)
+    onehot = (labels.unsqueeze(-1) == torch.arange(real, device=ctx.device)).float()
+    alpha, gamma, smoothing = 0.25, 1.5, 0.1
+
+    def unfused(t):
+        t = t[..., :real]
+        p = t.sigmoid()
+        p_t = onehot * p + (1 - onehot) * (1 - p)
+        alpha_t = onehot * alpha + (1 - onehot) * (1 - alpha)
+        target = onehot * (1 - smoothing) + 0.5 * smoothing
+        ce = F.binary_cross_entropy_with_logits(t, target, reduction="none")
+        return (alpha_t * (1 - p_t) ** gamma * ce * keep).sum() / npos
+
+    return {
+        "numel": x.numel(),
+        "tensors": 1,
+        "x": x,
+        "grad": torch.ones((), device=ctx.device),
+        "ours_fn": lambda t: focal_loss.FocalLoss.apply(t, labels, npos, real, alpha, gamma, smoothing),
+        "ref_fn": unfused,
+    }
+
+
+def _focal_verify(st):
+    x = st["x"].detach()
+    torch.testing.assert_close(st["ours_fn"](x), st["ref_fn"](x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- self attention
+
+
+def _mha_setup(ctx: Context):
+    from apex.contrib.multihead_attn import SelfMultiheadAttn
+
+    t, b, e, h = (32, 4, 128, 4) if ctx.quick else (128, 16, 512, 8)
+    d = e // h
+    torch.manual_seed(ctx.seed)
+    ours = SelfMultiheadAttn(e, h, bias=True).to(ctx.device)
+    ref = torch.nn.MultiheadAttention(e, h).to(ctx.device)
+    with torch.no_grad():  # upstream's per-head q/k/v rows into torch's q, k, v blocks
+        ref.in_proj_weight.copy_(ours.in_proj_weight.view(h, 3, d, e).transpose(0, 1).reshape(3 * e, e))
+        ref.in_proj_bias.copy_(ours.in_proj_bias.view(h, 3, d).transpose(0, 1).reshape(3 * e))
+        ref.out_proj.weight.copy_(ours.out_proj_weight)
+        ref.out_proj.bias.copy_(ours.out_proj_bias)
+    x = torch.randn(t, b, e, device=ctx.device).requires_grad_()
+    pad = torch.zeros(b, t, dtype=torch.bool, device=ctx.device)
+    pad[:, -t // 8:] = True
+    return {
+        "numel": x.numel(),
+        "tensors": 1,
+        "x": x,
+        "grad": torch.ones(t, b, e, device=ctx.device),
+        "params": (*ours.parameters(), *ref.parameters()),
+        "ours_fn": lambda q: ours(q, q, q, key_padding_mask=pad)[0],
+        "ref_fn": lambda q: ref(q, q, q, key_padding_mask=pad, need_weights=False)[0],
+    }
+
+
+def _mha_verify(st):
+    x = st["x"].detach()
+    torch.testing.assert_close(st["ours_fn"](x), st["ref_fn"](x), rtol=1e-4, atol=1e-5)
+
+
 def _entry(name, regime, setup, verify, bytes_per_param, ref_label, dtype, notes=""):
     return Entry(
         name=name,
@@ -238,4 +316,12 @@ def register(reg: Registry) -> None:
         "FusedDenseGeluDense (fwd+bwd)", "2048 x 768 -> 3072 -> 768 fp32", _dense_setup, _dense_verify,
         4 * 4, "nn.Linear -> F.gelu(tanh) -> nn.Linear", "fp32",
         notes=f"compute-bound: {2 * 3 * 2 * 2048 * 768 * 3072 / 1e9:.0f} GFLOP per call"))
+    reg.add(_entry(
+        "focal loss, label smoothing (fwd+bwd)", "4 x 32 x 32 x 9 anchors x 96 (90 real) fp32", _focal_setup,
+        _focal_verify, 3 * 4, "EfficientDet's unfused smoothed focal loss on one-hot targets", "fp32",
+        notes="read the logits (fwd), the saved gradient (bwd), write the logits' grad"))
+    reg.add(_entry(
+        "SelfMultiheadAttn, key padding mask (fwd+bwd)", "128 x 16 x 512, 8 heads fp32", _mha_setup, _mha_verify,
+        4 * 4, "nn.MultiheadAttention, same weights", "fp32",
+        notes="compute-bound (projections and attention products); GB/s say little"))
 

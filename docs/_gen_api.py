@@ -37,6 +37,16 @@ MODULES = [
     ("apex.contrib.xentropy", "NVIDIA Apex's `SoftmaxCrossEntropyLoss` (softmax cross entropy with label "
      "smoothing and a padding index, per-row float32 losses), which fairseq, OpenNMT and MLPerf-style translation "
      "and BERT scripts call, on every device.", None),
+    ("apex.contrib.focal_loss", "NVIDIA Apex's fused sigmoid focal loss (`FocalLoss.apply`, `focal_loss`) for "
+     "RetinaNet / EfficientDet-style detectors, with label smoothing, padded classes and ignored anchors, on every "
+     "device.", ["FocalLoss"]),
+    ("apex.contrib.focal_loss.focal_loss", "The functional form (the package's `focal_loss` attribute is this "
+     "module, as upstream's).", ["focal_loss"]),
+    ("apex.contrib.index_mul_2d", "NVIDIA Apex's `index_mul_2d(in1, in2, idx1)` = `in1[idx1] * in2`, "
+     "differentiable twice (force-field models), on every device.", None),
+    ("apex.contrib.multihead_attn", "NVIDIA Apex's sequence-first multi-head attention modules (`SelfMultiheadAttn`, "
+     "`EncdecMultiheadAttn`, with upstream's parameter names and stacked per-head projections) and its masked "
+     "softmax with dropout, on torch's ops on every device.", None),
     ("apex.contrib.optimizers", "NVIDIA Apex's older contrib optimizers: `FP16_Optimizer` driving `FusedAdam` (the "
      "pair old BERT fine-tuning scripts import) and `FusedLAMB`, on every device (see "
      "[upstream-compat.md](upstream-compat.md)).", None),
@@ -224,6 +234,38 @@ NOTES = {
         "(2.2x faster than the unfused torch reference of upstream's own test on a CPU). Logits may be float32, "
         "float16 or bfloat16 in any layout; `half_to_float` is accepted for any dtype and changes nothing "
         "(upstream refused it for non-fp16 logits); arguments checked, CPU labels range-checked."),
+    "apex.contrib.focal_loss.FocalLoss": (
+        "NVIDIA: same `apply(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma, "
+        "label_smoothing=0.0)`, loss (modulating factor from the unsmoothed targets, targets smoothed towards 1/2), "
+        "labels (-1 negative, -2 ignored), padded classes, float32 loss and saved gradient (computed in the "
+        "forward, kept in the logits' dtype, scaled in the backward); upstream's CUDA kernel, here torch ops over "
+        "blocks of anchors on any device. No padding or alignment of the class dimension is needed; float64 and "
+        "bfloat16 logits work; a repeated backward (`retain_graph=True`) gives the same gradient (upstream's "
+        "scaled the saved one in place); arguments checked, CPU labels range-checked."),
+    "apex.contrib.focal_loss.focal_loss.focal_loss": (
+        "NVIDIA: same arguments (`num_positive_sum` so named), `FocalLoss.apply` of them."),
+    "apex.contrib.index_mul_2d.index_mul_2d": (
+        "NVIDIA: same arguments, result and first and second derivatives; upstream's CUDA kernels for float32 and "
+        "float16, here `index_select` and a product (autograd supplies every order) on any device, bfloat16 and "
+        "float64 too, int32 indices too. Shapes, dtypes and devices checked before anything runs (upstream "
+        "asserted some)."),
+    "apex.contrib.multihead_attn.SelfMultiheadAttn": (
+        "NVIDIA: same arguments, parameters (names, per-head stacked `in_proj_weight`, `q/k/v_weight` with "
+        "`separate_qkv_params`, initialisation), forward signature, masks (bool / uint8 nonzero masked, additive "
+        "with `mask_additive`), `is_training` switching dropout, `(output, None)` result. Both `impl` values run "
+        "one torch implementation on any device; `impl` only chooses where the layer norm's parameters live "
+        "(`lyr_nrm_*_weights` or `lyr_nrm`), as upstream's checkpoints hold them. Beyond upstream: "
+        "`mask_additive` with the layer norm or a time mask, both masks at once; `key` / `value` other than "
+        "`query` (which upstream ignored) raise ValueError; shapes, dtypes and masks checked."),
+    "apex.contrib.multihead_attn.EncdecMultiheadAttn": (
+        "NVIDIA: same arguments, parameters (`in_proj_weight_q`, per-head stacked `in_proj_weight_kv`, "
+        "initialisation), forward, masks and result; keys and values are projected from `key` (a `value` other "
+        "than `key`, which upstream ignored, raises ValueError). Biases work with `impl=\"fast\"` too (upstream "
+        "refused them); one torch implementation for both `impl` values on any device."),
+    "apex.contrib.multihead_attn.fast_mask_softmax_dropout_func": (
+        "NVIDIA: same arguments `(is_training, heads, inputs, pad_mask, mask_additive, dropout_prob)` and result; "
+        "upstream's CUDA kernel, here masked `softmax` and `dropout` on any device; arguments and mask shape "
+        "checked."),
     "apex.transformer.AttnMaskType": "NVIDIA: same members and values (`padding` 1, `causal` 2).",
     "apex.transformer.AttnType": "NVIDIA: same members and values (`self_attn` 1, `cross_attn` 2).",
     "apex.transformer.LayerType": "NVIDIA: same members and values (`encoder` 1, `decoder` 2).",
