@@ -47,6 +47,9 @@ MODULES = [
     ("apex.contrib.multihead_attn", "NVIDIA Apex's sequence-first multi-head attention modules (`SelfMultiheadAttn`, "
      "`EncdecMultiheadAttn`, with upstream's parameter names and stacked per-head projections) and its masked "
      "softmax with dropout, on torch's ops on every device.", None),
+    ("apex.contrib.sparsity", "NVIDIA Apex's automatic sparsity (`ASP`): 2:4 structured pruning of a model's "
+     "weights, masked training afterwards, checkpoints that carry the masks; and its mask library "
+     "(`create_mask`), on every device.", None),
     ("apex.contrib.optimizers", "NVIDIA Apex's older contrib optimizers: `FP16_Optimizer` driving `FusedAdam` (the "
      "pair old BERT fine-tuning scripts import) and `FusedLAMB`, on every device (see "
      "[upstream-compat.md](upstream-compat.md)).", None),
@@ -266,6 +269,21 @@ NOTES = {
         "NVIDIA: same arguments `(is_training, heads, inputs, pad_mask, mask_additive, dropout_prob)` and result; "
         "upstream's CUDA kernel, here masked `softmax` and `dropout` on any device; arguments and mask shape "
         "checked."),
+    "apex.contrib.sparsity.ASP": (
+        "NVIDIA: same class methods and arguments (`init_model_for_pruning`, `init_optimizer_for_pruning`, "
+        "`compute_sparse_masks`, `restore_pruned_weights`, `is_sparsity_enabled`, `prune_trained_model`, "
+        "`already_init_asp_model`, `set_permutation_saving_params`), eligible weights and size rule, mask buffers "
+        "under upstream's names (so checkpoints carry over), masked `step`, printed messages by `verbosity`. No "
+        "input-channel permutation search (`allow_permutation` is accepted; masks use the channels in their "
+        "order). Beyond upstream: any device; subclasses of listed layer types; `Conv3d` weights (upstream's mask "
+        "library had no 5-D case); the size rule for every dtype; entries follow the model when it is moved after "
+        "initialisation; arguments checked before anything changes, RuntimeError (not assert) for calls out of "
+        "order; `already_init_asp_model` returns a bool at every verbosity."),
+    "apex.contrib.sparsity.create_mask": (
+        "NVIDIA: same arguments, patterns (`m4n2_1d`, `m4n2_2d_best`, `m4n2_2d_greedy`), layouts (groups along "
+        "input channels; upstream's row order for 3-D and 4-D weights) and result dtype; on any device (upstream's "
+        "needed CUDA), with ties broken towards the lower position, 5-D weights, rows whose length is not a "
+        "multiple of 4 (upstream failed on them), an unknown pattern a ValueError."),
     "apex.transformer.AttnMaskType": "NVIDIA: same members and values (`padding` 1, `causal` 2).",
     "apex.transformer.AttnType": "NVIDIA: same members and values (`self_attn` 1, `cross_attn` 2).",
     "apex.transformer.LayerType": "NVIDIA: same members and values (`encoder` 1, `decoder` 2).",
