@@ -15,7 +15,9 @@ dropped after the call), ours against torch in the same round:
 * focal loss with label smoothing over padded classes (``apex.contrib.focal_loss``) against EfficientDet's unfused
   smoothed focal loss on one-hot targets, ignored anchors masked out;
 * self attention with a key padding mask (``apex.contrib.multihead_attn.SelfMultiheadAttn``) against
-  ``nn.MultiheadAttention`` holding the same weights.
+  ``nn.MultiheadAttention`` holding the same weights;
+* the packed transducer joint (``apex.contrib.transducer.TransducerJoint(pack_output=True)``) against the
+  broadcast sum then a boolean selection of the rows inside each sequence's lengths.
 
 ``bytes_per_param`` counts the tensor traffic both sides cannot avoid (read the input in the forward; read the
 saved tensor(s) and the incoming grad, write the input's grad in the backward), so GB/s compare with the roofline;
@@ -274,6 +276,39 @@ def _mha_verify(st):
     torch.testing.assert_close(st["ours_fn"](x), st["ref_fn"](x), rtol=1e-4, atol=1e-5)
 
 
+# ---------------------------------------------------------------- transducer joint
+
+
+def _joint_setup(ctx: Context):
+    from apex.contrib.transducer import TransducerJoint
+
+    b, t, u, h = (4, 50, 20, 128) if ctx.quick else (8, 200, 60, 512)
+    g_ = torch.Generator().manual_seed(ctx.seed)
+    f = torch.randn(b, t, h, generator=g_).to(ctx.device).requires_grad_()
+    g = torch.randn(b, u, h, generator=g_).to(ctx.device).requires_grad_()
+    f_len = torch.randint(t // 2, t + 1, (b,), generator=g_).to(ctx.device)
+    g_len = torch.randint(u // 2, u + 1, (b,), generator=g_).to(ctx.device)
+    offset = torch.cumsum(f_len * g_len, 0)
+    rows = int(offset[-1])
+    valid = ((torch.arange(t, device=ctx.device) < f_len[:, None])[:, :, None]
+             & (torch.arange(u, device=ctx.device) < g_len[:, None])[:, None, :])
+    joint = TransducerJoint(pack_output=True)
+    return {
+        "numel": rows * h,
+        "tensors": 1,
+        "x": f,
+        "grad": torch.ones(rows, h, device=ctx.device),
+        "params": (g,),
+        "ours_fn": lambda x: joint(x, g, f_len, g_len, batch_offset=offset, packed_batch=rows),
+        "ref_fn": lambda x: (x[:, :, None, :] + g[:, None, :, :])[valid],
+    }
+
+
+def _joint_verify(st):
+    x = st["x"].detach()
+    torch.testing.assert_close(st["ours_fn"](x), st["ref_fn"](x), rtol=0, atol=0)
+
+
 def _entry(name, regime, setup, verify, bytes_per_param, ref_label, dtype, notes=""):
     return Entry(
         name=name,
@@ -324,4 +359,8 @@ def register(reg: Registry) -> None:
         "SelfMultiheadAttn, key padding mask (fwd+bwd)", "128 x 16 x 512, 8 heads fp32", _mha_setup, _mha_verify,
         4 * 4, "nn.MultiheadAttention, same weights", "fp32",
         notes="compute-bound (projections and attention products); GB/s say little"))
+    reg.add(_entry(
+        "TransducerJoint, packed (fwd+bwd)", "8 x 200 x 60 x 512 fp32, lengths >= half", _joint_setup,
+        _joint_verify, 2 * 4, "broadcast f + g, boolean selection of the packed rows", "fp32",
+        notes="write the packed rows, read their grad; the inputs are small beside them"))
 

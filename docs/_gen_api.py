@@ -50,6 +50,8 @@ MODULES = [
     ("apex.contrib.sparsity", "NVIDIA Apex's automatic sparsity (`ASP`): 2:4 structured pruning of a model's "
      "weights, masked training afterwards, checkpoints that carry the masks; and its mask library "
      "(`create_mask`), on every device.", None),
+    ("apex.contrib.transducer", "NVIDIA Apex's RNN-T (transducer) joint and loss (MLPerf RNN-T and ASR "
+     "trainers), with packed layouts, on torch's ops on every device.", None),
     ("apex.contrib.optimizers", "NVIDIA Apex's older contrib optimizers: `FP16_Optimizer` driving `FusedAdam` (the "
      "pair old BERT fine-tuning scripts import) and `FusedLAMB`, on every device (see "
      "[upstream-compat.md](upstream-compat.md)).", None),
@@ -284,6 +286,18 @@ NOTES = {
         "input channels; upstream's row order for 3-D and 4-D weights) and result dtype; on any device (upstream's "
         "needed CUDA), with ties broken towards the lower position, 5-D weights, rows whose length is not a "
         "multiple of 4 (upstream failed on them), an unknown pattern a ValueError."),
+    "apex.contrib.transducer.TransducerJoint": (
+        "NVIDIA: same arguments, forward, output (padded with -1 outside the lengths, or packed rows), ReLU, "
+        "dropout in training, `mask_probe`; upstream's CUDA kernels, here the packed rows written sequence by "
+        "sequence and reduced per sequence in the backward (float32 accumulation), on any device. ReLU and "
+        "dropout work with `opt=0` too (upstream refused them); lengths, shapes and `packed_batch` checked."),
+    "apex.contrib.transducer.TransducerLoss": (
+        "NVIDIA: same arguments, forward, per-sequence loss in the logits' dtype, packed input, `debug_list` "
+        "(alpha, beta); upstream's CUDA kernels, here the lattices an anti-diagonal at a time over the batch in "
+        "float32 (float64 for float64) and the logits' gradient from them, on any device. Both "
+        "`fuse_softmax_backward` values give the float32 form (upstream's unfused one went through an fp16 "
+        "log-softmax); the padding of the input, whatever it holds, gets zero gradient; arguments, shapes and "
+        "CPU lengths / labels checked."),
     "apex.transformer.AttnMaskType": "NVIDIA: same members and values (`padding` 1, `causal` 2).",
     "apex.transformer.AttnType": "NVIDIA: same members and values (`self_attn` 1, `cross_attn` 2).",
     "apex.transformer.LayerType": "NVIDIA: same members and values (`encoder` 1, `decoder` 2).",
