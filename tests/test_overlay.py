@@ -99,7 +99,7 @@ UPSTREAM_FILES = {
     "apex/parallel/LARC.py": "class LARC:\n    upstream = True\n",
     "apex/parallel/upstream_helper.py": "class UpstreamHelper:\n    upstream_only = True\n",
     "apex/contrib/__init__.py": "",
-    "apex/contrib/transducer/__init__.py": "UPSTREAM_CONTRIB = True\n",
+    "apex/contrib/upstream_only_feature/__init__.py": "UPSTREAM_CONTRIB = True\n",
     # a contrib package both sides have, whose upstream init reports its missing CUDA extension with a print
     "apex/contrib/focal_loss/__init__.py": """\
         try:
@@ -185,7 +185,7 @@ def test_wheel_contents_and_conflicts(tmp_path, our_ext, with_amp):
         data = {n: zf.read(n) for n in names}
     # upstream-only files are kept, as they are
     for rel in ("apex/optimizers/upstream_lars.py", "apex/normalization/upstream_layer_norm.py",
-                "apex/parallel/upstream_helper.py", "apex/contrib/transducer/__init__.py"):
+                "apex/parallel/upstream_helper.py", "apex/contrib/upstream_only_feature/__init__.py"):
         assert data[rel] == (tmp_path / "upstream" / rel).read_bytes()
     # ours win on conflicting modules, and all of ours is there
     for path in ours_src.rglob("*.py"):
@@ -288,7 +288,7 @@ def test_merged_wheel_imports(tmp_path, our_ext, with_amp):
         from apex.parallel import LARC, UpstreamHelper
         from apex.contrib.combine_tensors import combine_tensors
         from apex.contrib.focal_loss import focal_loss, FocalLoss   # ours; upstream's init printed into the log
-        from apex.contrib.transducer import UPSTREAM_CONTRIB      # upstream-only contrib package
+        from apex.contrib.upstream_only_feature import UPSTREAM_CONTRIB  # upstream-only contrib package
         from apex import amp
         import apex_C
         assert apex.__file__.startswith({str(site)!r}), apex.__file__
