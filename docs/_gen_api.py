@@ -37,6 +37,9 @@ MODULES = [
     ("apex.contrib.xentropy", "NVIDIA Apex's `SoftmaxCrossEntropyLoss` (softmax cross entropy with label "
      "smoothing and a padding index, per-row float32 losses), which fairseq, OpenNMT and MLPerf-style translation "
      "and BERT scripts call, on every device.", None),
+    ("apex.contrib.conv_bias_relu", "NVIDIA Apex's fused 2-D convolution + bias (+ mask) (+ ReLU) functions "
+     "(`ConvBiasReLU`, `ConvBias`, `ConvBiasMaskReLU`, `ConvFrozenScaleBiasReLU`), on torch's convolution on every "
+     "device.", None),
     ("apex.contrib.focal_loss", "NVIDIA Apex's fused sigmoid focal loss (`FocalLoss.apply`, `focal_loss`) for "
      "RetinaNet / EfficientDet-style detectors, with label smoothing, padded classes and ignored anchors, on every "
      "device.", ["FocalLoss"]),
@@ -84,6 +87,8 @@ MODULES = [
       "mixed_dtype_fused_layer_norm_affine", "mixed_dtype_fused_rms_norm_affine", "FusedLayerNormAffineFunction",
       "FusedLayerNormFunction", "FusedLayerNormAffineMixedDtypesFunction", "FusedRMSNormAffineFunction",
       "FusedRMSNormFunction", "FusedRMSNormAffineMixedDtypesFunction"]),
+    ("apex", "NVIDIA Apex's top-level helpers, loaded on first use (`import apex` does not import torch).",
+     ["check_cudnn_version_and_warn", "DeprecatedFeatureWarning", "deprecated_warning"]),
     ("apex.dump", "The Ascend patch's per-module dump tool: forward inputs/outputs and backward grads of a model's "
      "children for one step, written into an HDF5 file in the patch's layout (needs `h5py`; see "
      "[upstream-compat.md](upstream-compat.md)).", None),
@@ -239,6 +244,23 @@ NOTES = {
         "(2.2x faster than the unfused torch reference of upstream's own test on a CPU). Logits may be float32, "
         "float16 or bfloat16 in any layout; `half_to_float` is accepted for any dtype and changes nothing "
         "(upstream refused it for non-fp16 logits); arguments checked, CPU labels range-checked."),
+    "apex.check_cudnn_version_and_warn": (
+        "NVIDIA: same arguments, answer and warning; arguments' types checked. Nothing in this package needs "
+        "cuDNN, so it answers for the caller's own code."),
+    "apex.DeprecatedFeatureWarning": "NVIDIA: the same FutureWarning subclass.",
+    "apex.deprecated_warning": "NVIDIA: same argument; warns on rank 0 of an initialised process group or without one.",
+    "apex.contrib.conv_bias_relu.ConvBiasReLU": (
+        "NVIDIA: same arguments `(x, weight, bias, padding, stride)` and result; upstream's cuDNN fusion (CUDA, "
+        "channels-last), here `F.conv2d` with the bias then ReLU on any device and memory format. Under autocast "
+        "the inputs take the device's autocast dtype (upstream: float16 under CUDA's); shapes, dtypes, padding and "
+        "stride checked; a bias of shape (K,) works too."),
+    "apex.contrib.conv_bias_relu.ConvBias": "NVIDIA: as `ConvBiasReLU`, without the ReLU.",
+    "apex.contrib.conv_bias_relu.ConvBiasMaskReLU": (
+        "NVIDIA: as `ConvBiasReLU`, the biased output multiplied by `mask` (the output's shape, any dtype) before "
+        "the ReLU; the mask's shape is checked."),
+    "apex.contrib.conv_bias_relu.ConvFrozenScaleBiasReLU": (
+        "NVIDIA: as `ConvBiasReLU` with `relu(conv * scale + bias)` (one rounding, as upstream's epilogue), "
+        "`scale` and `bias` frozen (no gradient)."),
     "apex.contrib.focal_loss.FocalLoss": (
         "NVIDIA: same `apply(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma, "
         "label_smoothing=0.0)`, loss (modulating factor from the unsmoothed targets, targets smoothed towards 1/2), "
