@@ -363,10 +363,10 @@ def test_lazy_submodule_access():
     assert not hasattr(apex, "no_such_module")
     assert apex.fp16_utils.FP16_Optimizer is FP16_Optimizer
     # dir() after some submodules were imported (they are module globals then too): each name once, and the
-    # public names are the submodules
+    # public names are the submodules and NVIDIA's top-level helpers
     names = dir(apex)
     assert len(names) == len(set(names))
-    assert [n for n in names if not n.startswith("_")] == sorted(apex._SUBMODULES)
+    assert [n for n in names if not n.startswith("_")] == sorted(apex._SUBMODULES + apex._HELPERS)
 
 
 def test_wraps_apex_fused_optimizers_like_torch_ones():
