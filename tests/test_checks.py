@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import apex
-from apex._checks import check_int
+from apex._checks import check_fraction, check_int
 from apex.fp16_utils import DynamicLossScaler
 
 
@@ -58,3 +58,29 @@ def test_callers_answer_alike(call):
         call(1.5)
     with pytest.raises(ValueError, match="must be >= 1, got 0"):
         call(0)
+
+
+@pytest.mark.parametrize("value,want", [(0, 0.0), (1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5)])
+def test_check_fraction_takes_reals_in_the_unit_interval(value, want):
+    got = check_fraction(value, "p")
+    assert got == want and type(got) is float
+
+
+@pytest.mark.parametrize("value,error", [(1.5, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
+                                         (True, TypeError), ("0.1", TypeError), (None, TypeError)])
+def test_check_fraction_refuses(value, error):
+    with pytest.raises(error, match=r"^p must be"):
+        check_fraction(value, "p")
+
+
+@pytest.mark.parametrize("call", [
+    lambda v: __import__("apex.contrib.multihead_attn", fromlist=["x"]).SelfMultiheadAttn(8, 2, dropout=v),
+    lambda v: __import__("apex.contrib.transducer", fromlist=["x"]).TransducerJoint(dropout_prob=v),
+    lambda v: __import__("apex.contrib.xentropy", fromlist=["x"]).SoftmaxCrossEntropyLoss.apply(
+        torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), v),
+], ids=["SelfMultiheadAttn", "TransducerJoint", "SoftmaxCrossEntropyLoss"])
+def test_fraction_callers_answer_alike(call):
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\], got 2"):
+        call(2)
+    with pytest.raises(TypeError, match="must be a real number, got str"):
+        call("0.1")

@@ -10,7 +10,7 @@ from typing import Any, Container, Optional, Union
 
 import torch
 
-__all__ = ["FLOAT32_MAX", "check_int", "plain_numbers", "real_number"]
+__all__ = ["FLOAT32_MAX", "check_fraction", "check_int", "plain_numbers", "real_number"]
 
 #: the largest finite float32: hyperparameters and step counts the updates hold in float32 must not exceed it
 FLOAT32_MAX = 3.4028234663852886e38
@@ -94,3 +94,15 @@ def check_int(value: Any, what: str, minimum: Optional[int] = None, maximum: Opt
             raise ValueError(f"{what} must be <= {maximum}, got {v}")
         raise ValueError(f"{what} must be in [{minimum}, {maximum}], got {v}")
     return v
+
+
+def check_fraction(value: Any, what: str) -> float:
+    """``value`` as a Python float in [0, 1]: a probability (dropout) or a share (label smoothing). Taken as
+    `real_number` takes reals; NaN is out of range. ``what`` names the value in the message
+    ("SelfMultiheadAttn: dropout")."""
+    number = real_number(value)
+    if number is None:
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__}")
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{what} must be in [0, 1], got {number}")
+    return float(number)

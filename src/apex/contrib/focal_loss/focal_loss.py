@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from apex._checks import check_int, real_number
+from apex._checks import check_fraction, check_int, real_number
 from apex._device import block_elements
 
 __all__ = ["FocalLoss", "focal_loss"]
@@ -101,9 +101,7 @@ def _check(cls_output, labels, num_positives_sum, num_real_classes, alpha, gamma
     g = _real(gamma, "gamma")
     if g < 0:
         raise ValueError(f"{_WHERE}: gamma must be >= 0, got {g}")
-    s = _real(label_smoothing, "label_smoothing")
-    if not 0.0 <= s <= 1.0:
-        raise ValueError(f"{_WHERE}: label_smoothing must be in [0, 1], got {s}")
+    s = check_fraction(label_smoothing, f"{_WHERE}: label_smoothing")
     if labels.device.type == "cpu" and labels.numel():
         bad = (labels < _IGNORE) | (labels >= real)
         if bool(bad.any()):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apex._checks import check_int, real_number
+from apex._checks import check_fraction, check_int
 from apex.contrib.multihead_attn import attention
 from apex.normalization import FusedLayerNorm
 
@@ -25,11 +25,7 @@ class MultiheadAttnBase(nn.Module):
         num_heads = check_int(num_heads, f"{where}: num_heads", 1)
         if embed_dim % num_heads:
             raise ValueError(f"{where}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        p = real_number(dropout)
-        if p is None:
-            raise TypeError(f"{where}: dropout must be a real number, got {type(dropout).__name__}")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"{where}: dropout must be in [0, 1], got {p}")
+        p = check_fraction(dropout, f"{where}: dropout")
         for name, flag in (("bias", bias), ("include_norm_add", include_norm_add)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{where}: {name} must be a bool, got {type(flag).__name__}")
@@ -37,7 +33,7 @@ class MultiheadAttnBase(nn.Module):
             raise ValueError(f"{where}: impl must be 'fast' or 'default', got {impl!r}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
-        self.dropout = float(p)
+        self.dropout = p
         self.head_dim = embed_dim // num_heads
         self.bias = bias
         self.include_norm_add = include_norm_add

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from apex._checks import check_int, real_number
+from apex._checks import check_fraction, check_int
 from apex.contrib.multihead_attn import attention
 
 __all__ = ["fast_mask_softmax_dropout_func"]
@@ -30,15 +30,11 @@ def fast_mask_softmax_dropout_func(is_training, heads, inputs, pad_mask, mask_ad
     if inputs.dim() != 3 or inputs.shape[0] % heads:
         raise ValueError(f"{_WHERE}: inputs must have shape (batch * heads, Tq, Tk) with heads={heads}, got "
                          f"{tuple(inputs.shape)}")
-    p = real_number(dropout_prob)
-    if p is None:
-        raise TypeError(f"{_WHERE}: dropout_prob must be a real number, got {type(dropout_prob).__name__}")
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{_WHERE}: dropout_prob must be in [0, 1], got {p}")
+    p = check_fraction(dropout_prob, f"{_WHERE}: dropout_prob")
     if pad_mask is not None:
         attention._check_mask(_WHERE, "pad_mask", pad_mask, (inputs.shape[0] // heads, inputs.shape[2]),
                               mask_additive)
         if pad_mask.device != inputs.device:
             raise ValueError(f"{_WHERE}: pad_mask must be on the inputs' device ({inputs.device}), got "
                              f"{pad_mask.device}")
-    return attention.mask_softmax_dropout(inputs, heads, pad_mask, None, mask_additive, float(p), is_training)
+    return attention.mask_softmax_dropout(inputs, heads, pad_mask, None, mask_additive, p, is_training)

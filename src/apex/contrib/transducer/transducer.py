@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from apex._checks import check_int, real_number
+from apex._checks import check_fraction, check_int
 from apex._device import block_elements
 
 __all__ = ["TransducerJoint", "TransducerLoss"]
@@ -135,12 +135,7 @@ class TransducerJoint(nn.Module):
         self.dropout = _flag(where, "dropout", dropout)
         self.opt = _opt(where, opt)
         self.fwd_tile_size = check_int(fwd_tile_size, f"{where}: fwd_tile_size", 1)
-        p = real_number(dropout_prob)
-        if p is None:
-            raise TypeError(f"{where}: dropout_prob must be a real number, got {type(dropout_prob).__name__}")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"{where}: dropout_prob must be in [0, 1], got {p}")
-        self.dropout_prob = float(p)
+        self.dropout_prob = check_fraction(dropout_prob, f"{where}: dropout_prob")
         _flag(where, "probe_mask", probe_mask)
         self.mask_probe: Optional[List[torch.Tensor]] = [] if (relu or dropout) and probe_mask else None
 

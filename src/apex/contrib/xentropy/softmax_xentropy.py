@@ -28,7 +28,7 @@ from typing import Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from apex._checks import check_int, real_number
+from apex._checks import check_fraction, check_int
 from apex._device import block_elements
 
 __all__ = ["SoftmaxCrossEntropyLoss"]
@@ -54,11 +54,7 @@ def _check(logits, labels, smoothing, padding_idx, half_to_float) -> Tuple[float
                          f"got {tuple(labels.shape)}")
     if labels.device != logits.device:
         raise ValueError(f"{_WHERE}: labels must be on the logits' device ({logits.device}), got {labels.device}")
-    eps = real_number(smoothing)
-    if eps is None:
-        raise TypeError(f"{_WHERE}: smoothing must be a real number, got {type(smoothing).__name__}")
-    if not 0.0 <= eps <= 1.0:
-        raise ValueError(f"{_WHERE}: smoothing must be in [0, 1], got {eps}")
+    eps = check_fraction(smoothing, f"{_WHERE}: smoothing")
     pad = check_int(padding_idx, f"{_WHERE}: padding_idx")
     if not isinstance(half_to_float, bool):
         raise TypeError(f"{_WHERE}: half_to_float must be a bool, got {type(half_to_float).__name__}")
