@@ -79,6 +79,9 @@ MODULES = [
      "[upstream-compat.md](upstream-compat.md)).", ["AttnMaskType", "AttnType", "LayerType", "ModelType"]),
     ("apex.transformer.functional", "Upstream's fused scale-mask softmax (Megatron's attention softmax, NeMo) and "
      "rotary position embeddings (Megatron-core's `apply_rope_fusion`), on torch's ops on every device.", None),
+    ("apex.transformer.layers", "Megatron's layer norms under upstream's names, marking their parameters with "
+     "`sequence_parallel_enabled`.", None),
+    ("apex.transformer.log_util", "Upstream's transformer logging helpers.", None),
     ("apex.normalization", "NVIDIA Apex's fused layer norm and RMS norm modules, on torch's own kernels on every "
      "device.", None),
     ("apex.normalization.fused_layer_norm", "The functional forms and upstream's `*Function.apply` names (the "
@@ -320,6 +323,19 @@ NOTES = {
         "`fuse_softmax_backward` values give the float32 form (upstream's unfused one went through an fp16 "
         "log-softmax); the padding of the input, whatever it holds, gets zero gradient; arguments, shapes and "
         "CPU lengths / labels checked."),
+    "apex.transformer.layers.FusedLayerNorm": (
+        "NVIDIA: same arguments (`sequence_parallel_enabled` keyword only) and marks on the module, weight and "
+        "bias; the norm is `apex.normalization.FusedLayerNorm`'s. A non-bool flag raises TypeError."),
+    "apex.transformer.layers.MixedFusedLayerNorm": (
+        "NVIDIA: same arguments and marks; the norm is `apex.normalization.MixedFusedLayerNorm`'s (output in the "
+        "weights' dtype). Upstream marked the parameters only when the flag was True; here always, with its value."),
+    "apex.transformer.layers.FastLayerNorm": (
+        "NVIDIA: same arguments and marks; always `apex.contrib.layer_norm.FastLayerNorm` (upstream fell back to "
+        "`FusedLayerNorm` with a warning where its CUDA extension was missing)."),
+    "apex.transformer.log_util.get_transformer_logger": "NVIDIA: same; a non-str name raises TypeError.",
+    "apex.transformer.log_util.set_logging_level": (
+        "NVIDIA: same argument, sets the `apex` logger's level (upstream's had a handler with the model-parallel "
+        "rank; this package adds none)."),
     "apex.transformer.AttnMaskType": "NVIDIA: same members and values (`padding` 1, `causal` 2).",
     "apex.transformer.AttnType": "NVIDIA: same members and values (`self_attn` 1, `cross_attn` 2).",
     "apex.transformer.LayerType": "NVIDIA: same members and values (`encoder` 1, `decoder` 2).",
