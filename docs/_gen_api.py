@@ -40,6 +40,8 @@ MODULES = [
     ("apex.contrib.conv_bias_relu", "NVIDIA Apex's fused 2-D convolution + bias (+ mask) (+ ReLU) functions "
      "(`ConvBiasReLU`, `ConvBias`, `ConvBiasMaskReLU`, `ConvFrozenScaleBiasReLU`), on torch's convolution on every "
      "device.", None),
+    ("apex.contrib.fmha", "NVIDIA Apex's attention over sequences packed end to end (`FMHAFun`, `FMHA`: MLPerf "
+     "BERT), on torch's ops on every device.", None),
     ("apex.contrib.focal_loss", "NVIDIA Apex's fused sigmoid focal loss (`FocalLoss.apply`, `focal_loss`) for "
      "RetinaNet / EfficientDet-style detectors, with label smoothing, padded classes and ignored anchors, on every "
      "device.", ["FocalLoss"]),
@@ -264,6 +266,16 @@ NOTES = {
     "apex.contrib.conv_bias_relu.ConvFrozenScaleBiasReLU": (
         "NVIDIA: as `ConvBiasReLU` with `relu(conv * scale + bias)` (one rounding, as upstream's epilogue), "
         "`scale` and `bias` frozen (no gradient)."),
+    "apex.contrib.fmha.FMHAFun": (
+        "NVIDIA: same `apply(qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors)` and result (float32 "
+        "scores and softmax, probabilities rounded to the inputs' dtype before the values' product); upstream's "
+        "CUDA kernels (fp16, head size 64, sequences up to 512), here one padded batched product on any device, "
+        "length, head size and floating dtype. `max_s` must cover the longest sequence; `cu_seqlens` is checked "
+        "(read on the host)."),
+    "apex.contrib.fmha.FMHA": (
+        "NVIDIA: same constructor (a config with `attention_probs_dropout_prob`, `num_attention_heads`, "
+        "`hidden_size`) and `forward(qkv, cu_seqlens, max_s, is_training=True, zero_tensors=False)`; the config and "
+        "`qkv`'s width are checked."),
     "apex.contrib.focal_loss.FocalLoss": (
         "NVIDIA: same `apply(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes, alpha, gamma, "
         "label_smoothing=0.0)`, loss (modulating factor from the unsmoothed targets, targets smoothed towards 1/2), "

@@ -58,3 +58,17 @@ def test_log_util():
         apex_logger.setLevel(before)
     with pytest.raises(TypeError, match="verbosity"):
         log_util.set_logging_level(None)
+
+
+def test_marks_survive_new_parameter_objects():
+    # with this torch switch (and on backends whose tensors cannot stand in for the old ones) .to() makes new
+    # Parameter objects; the marks are set again on them
+    model = torch.nn.Sequential(FusedLayerNorm(8, sequence_parallel_enabled=True), torch.nn.Linear(8, 8))
+    before = model[0].weight
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert model[0].weight is not before and model[0].weight.dtype == torch.float64
+    assert model[0].weight.sequence_parallel_enabled and model[0].bias.sequence_parallel_enabled

@@ -2,7 +2,9 @@
 ``apex.contrib.layer_norm``'s ``FastLayerNorm``, each taking ``sequence_parallel_enabled`` (keyword only, default
 False) and recording it on the module and, as an attribute of the same name, on its weight and bias: Megatron and
 NeMo read that attribute to all-reduce the gradients of parameters replicated across a sequence-parallel group.
-The normalization itself is the base class's."""
+The normalization itself is the base class's. The marks are set again after every ``.to()`` / ``.cuda()`` /
+``.half()``: where torch makes new parameter objects for the moved tensors (a backend whose tensors cannot take the
+old ones' place, such as an out-of-tree device), attributes set on the old ones would be lost."""
 
 from __future__ import annotations
 
@@ -25,7 +27,16 @@ def _mark(module: torch.nn.Module, enabled) -> None:
             p.sequence_parallel_enabled = enabled
 
 
-class FusedLayerNorm(_FusedLayerNorm):
+class _Marked:
+    """Re-marks the parameters after torch moves or casts them (see the module docstring)."""
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        _mark(self, self.sequence_parallel_enabled)
+        return result
+
+
+class FusedLayerNorm(_Marked, _FusedLayerNorm):
     """``FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, *, sequence_parallel_enabled=False)``."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, *,
@@ -34,7 +45,7 @@ class FusedLayerNorm(_FusedLayerNorm):
         _mark(self, sequence_parallel_enabled)
 
 
-class MixedFusedLayerNorm(_MixedFusedLayerNorm):
+class MixedFusedLayerNorm(_Marked, _MixedFusedLayerNorm):
     """``MixedFusedLayerNorm(normalized_shape, eps=1e-5, *, sequence_parallel_enabled=False, memory_efficient=False)``:
     output in the weights' dtype."""
 
@@ -43,7 +54,7 @@ class MixedFusedLayerNorm(_MixedFusedLayerNorm):
         _mark(self, sequence_parallel_enabled)
 
 
-class FastLayerNorm(_FastLayerNorm):
+class FastLayerNorm(_Marked, _FastLayerNorm):
     """``FastLayerNorm(hidden_size, eps=1e-5, *, sequence_parallel_enabled=False)``: output in the weights'
     dtype."""
 
