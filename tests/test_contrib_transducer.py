@@ -220,6 +220,8 @@ def test_loss_bad_arguments(device):
             (lambda: loss(x, label, torch.tensor([0, 1, 1, 1], dtype=torch.int32), y_len, 3), ValueError,
              "f_len at 0 is 0"),
             (lambda: loss(x, label + 10, f_len, y_len, 3), ValueError, "label at"),
+            (lambda: loss(x, torch.cat([label, label], 1)[:, ::2] + 10, f_len, y_len, 3), ValueError,
+             "label at"),  # a strided view
         ]
     for call, error, words in cases:
         with pytest.raises(error, match=words):

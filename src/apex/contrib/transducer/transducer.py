@@ -70,7 +70,7 @@ def _check_range(where: str, name: str, t: torch.Tensor, low: int, high: int) ->
         bad = (t < low) | (t > high)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0]) if t.dim() == 1 else tuple(int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"{where}: {name} at {i} is {int(t.view(-1)[bad.view(-1).nonzero()[0, 0]])}, "
+            raise ValueError(f"{where}: {name} at {i} is {int(t.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]])}, "
                              f"outside [{low}, {high}]")
 
 
