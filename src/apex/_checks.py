@@ -96,6 +96,14 @@ def check_int(value: Any, what: str, minimum: Optional[int] = None, maximum: Opt
     return v
 
 
+def check_floating(value: Any, what: str) -> None:
+    """TypeError unless ``value`` is a floating-point tensor; the message names what it got (its dtype, or its
+    type when it is no tensor). ``what`` names the argument ("FMHAFun: qkv")."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{what} must be a floating-point tensor, got {got}")
+
+
 def check_fraction(value: Any, what: str) -> float:
     """``value`` as a Python float in [0, 1]: a probability (dropout) or a share (label smoothing). Taken as
     `real_number` takes reals; NaN is out of range. ``what`` names the value in the message

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from apex._checks import check_floating
 from apex._upstream_forms import FunctionForm, run_as_fused
 
 __all__ = ["ConvBias", "ConvBiasMaskReLU", "ConvBiasReLU", "ConvFrozenScaleBiasReLU"]
@@ -40,16 +41,9 @@ def _pair(value, name: str, where: str, minimum: int):
     return tuple(items) if len(items) == 2 else items[0]
 
 
-def _floating(t, name: str, where: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"{where}: {name} must be a floating-point tensor, got {got}")
-    return t
-
-
 def _check(where: str, x, weight, per_channel, padding, stride):
-    _floating(x, "x", where)
-    _floating(weight, "weight", where)
+    check_floating(x, f"{where}: x")
+    check_floating(weight, f"{where}: weight")
     if x.dim() != 4 or weight.dim() != 4:
         raise ValueError(f"{where}: x (N, C, H, W) and weight (K, C, R, S) must be 4-D, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -57,7 +51,7 @@ def _check(where: str, x, weight, per_channel, padding, stride):
         raise ValueError(f"{where}: weight takes {weight.shape[1]} input channels, x has {x.shape[1]}")
     k = weight.shape[0]
     for name, t in per_channel:
-        _floating(t, name, where)
+        check_floating(t, f"{where}: {name}")
         if t.numel() != k or (t.dim() != 1 and tuple(t.shape) != (1, k, 1, 1)):
             raise ValueError(f"{where}: {name} must have shape (1, {k}, 1, 1) or ({k},), got {tuple(t.shape)}")
     pad = _pair(padding, "padding", where, 0)

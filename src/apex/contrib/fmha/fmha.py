@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apex._checks import check_fraction, check_int
+from apex._checks import check_floating, check_fraction, check_int
 from apex._upstream_forms import FunctionForm
 
 __all__ = ["FMHA", "FMHAFun"]
@@ -37,9 +37,7 @@ _WHERE = "FMHAFun"
 
 
 def _check(qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors):
-    if not isinstance(qkv, torch.Tensor) or not qkv.is_floating_point():
-        got = qkv.dtype if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-        raise TypeError(f"{_WHERE}: qkv must be a floating-point tensor, got {got}")
+    check_floating(qkv, f"{_WHERE}: qkv")
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"{_WHERE}: qkv must have shape (total_tokens, 3, heads, head_dim), got {tuple(qkv.shape)}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \

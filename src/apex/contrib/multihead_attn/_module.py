@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apex._checks import check_fraction, check_int
+from apex._checks import check_floating, check_fraction, check_int
 from apex.contrib.multihead_attn import attention
 from apex.normalization import FusedLayerNorm
 
@@ -66,9 +66,7 @@ class MultiheadAttnBase(nn.Module):
 
     def _check_input(self, name: str, x, batch: Optional[int] = None) -> None:
         where = self._where
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {got}")
+        check_floating(x, f"{where}: {name}")
         if x.dim() != 3 or x.shape[2] != self.embed_dim:
             raise ValueError(f"{where}: {name} must have shape (time, batch, {self.embed_dim}), got "
                              f"{tuple(x.shape)}")

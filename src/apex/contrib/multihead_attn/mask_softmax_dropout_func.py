@@ -8,9 +8,7 @@ Apex's masked softmax with dropout over attention scores of shape (batch * heads
 
 from __future__ import annotations
 
-import torch
-
-from apex._checks import check_fraction, check_int
+from apex._checks import check_floating, check_fraction, check_int
 from apex.contrib.multihead_attn import attention
 
 __all__ = ["fast_mask_softmax_dropout_func"]
@@ -24,9 +22,7 @@ def fast_mask_softmax_dropout_func(is_training, heads, inputs, pad_mask, mask_ad
         if not isinstance(flag, bool):
             raise TypeError(f"{_WHERE}: {name} must be a bool, got {type(flag).__name__}")
     heads = check_int(heads, f"{_WHERE}: heads", 1)
-    if not isinstance(inputs, torch.Tensor) or not inputs.is_floating_point():
-        got = inputs.dtype if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-        raise TypeError(f"{_WHERE}: inputs must be a floating-point tensor, got {got}")
+    check_floating(inputs, f"{_WHERE}: inputs")
     if inputs.dim() != 3 or inputs.shape[0] % heads:
         raise ValueError(f"{_WHERE}: inputs must have shape (batch * heads, Tq, Tk) with heads={heads}, got "
                          f"{tuple(inputs.shape)}")

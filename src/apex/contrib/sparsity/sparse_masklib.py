@@ -29,6 +29,8 @@ from typing import Callable, Dict
 
 import torch
 
+from apex._checks import check_floating
+
 __all__ = [
     "compute_valid_1d_patterns",
     "compute_valid_2d_patterns",
@@ -186,9 +188,7 @@ PATTERNS: Dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
 def create_mask(tensor: torch.Tensor, pattern: str = "m4n2_1d", density: float = 0.5) -> torch.Tensor:
     """The ``pattern`` mask of ``tensor`` (1 kept, 0 pruned) in ``tensor``'s shape and dtype; see the module
     docstring for how a weight is read as rows."""
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-        got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise TypeError(f"create_mask: tensor must be a floating-point tensor, got {got}")
+    check_floating(tensor, "create_mask: tensor")
     if pattern not in PATTERNS:
         raise ValueError(f"create_mask: unknown pattern {pattern!r}; known: {', '.join(PATTERNS)}")
     if tensor.dim() == 0:

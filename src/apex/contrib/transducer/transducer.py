@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from apex._checks import check_fraction, check_int
+from apex._checks import check_floating, check_fraction, check_int
 from apex._device import block_elements
 
 __all__ = ["TransducerJoint", "TransducerLoss"]
@@ -142,9 +142,7 @@ class TransducerJoint(nn.Module):
     def forward(self, f, g, f_len, g_len, batch_offset=None, packed_batch=0):
         where = "TransducerJoint"
         for name, t in (("f", f), ("g", g)):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-                raise TypeError(f"{where}: {name} must be a floating-point tensor, got {got}")
+            check_floating(t, f"{where}: {name}")
             if t.dim() != 3:
                 raise ValueError(f"{where}: {name} must be 3-D, (B, T, H) / (B, U, H), got {tuple(t.shape)}")
         if g.shape[0] != f.shape[0] or g.shape[2] != f.shape[2]:
