@@ -172,7 +172,8 @@ def extension():
 
     version = os.environ.get("APEX_BUILD_VERSION", "")
     macros = [("APEX_VERSION", f'"{version}"')] if version else []
-    headers = [os.path.join(SRC, h) for h in ("common.h", "operands.h", "optim.h", "kernels_impl.h", "optim_impl.h")]
+    headers = [os.path.join(SRC, h)
+               for h in ("common.h", "operands.h", "optim.h", "kernels_impl.h", "optim_impl.h", "bf16_avx2.h")]
     return Extension(
         "apex_C",
         sources=[os.path.join(SRC, f) for f in ("module.cpp", "dispatch.cpp", "kernels_baseline.cpp")],

@@ -11,6 +11,15 @@
 
 #include "optim.h"
 
+// The avx2 level runs bf16 Adam in intrinsic blocks (bf16_avx2.h): there the compiler's form of the element loop
+// is bound by instruction count. AVX-512 levels keep the element loop (wider vectors, cheaper narrowing).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define APEX_BF16_AVX2_BLOCKS 1
+#include "bf16_avx2.h"
+#else
+#define APEX_BF16_AVX2_BLOCKS 0
+#endif
+
 // The flat buffers of one call never overlap (checked where they are built), but
 // the compiler cannot see that through the lambda captures: without this hint
 // it versions every loop with alias checks and keeps reloading pointers, which
@@ -201,8 +210,16 @@ static void adam_body(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+        if constexpr (!AMSGRAD && std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> &&
+                      std::is_same_v<S, bf16_t> && std::is_same_v<O, no_out_t>) {
+          const bf16_avx2::AdamScalars sc{fb1, fb2, omb1, omb2, eps, step_size, bc2_sqrt, gs, wd, decay};
+          i = bf16_avx2::adam_blocks<WD>(p, gk, lo, m, v, c0, c1, sc);  // the rest (a tail, a nan) below
+        }
+#endif
         APEX_IVDEP
-        for (idx_t i = c0; i < c1; ++i) {
+        for (; i < c1; ++i) {
           float pv = load(p, i);
           if constexpr (WD == kDecoupledDecay) pv = pv * decay;
           float gv = load(gk, i - lo) * gs;

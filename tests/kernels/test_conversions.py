@@ -262,6 +262,7 @@ def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states:
 
 OPT_CASES = {
     "adam": ("_raw_adam_step", 0, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
+    "adam-no-decay": ("_raw_adam_step", 0, [1e-3, 0.9, 0.999, 1e-8, 0.0]),
     "adamw": ("_raw_adam_step", apex_C.FLAG_DECOUPLED, [1e-3, 0.9, 0.999, 1e-8, 0.01]),
     "adam-amsgrad": ("_raw_adam_step", apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0]),
     "sgd": ("_raw_sgd_step", 0, [0.1, 0.0, 0.0, 0.0]),
@@ -279,6 +280,72 @@ def test_low_precision_optimizer_steps_match_baseline(level, dt, case):
     got, want = _optimizer_case(kernel, dt, flags, hp, np.random.default_rng(5))
     for name, a, b in zip(("param", "s0", "s1", "s2"), got, want):
         assert a == b, f"{level} {case} {name} differs from baseline"
+
+
+# bf16 Adam at the avx2 level runs whole 16-element blocks outside the element loop and hands a block whose stores
+# include a nan (and any tail) to the element loop: nans and infinities at block edges, in tails, in params and in
+# states (a signalling nan's payload, a negative second moment), slots cut at odd offsets, flat and gathered grads.
+# A nan computed from bf16 values has a zero low half, which the rounding add cannot carry out of, so the nan rule
+# is only visible with a nan whose low half is set: one slot's grad multiplier is such a nan (f32 0x7fc1c000:
+# rounded without the rule it would read 0x7fc2).
+BF16_NAN = np.uint16(0x7FC0)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return as_storage(np.asarray(x, np.float32), BF16)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["flat", "gather"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("flags,wd", [(0, 0.0), (0, 0.01), (apex_C.FLAG_DECOUPLED, 0.01)],
+                         ids=["none", "l2", "decoupled"])
+def test_bf16_adam_blocks_match_baseline_with_nans_anywhere(level, flags, wd, threads, gather):
+    rng = np.random.default_rng(17)
+    seg = np.array([0, 197, 350, 351, 1000, 1290], np.int64)  # 64-element chunks, 16-element blocks, odd cuts
+    n = int(seg[-1])
+    p = _bf16(rng.standard_normal(n))
+    m = _bf16(rng.standard_normal(n) * 1e-2)
+    v = _bf16(np.abs(rng.standard_normal(n)) * 1e-3)
+    p[[40, 420]] = BF16_NAN
+    p[[77]] = _bf16([np.inf])
+    m[[130]] = np.uint16(0x7F81)  # signalling nan, payload 1
+    v[[600, 1289]] = _bf16([-1.0, -2.0])  # sqrt of a negative moment: a nan param
+    grads = []
+    for t in range(3):
+        g = _bf16(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n))
+        # (none in slot 1, whose multiplier is a nan: which of two nan payloads a product keeps is not defined)
+        g[[0, 15, 16, 63, 64, 196, 350, 351, 366, 415, 999, 1000, 1288][t::3]] = BF16_NAN
+        g[[5, 31, 260, 1100][t::2]] = _bf16([np.inf if t % 2 else -np.inf])
+        grads.append(g)
+
+    gmul = np.array([1.0, 0.0, 1.0, 0.5, 1.0], np.float32)
+    gmul.view(np.uint32)[1] = 0x7FC1C000
+
+    def run():
+        pp, mm, vv = p.copy(), m.copy(), v.copy()
+        s2 = np.zeros(n, np.uint16)
+        for t, g in enumerate(grads, start=1):
+            a = apex_C.OptArgs()
+            a.pdt = a.gdt = a.sdt = BF16
+            a.p, a.seg, a.nseg = pp.ctypes.data, seg.ctypes.data, len(seg) - 1
+            own = [g[seg[k]:seg[k + 1]].copy() for k in range(len(seg) - 1)]
+            table = np.array([x.ctypes.data for x in own], np.uint64)
+            if gather:
+                a.gtab = table.ctypes.data
+            a.g = g.ctypes.data  # the flat grads (read unless the table is set)
+            a.s0, a.s1, a.s2 = mm.ctypes.data, vv.ctypes.data, s2.ctypes.data
+            steps = np.full(len(seg) - 1, float(t), np.float32)
+            a.steps, a.flags, a.hp, a.threads = steps.ctypes.data, flags, [1e-3, 0.9, 0.999, 1e-8, wd], threads
+            a.seg_gmul = gmul.ctypes.data
+            apex_C._raw_adam_step(a)
+        return [pp.tobytes(), mm.tobytes(), vv.tobytes()]
+
+    got, want = run(), run_at("baseline", run)
+    for name, x, y in zip(("param", "exp_avg", "exp_avg_sq"), got, want):
+        assert x == y, f"{level} bf16 Adam {name} differs from baseline"
+    params = np.frombuffer(got[0], np.uint16)
+    assert ((params & 0x7F80) == 0x7F80).sum() > 20, "the case must put nans/infs in many blocks"
+    assert (params[197:350] == 0x7FC1).all(), "slot 1's params take its multiplier's nan, by the nan rule"
 
 
 # Every elementwise optimizer kernel, with options that take each loop variant.
@@ -529,6 +596,8 @@ def test_conversions_under_flush_denormal(level, setter):
         # selects its bits): the bf16 store itself sees denormal inputs here, and must keep them under DAZ
         ams = _optimizer_case("_raw_adam_step", BF16, apex_C.FLAG_AMSGRAD, [1e-3, 0.9, 0.999, 1e-8, 0.0],
                               np.random.default_rng(4), subnormal_states=True)
+        adam = _optimizer_case("_raw_adam_step", BF16, 0, [1e-3, 0.9, 0.999, 1e-8, 0.0], np.random.default_rng(4),
+                               subnormal_states=True)
     finally:
         set_flush_denormal(False)
     assert_bits(h2f, f16_bits_to_f32_bits(every), every, f"{level}: f16 -> f32 under DAZ/FTZ")
@@ -545,6 +614,7 @@ def test_conversions_under_flush_denormal(level, setter):
     assert_bits(f2b, f32_bits_to_bf16_bits(flushed), x, f"{level}: f32 -> bf16 under DAZ/FTZ")
     assert opt[0] == opt[1], f"{level}: fp16 Adam under DAZ/FTZ differs from baseline"
     assert ams[0] == ams[1], f"{level}: bf16 AMSGrad with subnormal states under DAZ/FTZ differs from baseline"
+    assert adam[0] == adam[1], f"{level}: bf16 Adam with subnormal states under DAZ/FTZ differs from baseline"
     vmax = np.frombuffer(ams[0][3], np.uint16)
     stored_subnormals = np.count_nonzero(((vmax & 0x7F80) == 0) & ((vmax & 0x7F) != 0))
     assert stored_subnormals > 0, "the case must store bf16 subnormals (else it checks nothing)"

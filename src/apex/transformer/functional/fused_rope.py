@@ -26,6 +26,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from apex._checks import check_floating
+
 __all__ = [
     "FusedRoPE2DFunc",
     "FusedRoPECachedFunc",
@@ -71,9 +73,7 @@ def _apply(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: boo
 
 
 def _check_input(t, where: str, dims: int, layout: str) -> None:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"{where}: t must be a floating-point tensor, got {got}")
+    check_floating(t, f"{where}: t")
     if t.dim() != dims:
         raise ValueError(f"{where}: t must have shape {layout}, got {tuple(t.shape)}")
 
@@ -81,9 +81,7 @@ def _check_input(t, where: str, dims: int, layout: str) -> None:
 def _check_table(table, name: str, where: str, t: torch.Tensor, rows: int, row_dim: int, width: Optional[int]):
     """A frequency / cos / sin table: floating point, on t's device, at least ``rows`` long along ``row_dim``, of
     even width at most t's head dimension (``width``: exactly)."""
-    if not isinstance(table, torch.Tensor) or not table.is_floating_point():
-        got = table.dtype if isinstance(table, torch.Tensor) else type(table).__name__
-        raise TypeError(f"{where}: {name} must be a floating-point tensor, got {got}")
+    check_floating(table, f"{where}: {name}")
     if table.device != t.device:
         raise ValueError(f"{where}: {name} must be on t's device ({t.device}), got {table.device}")
     d = t.shape[-1]
