@@ -53,10 +53,10 @@ struct AdamScalars {
   float b1, b2, omb1, omb2, eps, step_size, bc2_sqrt, gs, wd, decay;
 };
 
-// Runs adam_body's element update (no AMSGrad; WD its decay form: 0 none, 1 L2 g + wd * p, 2 decoupled
-// p * decay) over whole 16-element blocks of [i, end), bf16
-// params, grads and moments; g is the slot's grad at element `lo`. Returns where it stopped: `end` rounded down
-// to a block, or the first block with a nan to store, which it leaves untouched.
+// Runs adam_body's element update over whole 16-element blocks of [i, end): bf16 params, grads and moments, no
+// AMSGrad, WD its decay form (0 none, 1 L2 g + wd * p, 2 decoupled p * decay); g is the slot's grad at element
+// `lo`. Returns where it stopped: `end` rounded down to a block, or the first block with a nan to store, which it
+// leaves untouched.
 template <int WD>
 APEX_ELEMENT idx_t adam_blocks(bf16_t* __restrict p, const bf16_t* __restrict g, idx_t lo, bf16_t* __restrict m,
                                bf16_t* __restrict v, idx_t i, idx_t end, const AdamScalars& c) {
