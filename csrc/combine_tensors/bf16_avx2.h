@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "optim.h"
 
 namespace apexc {
 namespace bf16_avx2 {
@@ -54,9 +55,8 @@ struct AdamScalars {
 };
 
 // Runs adam_body's element update over whole 16-element blocks of [i, end): bf16 params, grads and moments, no
-// AMSGrad, WD its decay form (0 none, 1 L2 g + wd * p, 2 decoupled p * decay); g is the slot's grad at element
-// `lo`. Returns where it stopped: `end` rounded down to a block, or the first block with a nan to store, which it
-// leaves untouched.
+// AMSGrad, WD its decay form (AdamDecay); g is the slot's grad at element `lo`. Returns where it stopped: `end`
+// rounded down to a block, or the first block with a nan to store, which it leaves untouched.
 template <int WD>
 APEX_ELEMENT idx_t adam_blocks(bf16_t* __restrict p, const bf16_t* __restrict g, idx_t lo, bf16_t* __restrict m,
                                bf16_t* __restrict v, idx_t i, idx_t end, const AdamScalars& c) {
@@ -73,13 +73,13 @@ APEX_ELEMENT idx_t adam_blocks(bf16_t* __restrict p, const bf16_t* __restrict g,
     load16(g + (i - lo), g0, g1);
     load16(m + i, m0, m1);
     load16(v + i, v0, v1);
-    if constexpr (WD == 2) {  // decoupled: p * (1 - lr * wd)
+    if constexpr (WD == kDecoupledDecay) {  // decoupled: p * (1 - lr * wd)
       p0 = _mm256_mul_ps(p0, decay);
       p1 = _mm256_mul_ps(p1, decay);
     }
     g0 = _mm256_mul_ps(g0, gs);
     g1 = _mm256_mul_ps(g1, gs);
-    if constexpr (WD == 1) {  // L2: g + wd * p
+    if constexpr (WD == kL2Decay) {  // L2: g + wd * p
       g0 = _mm256_add_ps(g0, _mm256_mul_ps(wd, p0));
       g1 = _mm256_add_ps(g1, _mm256_mul_ps(wd, p1));
     }

@@ -59,6 +59,10 @@ enum OptFlags : int {
   kClampWeightNorm = 1 << 11,  // lamb with kTrustRatio: ||p|| clamped to hp[10] first (the NPU patch's LAMB)
 };
 
+// Adam's weight decay forms, a template parameter of its loop bodies: none, L2 (g + wd * p) or decoupled
+// (p * (1 - lr * wd)).
+enum AdamDecay : int { kNoDecay = 0, kL2Decay = 1, kDecoupledDecay = 2 };
+
 struct OptimKernels {
   // SGD. hp: lr, momentum, dampening, weight_decay. s[0]: momentum buffer. kDecoupled: the decay after the
   // momentum, p -= lr * (s * seg_mul[k] + wd * p) (seg_mul absent: 1), instead of wd * p added to the grad.

@@ -187,7 +187,6 @@ static void sgd(const OptArgs& a) {
 // g + wd * p, kDecoupledDecay p * (1 - lr * wd)) are template parameters, so there is
 // one loop body, no per-call branch inside it, and no decay term when weight_decay
 // is 0 (as torch); bias correction is a per-segment scalar (step_size lr when off).
-enum : int { kNoDecay = 0, kL2Decay = 1, kDecoupledDecay = 2 };
 template <bool AMSGRAD, int WD>
 static void adam_body(const OptArgs& a) {
   with_pgos(a, [&](auto* pt, auto* gt, auto* ot, auto* st) {
