@@ -63,6 +63,10 @@ enum OptFlags : int {
 // (p * (1 - lr * wd)).
 enum AdamDecay : int { kNoDecay = 0, kL2Decay = 1, kDecoupledDecay = 2 };
 
+// RMSprop's momentum forms, a template parameter of its loop bodies: none, the buffer (p -= lr * buf), or the
+// buffer with lr folded in (p -= buf; the TensorFlow form's lr_in_momentum).
+enum RmsMom : int { kNoMom = 0, kMom = 1, kMomLr = 2 };
+
 struct OptimKernels {
   // SGD. hp: lr, momentum, dampening, weight_decay. s[0]: momentum buffer. kDecoupled: the decay after the
   // momentum, p -= lr * (s * seg_mul[k] + wd * p) (seg_mul absent: 1), instead of wd * p added to the grad.

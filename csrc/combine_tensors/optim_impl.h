@@ -11,8 +11,9 @@
 
 #include "optim.h"
 
-// The avx2 level runs bf16 Adam in intrinsic blocks (bf16_avx2.h): there the compiler's form of the element loop
-// is bound by instruction count. AVX-512 levels keep the element loop (wider vectors, cheaper narrowing).
+// The avx2 level runs the bf16 element loops of Adam, SGD, Adadelta, RMSprop, BertAdam, Adagrad and LAMB's stage 2
+// in intrinsic blocks (bf16_avx2.h): there the compiler's form of those loops is bound by instruction count.
+// AVX-512 levels keep the element loops (wider vectors, cheaper narrowing).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define APEX_BF16_AVX2_BLOCKS 1
 #include "bf16_avx2.h"
@@ -146,8 +147,15 @@ static void sgd_body(const OptArgs& a) {
       auto run = [&](auto mom_on) {
         constexpr bool MOM = decltype(mom_on)::value;
         streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+          idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+          if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+            const bf16_avx2::SgdScalars sc{lr, mom, keep, tk, wd, gs, umul};
+            i = bf16_avx2::sgd_blocks<L2, NESTEROV, POST, MOM>(p, gk, lo, buf, c0, c1, sc);
+          }
+#endif
           APEX_IVDEP
-          for (idx_t i = c0; i < c1; ++i) {
+          for (; i < c1; ++i) {
             const float pv = load(p, i);
             float d = load(gk, i - lo) * gs;
             if constexpr (L2) d = d + wd * pv;
@@ -264,8 +272,15 @@ static void adadelta(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+          const bf16_avx2::AdadeltaScalars sc{lr, rho, omr, eps, wd, gs, decay};
+          i = bf16_avx2::adadelta_blocks(p, gk, lo, sq, acc, c0, c1, sc);
+        }
+#endif
         APEX_IVDEP
-        for (idx_t i = c0; i < c1; ++i) {
+        for (; i < c1; ++i) {
           float pv = load(p, i);
           float gv = load(gk, i - lo) * gs;
           gv = pick_f32(decay, gv + wd * pv, gv);  // no term at weight_decay 0 (0 * inf = NaN)
@@ -287,7 +302,6 @@ static void adadelta(const OptArgs& a) {
 // and can fold lr into the momentum buffer. The options are template
 // parameters, not tests in the loop: a conditional store (centered, momentum)
 // keeps the compiler from vectorising the loop at all, which measured 4x slower.
-enum RmsMom { kNoMom = 0, kMom = 1, kMomLr = 2 };
 
 template <bool TF, bool CENTERED, int MOM>
 static void rmsprop_body(const OptArgs& a) {
@@ -307,8 +321,15 @@ static void rmsprop_body(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+          const bf16_avx2::RmspropScalars sc{lr, alpha, one_minus, eps, mom, wd_decay, wd_l2, gs, decay_on, l2_on};
+          i = bf16_avx2::rmsprop_blocks<TF, CENTERED, MOM>(p, gk, lo, sq, buf, gavg, c0, c1, sc);
+        }
+#endif
         APEX_IVDEP
-        for (idx_t i = c0; i < c1; ++i) {
+        for (; i < c1; ++i) {
           float pv = load(p, i);
           // the decay terms only when weight_decay != 0 (0 * inf = NaN), the other arm selected bit for bit
           if (TF) pv = pick_f32(decay_on, pv - wd_decay * pv, pv);
@@ -374,8 +395,15 @@ static void bert_adam(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+          const bf16_avx2::BertAdamScalars sc{lr, b1, b2, omb1, omb2, eps, wd, gs, decay};
+          i = bf16_avx2::bert_adam_blocks(p, gk, lo, m, v, c0, c1, sc);
+        }
+#endif
         APEX_IVDEP
-        for (idx_t i = c0; i < c1; ++i) {
+        for (; i < c1; ++i) {
           float pv = load(p, i);
           float gv = load(gk, i - lo) * gs;
           float mv = store_load(m, i, b1 * load(m, i) + omb1 * gv);
@@ -525,8 +553,15 @@ static void lamb_stage2(const OptArgs& a) {
       const float step = lr * (a.seg_mul ? a.seg_mul[k] : 1.f);
       const LambBC bc = bcs(k);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<O, no_out_t>) {
+          const bf16_avx2::LambStage2Scalars sc{step, bc.m, bc.v, eps, wd, decay};
+          i = bf16_avx2::lamb_stage2_blocks(p, m, v, c0, c1, sc);
+        }
+#endif
         APEX_IVDEP
-        for (idx_t i = c0; i < c1; ++i) {
+        for (; i < c1; ++i) {
           float pv = load(p, i);
           float u = load(m, i) * bc.m / (std::sqrt(load(v, i) * bc.v) + eps);
           u = pick_f32(decay, u + wd * pv, u);  // no term at weight_decay 0 (0 * inf = NaN)
@@ -705,8 +740,15 @@ static void adagrad(const OptArgs& a) {
       const float gs = gmul(a, k);
       const G* __restrict gk = grad_at(a, g, k, lo);
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
+        idx_t i = c0;
+#if APEX_BF16_AVX2_BLOCKS
+        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+          const bf16_avx2::AdagradScalars sc{clr, eps, wd, gs, l2_on, decay_on};
+          i = bf16_avx2::adagrad_blocks(p, gk, lo, sum, c0, c1, sc);
+        }
+#endif
         APEX_IVDEP
-        for (idx_t i = c0; i < c1; ++i) {
+        for (; i < c1; ++i) {
           float pv = load(p, i);
           // the decay term (added to the grad, or to the update in wmode) only when weight_decay != 0
           float gv = load(gk, i - lo) * gs;

@@ -362,6 +362,113 @@ def test_bf16_adam_blocks_match_baseline_with_nans_anywhere(level, flags, wd, th
     assert (params[197:350] == 0x7FC1).all(), "slot 1's params take its multiplier's nan, by the nan rule"
 
 
+# bf16 SGD, Adadelta, RMSprop, BertAdam, Adagrad and LAMB at the avx2 level run the same 16-element blocks as Adam:
+# the same nan and infinity placements, with nans in the states too (a signalling nan, a negative square average
+# whose square root is a nan), for every loop variant of each kernel: momentum or not, Nesterov, decay before or
+# after the momentum (SGD), weight decay on and off, centered, the momentum forms of RMSprop and its TensorFlow
+# form, Adagrad's two decay forms, LAMB's stages alone and together.
+BLOCK_CASES = {
+    "sgd": ("_raw_sgd_step", 0, [0.1, 0.0, 0.0, 0.0]),
+    "sgd-momentum-l2": ("_raw_sgd_step", 0, [0.1, 0.9, 0.1, 1e-4]),
+    "sgd-nesterov": ("_raw_sgd_step", apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 1e-4]),
+    "sgd-decay-after": ("_raw_sgd_step", apex_C.FLAG_DECOUPLED, [0.1, 0.9, 0.1, 1e-4]),
+    "sgd-scaled-after-nesterov": ("_raw_sgd_step", apex_C.FLAG_DECOUPLED | apex_C.FLAG_NESTEROV, [0.1, 0.9, 0.0, 0.0]),
+    "adadelta": ("_raw_adadelta_step", 0, [1.0, 0.9, 1e-6, 0.01]),
+    "adadelta-no-decay": ("_raw_adadelta_step", 0, [1.0, 0.9, 1e-6, 0.0]),
+    "rmsprop": ("_raw_rmsprop_step", 0, [1e-2, 0.99, 1e-8, 0.0, 0.0]),
+    "rmsprop-l2-momentum": ("_raw_rmsprop_step", 0, [1e-2, 0.99, 1e-8, 0.01, 0.9]),
+    "rmsprop-centered": ("_raw_rmsprop_step", apex_C.FLAG_CENTERED, [1e-2, 0.99, 1e-8, 0.0, 0.0]),
+    "rmsprop-centered-momentum": ("_raw_rmsprop_step", apex_C.FLAG_CENTERED, [1e-2, 0.99, 1e-8, 0.01, 0.9]),
+    "rmsprop-tf-decoupled-lr-in-momentum": ("_raw_rmsprop_tf_step", apex_C.FLAG_LR_IN_MOMENTUM | apex_C.FLAG_DECOUPLED,
+                                            [1e-2, 0.9, 1e-10, 0.01, 0.9]),
+    "rmsprop-tf-centered-l2": ("_raw_rmsprop_tf_step", apex_C.FLAG_CENTERED, [1e-2, 0.9, 1e-10, 0.01, 0.0]),
+    "bert-adam": ("_raw_bert_adam_step", 0, [1e-3, 0.9, 0.999, 1e-6, 0.01]),
+    "bert-adam-no-decay": ("_raw_bert_adam_step", 0, [1e-3, 0.9, 0.999, 1e-6, 0.0]),
+    "adagrad-l2": ("_raw_adagrad_step", 0, [1e-2, 1e-10, 0.01, 0.1]),
+    "adagrad-decoupled": ("_raw_adagrad_step", apex_C.FLAG_DECOUPLED, [1e-2, 1e-10, 0.01, 0.0]),
+    # LAMB: stage 1 (moments, and the per-slot squares of p and u: nout 2), stage 2 (seg_mul: the trust ratios), and
+    # both with the ratios between them
+    "lamb-stage1": ("_raw_lamb_stage1", apex_C.FLAG_BIAS_CORRECTION | apex_C.FLAG_BETA3, [0.9, 0.999, 1e-6, 0.01, 0.1],
+                    2),
+    "lamb-stage1-nobc": ("_raw_lamb_stage1", 0, [0.9, 0.999, 1e-6, 0.0], 2),
+    "lamb-stage2": ("_raw_lamb_stage2", apex_C.FLAG_BIAS_CORRECTION, [1e-2, 1e-6, 0.01, 0.9, 0.999]),
+    "lamb-step": ("_raw_lamb_step", apex_C.FLAG_BIAS_CORRECTION | apex_C.FLAG_BETA3 | apex_C.FLAG_TRUST_RATIO,
+                  [0.9, 0.999, 1e-6, 0.01, 0.1, 1e-2, 1e-6, 0.01, 0.9, 0.999], 2),
+}
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["flat", "gather"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_bf16_blocks_match_baseline_with_nans_anywhere(level, case, threads, gather):
+    kernel, flags, hp, *nout = BLOCK_CASES[case]
+    nout = nout[0] if nout else 0
+    rng = np.random.default_rng(23)
+    seg = np.array([0, 197, 350, 351, 1000, 1290], np.int64)
+    n, nseg = int(seg[-1]), len(seg) - 1
+    p = _bf16(rng.standard_normal(n))
+    states = [_bf16(np.abs(rng.standard_normal(n)) * 1e-3) for _ in range(3)]
+    p[[40, 420]] = BF16_NAN
+    p[[77]] = _bf16([np.inf])
+    states[0][[600, 1289]] = _bf16([-1.0, -2.0])  # a negative square average (RMSprop, Adadelta: a nan param)
+    states[1][[130]] = np.uint16(0x7F81)  # signalling nan, payload 1
+    states[2][[903]] = _bf16([np.inf])
+    for s in states[:2]:  # nans at block edges and in tails of every slot but slot 1 (see gmul)
+        s[[16, 47, 64, 191, 196, 350, 367, 415, 640, 998, 1031, 1283]] = BF16_NAN
+    grads = []
+    for t in range(3):
+        g = _bf16(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n))
+        g[[0, 15, 16, 63, 64, 196, 350, 351, 366, 415, 999, 1000, 1288][t::3]] = BF16_NAN
+        g[[5, 31, 260, 1100][t::2]] = _bf16([np.inf if t % 2 else -np.inf])
+        grads.append(g)
+    gmul = np.array([1.0, 0.0, 1.0, 0.5, 1.0], np.float32)
+    gmul.view(np.uint32)[1] = 0x7FC1C000  # a nan whose low half is set: only the nan rule stores it as 0x7fc1
+    # SGD's multiplier after the momentum, LAMB's trust ratios (stage 2 reads no grad: slot 1's nan reaches it here)
+    umul0 = np.array([1.0, 0.0, 2.0, 1.0, 0.25], np.float32)
+    umul0.view(np.uint32)[1] = 0x7FC1C000
+
+    def run():
+        pp, ss, outs = p.copy(), [s.copy() for s in states], []
+        for t, g in enumerate(grads, start=1):
+            umul = umul0.copy()  # (an output of _raw_lamb_step)
+            a = apex_C.OptArgs()
+            a.pdt = a.gdt = a.sdt = BF16
+            a.p, a.seg, a.nseg = pp.ctypes.data, seg.ctypes.data, nseg
+            own = [g[seg[k]:seg[k + 1]].copy() for k in range(nseg)]
+            table = np.array([x.ctypes.data for x in own], np.uint64)
+            if gather:
+                a.gtab = table.ctypes.data
+            a.g = g.ctypes.data
+            a.s0, a.s1, a.s2 = (s.ctypes.data for s in ss)
+            steps = np.full(nseg, float(t), np.float32)
+            first = np.full(nseg, t == 1, np.uint8)
+            a.steps, a.first, a.flags, a.hp, a.threads = steps.ctypes.data, first.ctypes.data, flags, list(hp), threads
+            a.seg_gmul, a.seg_mul = gmul.ctypes.data, umul.ctypes.data
+            out = np.zeros(nseg * nout, np.float64)
+            if nout:
+                a.seg_out = out.ctypes.data
+            getattr(apex_C, kernel)(a)
+            outs.append(out)
+        return [pp.tobytes()] + [s.tobytes() for s in ss], outs
+
+    (got, got_out), (want, want_out) = run(), run_at("baseline", run)
+    for name, x, y in zip(("param", "s0", "s1", "s2"), got, want):
+        if kernel == "_raw_lamb_step" and name == "param":
+            # a nan norm's sign is not defined (below), and its trust ratio carries it into the slot's params
+            x, y = np.frombuffer(x, np.uint16), np.frombuffer(y, np.uint16)
+            x, y = [np.where((b & 0x7FFF) > 0x7F80, 0x7FC0, b).tobytes() for b in (x, y)]
+        assert x == y, f"{level} bf16 {case} {name} differs from baseline"
+    # per-slot squares: a nan sum may carry either sign (test_lamb_stages_match_baseline says why)
+    for t, (x, y) in enumerate(zip(got_out, want_out), start=1):
+        assert (np.isnan(x) == np.isnan(y)).all(), f"{level} {case} norms of step {t}: nans differ from baseline"
+        assert x[~np.isnan(x)].tobytes() == y[~np.isnan(y)].tobytes(), f"{level} {case} norms of step {t} differ"
+    written = np.concatenate([np.frombuffer(b, np.uint16) for b in got[:3]])
+    assert ((written & 0x7F80) == 0x7F80).sum() > 25, "the case must put nans/infs in many blocks"
+    if kernel not in ("_raw_lamb_stage1", "_raw_lamb_step"):  # (stage 1 writes no param; the step's nan: above)
+        params = np.frombuffer(got[0], np.uint16)
+        assert (params[197:350] == 0x7FC1).all(), "slot 1's params take its multiplier's nan, by the nan rule"
+
+
 # Every elementwise optimizer kernel, with options that take each loop variant.
 ELEMENTWISE_CASES = {
     **OPT_CASES,
@@ -612,6 +719,11 @@ def test_conversions_under_flush_denormal(level, setter):
                               np.random.default_rng(4), subnormal_states=True)
         adam = _optimizer_case("_raw_adam_step", BF16, 0, [1e-3, 0.9, 0.999, 1e-8, 0.0], np.random.default_rng(4),
                                subnormal_states=True)
+        # the other kernels with avx2 blocks (SGD, Adadelta, RMSprop, BertAdam), from subnormal states too
+        blocks = {case: _optimizer_case(kernel, BF16, flags, hp, np.random.default_rng(4), subnormal_states=True,
+                                        nout=nout[0] if nout else 0)
+                  for case, (kernel, flags, hp, *nout) in BLOCK_CASES.items()
+                  if kernel != "_raw_lamb_step"}  # (its trust ratios need seg_mul, which _optimizer_case leaves out)
     finally:
         set_flush_denormal(False)
     assert_bits(h2f, f16_bits_to_f32_bits(every), every, f"{level}: f16 -> f32 under DAZ/FTZ")
@@ -629,6 +741,12 @@ def test_conversions_under_flush_denormal(level, setter):
     assert opt[0] == opt[1], f"{level}: fp16 Adam under DAZ/FTZ differs from baseline"
     assert ams[0] == ams[1], f"{level}: bf16 AMSGrad with subnormal states under DAZ/FTZ differs from baseline"
     assert adam[0] == adam[1], f"{level}: bf16 Adam with subnormal states under DAZ/FTZ differs from baseline"
+    for case, (got, want) in blocks.items():
+        assert got[:4] == want[:4], f"{level}: bf16 {case} with subnormal states under DAZ/FTZ differs from baseline"
+        for x, y in zip(got[4:], want[4:]):  # LAMB's squares: a nan sum's sign is not defined
+            x, y = np.frombuffer(x, np.float64), np.frombuffer(y, np.float64)
+            assert (np.isnan(x) == np.isnan(y)).all() and x[~np.isnan(x)].tobytes() == y[~np.isnan(y)].tobytes(), (
+                f"{level}: bf16 {case} norms under DAZ/FTZ differ from baseline")
     vmax = np.frombuffer(ams[0][3], np.uint16)
     stored_subnormals = np.count_nonzero(((vmax & 0x7F80) == 0) & ((vmax & 0x7F) != 0))
     assert stored_subnormals > 0, "the case must store bf16 subnormals (else it checks nothing)"
