@@ -296,6 +296,27 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return as_storage(np.asarray(x, np.float32), BF16)
 
 
+def _grads_with_nans(rng, n: int) -> list:
+    """Three steps of bf16 grads over the slots [0, 197, 350, 351, 1000, 1290) with nans and infinities at block
+    edges and in tails; none in slot 1, whose multiplier is a nan (which of two nan payloads a product keeps is not
+    defined)."""
+    grads = []
+    for t in range(3):
+        g = _bf16(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n))
+        g[[0, 15, 16, 63, 64, 196, 350, 351, 366, 415, 999, 1000, 1288][t::3]] = BF16_NAN
+        g[[5, 31, 260, 1100][t::2]] = _bf16([np.inf if t % 2 else -np.inf])
+        grads.append(g)
+    return grads
+
+
+def _slot1_nan(values) -> np.ndarray:
+    """Per-slot float32 multipliers with slot 1's the nan 0x7fc1c000: its low half is set, so only the nan rule
+    stores it as 0x7fc1 (rounded without the rule it would read 0x7fc2)."""
+    x = np.array(values, np.float32)
+    x.view(np.uint32)[1] = 0x7FC1C000
+    return x
+
+
 @pytest.mark.parametrize("states", ["bf16", "f32"])  # f32: FLAG_F32_STATES, NVIDIA FusedAdam's layout
 @pytest.mark.parametrize("gather", [False, True], ids=["flat", "gather"])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -315,16 +336,8 @@ def test_bf16_adam_blocks_match_baseline_with_nans_anywhere(level, flags, wd, th
     if states == "f32":  # the same values, widened exactly
         m, v = [(x.astype(np.uint32) << np.uint32(16)).view(np.float32) for x in (m, v)]
         flags |= apex_C.FLAG_F32_STATES
-    grads = []
-    for t in range(3):
-        g = _bf16(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n))
-        # (none in slot 1, whose multiplier is a nan: which of two nan payloads a product keeps is not defined)
-        g[[0, 15, 16, 63, 64, 196, 350, 351, 366, 415, 999, 1000, 1288][t::3]] = BF16_NAN
-        g[[5, 31, 260, 1100][t::2]] = _bf16([np.inf if t % 2 else -np.inf])
-        grads.append(g)
-
-    gmul = np.array([1.0, 0.0, 1.0, 0.5, 1.0], np.float32)
-    gmul.view(np.uint32)[1] = 0x7FC1C000
+    grads = _grads_with_nans(rng, n)
+    gmul = _slot1_nan([1.0, 0.0, 1.0, 0.5, 1.0])
 
     def run():
         pp, mm, vv = p.copy(), m.copy(), v.copy()
@@ -415,17 +428,10 @@ def test_bf16_blocks_match_baseline_with_nans_anywhere(level, case, threads, gat
     states[2][[903]] = _bf16([np.inf])
     for s in states[:2]:  # nans at block edges and in tails of every slot but slot 1 (see gmul)
         s[[16, 47, 64, 191, 196, 350, 367, 415, 640, 998, 1031, 1283]] = BF16_NAN
-    grads = []
-    for t in range(3):
-        g = _bf16(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n))
-        g[[0, 15, 16, 63, 64, 196, 350, 351, 366, 415, 999, 1000, 1288][t::3]] = BF16_NAN
-        g[[5, 31, 260, 1100][t::2]] = _bf16([np.inf if t % 2 else -np.inf])
-        grads.append(g)
-    gmul = np.array([1.0, 0.0, 1.0, 0.5, 1.0], np.float32)
-    gmul.view(np.uint32)[1] = 0x7FC1C000  # a nan whose low half is set: only the nan rule stores it as 0x7fc1
+    grads = _grads_with_nans(rng, n)
+    gmul = _slot1_nan([1.0, 0.0, 1.0, 0.5, 1.0])
     # SGD's multiplier after the momentum, LAMB's trust ratios (stage 2 reads no grad: slot 1's nan reaches it here)
-    umul0 = np.array([1.0, 0.0, 2.0, 1.0, 0.25], np.float32)
-    umul0.view(np.uint32)[1] = 0x7FC1C000
+    umul0 = _slot1_nan([1.0, 0.0, 2.0, 1.0, 0.25])
 
     def run():
         pp, ss, outs = p.copy(), [s.copy() for s in states], []
