@@ -46,6 +46,12 @@ inline void store(no_out_t*, idx_t, float) {}
 // An optimizer without an out copy streams no out buffer.
 APEX_ELEMENT Stream stream(const no_out_t*, idx_t = 0) { return {0, 0}; }
 
+// The element loops that run bf16_avx2.h's blocks first (avx2 level): bf16 params and grads, states in the param
+// dtype, no out copy.
+template <class P, class G, class O>
+inline constexpr bool kBf16Blocks = APEX_BF16_AVX2_BLOCKS && std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> &&
+                                    std::is_same_v<O, no_out_t>;
+
 // Calls f(P*, G*, O*) for the supported (param, grad, out) storage combinations:
 // grads in the param dtype, or fp32 params (master weights) with any grad dtype;
 // an out copy only for fp32 params. Anything else is rejected by the binding.
@@ -149,7 +155,7 @@ static void sgd_body(const OptArgs& a) {
         streamed(lo, hi, [&](idx_t c0, idx_t c1) {
           idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-          if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+          if constexpr (kBf16Blocks<P, G, O>) {
             const bf16_avx2::SgdScalars sc{lr, mom, keep, tk, wd, gs, umul};
             i = bf16_avx2::sgd_blocks<L2, NESTEROV, POST, MOM>(p, gk, lo, buf, c0, c1, sc);
           }
@@ -219,8 +225,7 @@ static void adam_body(const OptArgs& a) {
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-        if constexpr (!AMSGRAD && std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> &&
-                      std::is_same_v<S, bf16_t> && std::is_same_v<O, no_out_t>) {
+        if constexpr (!AMSGRAD && kBf16Blocks<P, G, O> && std::is_same_v<S, bf16_t>) {  // (not FLAG_F32_STATES)
           const bf16_avx2::AdamScalars sc{fb1, fb2, omb1, omb2, eps, step_size, bc2_sqrt, gs, wd, decay};
           i = bf16_avx2::adam_blocks<WD>(p, gk, lo, m, v, c0, c1, sc);  // the rest (a tail, a nan) below
         }
@@ -274,7 +279,7 @@ static void adadelta(const OptArgs& a) {
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+        if constexpr (kBf16Blocks<P, G, O>) {
           const bf16_avx2::AdadeltaScalars sc{lr, rho, omr, eps, wd, gs, decay};
           i = bf16_avx2::adadelta_blocks(p, gk, lo, sq, acc, c0, c1, sc);
         }
@@ -323,7 +328,7 @@ static void rmsprop_body(const OptArgs& a) {
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+        if constexpr (kBf16Blocks<P, G, O>) {
           const bf16_avx2::RmspropScalars sc{lr, alpha, one_minus, eps, mom, wd_decay, wd_l2, gs, decay_on, l2_on};
           i = bf16_avx2::rmsprop_blocks<TF, CENTERED, MOM>(p, gk, lo, sq, buf, gavg, c0, c1, sc);
         }
@@ -397,7 +402,7 @@ static void bert_adam(const OptArgs& a) {
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+        if constexpr (kBf16Blocks<P, G, O>) {
           const bf16_avx2::BertAdamScalars sc{lr, b1, b2, omb1, omb2, eps, wd, gs, decay};
           i = bf16_avx2::bert_adam_blocks(p, gk, lo, m, v, c0, c1, sc);
         }
@@ -555,7 +560,7 @@ static void lamb_stage2(const OptArgs& a) {
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<O, no_out_t>) {
+        if constexpr (kBf16Blocks<P, P, O>) {  // (stage 2 reads no grad)
           const bf16_avx2::LambStage2Scalars sc{step, bc.m, bc.v, eps, wd, decay};
           i = bf16_avx2::lamb_stage2_blocks(p, m, v, c0, c1, sc);
         }
@@ -742,7 +747,7 @@ static void adagrad(const OptArgs& a) {
       streamed(lo, hi, [&](idx_t c0, idx_t c1) {
         idx_t i = c0;
 #if APEX_BF16_AVX2_BLOCKS
-        if constexpr (std::is_same_v<P, bf16_t> && std::is_same_v<G, bf16_t> && std::is_same_v<O, no_out_t>) {
+        if constexpr (kBf16Blocks<P, G, O>) {
           const bf16_avx2::AdagradScalars sc{clr, eps, wd, gs, l2_on, decay_on};
           i = bf16_avx2::adagrad_blocks(p, gk, lo, sum, c0, c1, sc);
         }
