@@ -218,6 +218,15 @@ def test_scale_copy_axpy_match_baseline(level, sdt, ddt):
             assert a == b
 
 
+def assert_bits_but_nans(x: np.ndarray, y: np.ndarray, what: str) -> None:
+    """Float arrays x and y hold nans at the same places and every other value bit for bit. Which nan (sign,
+    payload) an operation on two nans returns depends on its operand order, which compilers may swap (a + b == b + a
+    for every other value), so a nan result's bits are not compared."""
+    assert (np.isnan(x) == np.isnan(y)).all(), f"{what}: nans where the baseline has none, or none where it has"
+    keep = ~np.isnan(x)
+    assert x[keep].tobytes() == y[keep].tobytes(), f"{what} differs from baseline"
+
+
 def _optimizer_case(kernel: str, dt: int, flags: int, hp, rng, subnormal_states: bool = False, nout: int = 0) -> list:
     """Runs three steps of one optimizer kernel over two segments; returns every buffer's bytes (and the
     kernel's per-segment outputs, nout per segment, for the reducing kernels).
@@ -296,10 +305,13 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return as_storage(np.asarray(x, np.float32), BF16)
 
 
+# the slots of the nan-anywhere tests: 64-element chunks, 16-element blocks, odd cuts, a one-element slot
+NAN_TEST_SLOTS = np.array([0, 197, 350, 351, 1000, 1290], np.int64)
+
+
 def _grads_with_nans(rng, n: int) -> list:
-    """Three steps of bf16 grads over the slots [0, 197, 350, 351, 1000, 1290) with nans and infinities at block
-    edges and in tails; none in slot 1, whose multiplier is a nan (which of two nan payloads a product keeps is not
-    defined)."""
+    """Three steps of bf16 grads over NAN_TEST_SLOTS with nans and infinities at block edges and in tails; none in
+    slot 1, whose multiplier is a nan (which of two nan payloads a product keeps is not defined)."""
     grads = []
     for t in range(3):
         g = _bf16(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n))
@@ -324,7 +336,7 @@ def _slot1_nan(values) -> np.ndarray:
                          ids=["none", "l2", "decoupled"])
 def test_bf16_adam_blocks_match_baseline_with_nans_anywhere(level, flags, wd, threads, gather, states):
     rng = np.random.default_rng(17)
-    seg = np.array([0, 197, 350, 351, 1000, 1290], np.int64)  # 64-element chunks, 16-element blocks, odd cuts
+    seg = NAN_TEST_SLOTS
     n = int(seg[-1])
     p = _bf16(rng.standard_normal(n))
     m = _bf16(rng.standard_normal(n) * 1e-2)
@@ -366,10 +378,10 @@ def test_bf16_adam_blocks_match_baseline_with_nans_anywhere(level, flags, wd, th
             # float32 moments keep a sum's whole nan payload, and which of two nan operands' payload a sum keeps is
             # not defined (slot 1's nan multiplier meets its own nan params under L2): nans where the baseline
             # has them, every other value bit for bit
-            x, y = np.frombuffer(x, np.float32), np.frombuffer(y, np.float32)
-            assert (np.isnan(x) == np.isnan(y)).all(), f"{level} bf16 Adam {name}: nans differ from baseline"
-            x, y = x[~np.isnan(x)].tobytes(), y[~np.isnan(y)].tobytes()
-        assert x == y, f"{level} bf16 Adam {name} differs from baseline"
+            assert_bits_but_nans(np.frombuffer(x, np.float32), np.frombuffer(y, np.float32),
+                                 f"{level} bf16 Adam {name}")
+        else:
+            assert x == y, f"{level} bf16 Adam {name} differs from baseline"
     params = np.frombuffer(got[0], np.uint16)
     assert ((params & 0x7F80) == 0x7F80).sum() > 20, "the case must put nans/infs in many blocks"
     assert (params[197:350] == 0x7FC1).all(), "slot 1's params take its multiplier's nan, by the nan rule"
@@ -417,7 +429,7 @@ def test_bf16_blocks_match_baseline_with_nans_anywhere(level, case, threads, gat
     kernel, flags, hp, *nout = BLOCK_CASES[case]
     nout = nout[0] if nout else 0
     rng = np.random.default_rng(23)
-    seg = np.array([0, 197, 350, 351, 1000, 1290], np.int64)
+    seg = NAN_TEST_SLOTS
     n, nseg = int(seg[-1]), len(seg) - 1
     p = _bf16(rng.standard_normal(n))
     states = [_bf16(np.abs(rng.standard_normal(n)) * 1e-3) for _ in range(3)]
@@ -466,8 +478,7 @@ def test_bf16_blocks_match_baseline_with_nans_anywhere(level, case, threads, gat
         assert x == y, f"{level} bf16 {case} {name} differs from baseline"
     # per-slot squares: a nan sum may carry either sign (test_lamb_stages_match_baseline says why)
     for t, (x, y) in enumerate(zip(got_out, want_out), start=1):
-        assert (np.isnan(x) == np.isnan(y)).all(), f"{level} {case} norms of step {t}: nans differ from baseline"
-        assert x[~np.isnan(x)].tobytes() == y[~np.isnan(y)].tobytes(), f"{level} {case} norms of step {t} differ"
+        assert_bits_but_nans(x, y, f"{level} {case} norms of step {t}")
     written = np.concatenate([np.frombuffer(b, np.uint16) for b in got[:3]])
     assert ((written & 0x7F80) == 0x7F80).sum() > 25, "the case must put nans/infs in many blocks"
     if kernel not in ("_raw_lamb_stage1", "_raw_lamb_step"):  # (stage 1 writes no param; the step's nan: above)
@@ -630,10 +641,8 @@ def test_lamb_stages_match_baseline(level, dt, case):
     # The norms: same bits, except that a NaN sum (an inf/nan grad reached u) may carry either sign: which NaN an
     # add returns depends on its operand order, which compilers may swap (a + b == b + a for every other value).
     for t, (a, b) in enumerate(zip(got[4:], want[4:]), start=1):
-        x, y = np.frombuffer(a, np.float64), np.frombuffer(b, np.float64)
-        assert (np.isnan(x) == np.isnan(y)).all(), f"{level} {case} norms of step {t}: NaN where baseline has none"
-        keep = ~np.isnan(x)
-        assert x[keep].tobytes() == y[keep].tobytes(), f"{level} {case} norms of step {t} differ from baseline"
+        assert_bits_but_nans(np.frombuffer(a, np.float64), np.frombuffer(b, np.float64),
+                             f"{level} {case} norms of step {t}")
     if nout:
         assert np.isnan(np.frombuffer(got[-1], np.float64)).any(), "step 3's inf grad reaches u: a NaN norm"
         assert np.isfinite(np.frombuffer(got[4], np.float64)).any(), "the kernel wrote no finite norms"
@@ -664,9 +673,7 @@ def test_grad_sum_sq_matches_baseline_and_float64(level, dt):
     seg = np.array([0, 1000, 1000, N_ODD, N_ODD + 1], np.int64)
     g = as_storage(special_f32(rng, N_ODD + 1), dt)
     got, want = _grad_sum_sq(g, dt, seg), run_at("baseline", lambda: _grad_sum_sq(g, dt, seg))
-    assert (np.isnan(got) == np.isnan(want)).all()
-    keep = ~np.isnan(got)
-    assert got[keep].tobytes() == want[keep].tobytes(), f"{level}: sums differ from baseline"
+    assert_bits_but_nans(got, want, f"{level}: sums")
     clean = as_storage((rng.standard_normal(N_ODD + 1) * 10.0 ** rng.uniform(-3, 2, N_ODD + 1)).astype(np.float32), dt)
     wide = (clean.astype(np.uint32) << 16).view(np.float32) if dt == BF16 else clean
     wide = wide.astype(np.float64)
@@ -750,9 +757,8 @@ def test_conversions_under_flush_denormal(level, setter):
     for case, (got, want) in blocks.items():
         assert got[:4] == want[:4], f"{level}: bf16 {case} with subnormal states under DAZ/FTZ differs from baseline"
         for x, y in zip(got[4:], want[4:]):  # LAMB's squares: a nan sum's sign is not defined
-            x, y = np.frombuffer(x, np.float64), np.frombuffer(y, np.float64)
-            assert (np.isnan(x) == np.isnan(y)).all() and x[~np.isnan(x)].tobytes() == y[~np.isnan(y)].tobytes(), (
-                f"{level}: bf16 {case} norms under DAZ/FTZ differ from baseline")
+            assert_bits_but_nans(np.frombuffer(x, np.float64), np.frombuffer(y, np.float64),
+                                 f"{level}: bf16 {case} norms under DAZ/FTZ")
     vmax = np.frombuffer(ams[0][3], np.uint16)
     stored_subnormals = np.count_nonzero(((vmax & 0x7F80) == 0) & ((vmax & 0x7F) != 0))
     assert stored_subnormals > 0, "the case must store bf16 subnormals (else it checks nothing)"
