@@ -824,3 +824,149 @@ def test_the_python_screen_of_grad_addresses_agrees_with_the_tensor_test(seed, m
         assert fast == exact, ptrs
         outcomes.add(bool(exact))
     assert outcomes == {True, False}
+
+
+class _GradSubclass(torch.Tensor):
+    """A tensor subclass that changes nothing (its Python type is what differs)."""
+
+
+def _count_validations(monkeypatch):
+    """How many times `plan_gather` ran the full per-property validation of its grads."""
+    from apex.optimizers import _flat
+
+    calls = []
+    real = _flat.FlatSet._check_grad_meta
+
+    def counting(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(_flat.FlatSet, "_check_grad_meta", counting)
+    return calls
+
+
+def test_the_meta_guard_rejects_every_difference_the_validation_looks_for():
+    from apex import _meta_guard
+
+    assert _meta_guard._works(), "this torch's TensorGuards does not behave as the gather path relies on"
+    g = _meta_guard.guard([torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)])
+    assert g.matches([torch.ones(2, 3), torch.ones(4, dtype=torch.bfloat16)]) and g.hits == 1
+    for other in ([torch.ones(2, 3)], [torch.ones(2, 3), torch.ones(4)], [torch.ones(2, 3), None],
+                  [torch.ones(3, 2).t(), torch.ones(4, dtype=torch.bfloat16)], [1, 2], []):
+        assert not g.matches(other), other
+    assert g.hits == 1
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "strides", "neg", "requires_grad", "subclass", "none"])
+def test_grads_that_change_after_the_guard_matched_are_validated_again(change, monkeypatch):
+    """Steps after the first read fresh grads whose metadata the last validated ones had without validating
+    them property by property (`apex._meta_guard`): a grad that differs from them in any property is validated
+    again, and is refused (dtype, shape) or read as the full path reads it (copied, or by value), with results
+    bitwise those of grads given plainly; later steps with plain grads match again."""
+    validations = _count_validations(monkeypatch)
+    pa, pb = _params(torch.float32, 11), _params(torch.float32, 11)
+    oa, ob = NpuFusedAdam(_groups(pa, NpuFusedAdam), lr=1e-2), NpuFusedAdam(_groups(pb, NpuFusedAdam), lr=1e-2)
+    gen = torch.Generator().manual_seed(11)
+    k = 0  # the (7, 5) param
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=gen) for p in pa]
+        for p, g in zip(pa, grads):
+            _fresh(p, g)
+        for p, g in zip(pb, grads):
+            _fresh(p, g)
+        before = len(validations)
+        if step == 3:
+            if change in ("dtype", "shape"):
+                snap = snapshot(ob, pb)
+                pb[k].grad.data = (torch.ones(pb[k].shape, dtype=torch.float64) if change == "dtype"
+                                   else torch.ones(5, 7))
+                with pytest.raises(RuntimeError, match=change):
+                    ob.step()
+                assert_unchanged(ob, pb, snap)
+                pb[k].grad = grads[k].clone()
+            elif change == "strides":
+                pb[k].grad = grads[k].t().contiguous().t()
+            elif change == "neg":
+                pb[k].grad = (-grads[k])._neg_view()
+            elif change == "requires_grad":
+                pb[k].grad = grads[k].clone().requires_grad_()
+            elif change == "subclass":
+                pb[k].grad = grads[k].clone().as_subclass(_GradSubclass)
+            else:
+                pb[len(pb) - 1].grad = None
+                pa[len(pa) - 1].grad = None
+        oa.step()
+        ob.step()
+        _assert_bitwise(oa, pa, ob, pb, f"{change} step {step}")
+        if step in (1, 2, 5):  # grads like the last validated ones: no validation, for each of the three sets
+            assert len(validations) == before, (change, step)
+        if step == 3:
+            assert len(validations) > before, change
+        for p in pa + pb:
+            p.grad = None
+
+
+def test_without_a_usable_meta_guard_every_step_validates(monkeypatch):
+    """On a torch whose guard fails the self-test, each fresh-grad step runs the full validation."""
+    from apex import _meta_guard
+
+    monkeypatch.setattr(_meta_guard, "_USABLE", False)
+    validations = _count_validations(monkeypatch)
+    ps = _params(torch.float32, 3)
+    opt = NpuFusedSGD(ps, lr=0.1)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert len(validations) == 3 * len(_sets(opt))
+
+
+def test_guards_for_grads_that_change_at_every_step_are_rebuilt_ever_more_rarely(monkeypatch):
+    """Where the slots with a grad differ at every step, no guard matches; one is rebuilt only after twice as many
+    misses as the last (building costs about a validation): after steps 0, 1, 3, 7, 15 and 31 of 60. When the
+    grads settle, a guard of them is built within `GUARD_PATIENCE_MAX` steps and matches from then on."""
+    from apex import _meta_guard
+    from apex.optimizers import _flat
+
+    builds = []
+    real = _meta_guard.guard
+    monkeypatch.setattr(_meta_guard, "guard", lambda gs: builds.append(len(gs)) or real(gs))
+    ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(8)]
+    ts = [torch.nn.Parameter(torch.zeros(3)) for _ in range(8)]
+    opt, ref = NpuFusedSGD(ps, lr=0.1), torch.optim.SGD(ts, lr=0.1)
+
+    def step(live):
+        for k, (p, t) in enumerate(zip(ps, ts)):
+            p.grad = torch.full((3,), k + 1.0) if live(k) else None
+            t.grad = None if p.grad is None else p.grad.clone()
+        opt.step()
+        ref.step()
+
+    for i in range(60):
+        step(lambda k, i=i: (i >> k) & 1 or k == 7)  # another set of slots at every step
+    assert builds == [1, 2, 3, 4, 5, 6], builds  # the live slots at steps 0, 1, 3, 7, 15, 31
+    validations = _count_validations(monkeypatch)
+    for _ in range(_flat.GUARD_PATIENCE_MAX + 5):
+        step(lambda k: True)
+    assert 1 <= len(validations) <= _flat.GUARD_PATIENCE_MAX + 1
+    n = len(validations)
+    for _ in range(3):
+        step(lambda k: True)
+    assert len(validations) == n
+    for p, t in zip(ps, ts):
+        torch.testing.assert_close(p.detach(), t.detach(), rtol=1e-6, atol=0)
+
+
+def test_a_meta_guard_only_matches_under_the_dispatch_sets_it_was_built_under():
+    """With the negation key excluded for the thread, a tensor with the negation bit and one without show the same
+    dispatch keys to the guard's comparison: it then matches nothing (the full validation runs)."""
+    from apex import _meta_guard
+
+    g = _meta_guard.guard([torch.zeros(3)])
+    neg = torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)
+    with torch._C._ExcludeDispatchKeyGuard(neg):
+        assert not g.matches([torch.ones(3)._neg_view()])
+        assert not g.matches([torch.ones(3)])
+    with torch.inference_mode():
+        assert not g.matches([torch.ones(3)])
+    assert g.matches([torch.ones(3)]) and not g.matches([torch.ones(3)._neg_view()])

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _core, _device
+from .. import _core, _device, _meta_guard
 from .._tensor_utils import (
     READ_IN_PLACE_MARK,
     YIELDS_GRADS,
@@ -69,6 +69,9 @@ _GATHERED = object()
 #: up to this many grads `FlatSet._clear_of` screens them in Python (sorting and scanning more costs more than the
 #: tensor test's fixed dozen ops)
 PY_SCAN_MAX = 1024
+
+#: the most misses after which a grad metadata guard that never matched is replaced (`FlatSet._validated`)
+GUARD_PATIENCE_MAX = 64
 
 
 def view_like(flat: torch.Tensor, offset: int, ref: torch.Tensor) -> torch.Tensor:
@@ -226,6 +229,9 @@ class FlatSet:
         # Slots of contiguous params: a grad has their element layout iff it is contiguous (also when strides of
         # size-1 dims differ), which is cheaper to ask than comparing stride tuples.
         self._dense = all(map(is_contiguous, self.params))
+        # (slots, expected dtype, MetaGuard) of the last grads `plan_gather` validated (`_like_validated`)
+        self._grad_guard: Optional[tuple] = None
+        self._guard_misses, self._guard_patience = 0, 1
         # gather mode (`gathered`): the kernel reads each grad where it is, through this per-slot address table
         # (see plan_gather), which stays alive here until the next step
         self.gtab: Optional[torch.Tensor] = None
@@ -461,13 +467,21 @@ class FlatSet:
             lptrs = list(map(data_ptr, lgs))
         else:
             live, lgs, lptrs = None, gs, ptrs
-        self._check_grad_meta(live, lgs, of)
-        if self._dense:
-            bad_layout = not all(map(is_contiguous, lgs))
+        dtype = of[0].dtype if of else self.dtype
+        if self._like_validated(live, dtype, lgs):
+            bad_layout = False
         else:
-            bad_layout = list(map(stride, lgs)) != (self.strides if live is None else [self.strides[k] for k in live])
-        # a grad with torch's lazy negation bit (x.conj().imag) holds the negated values: copied, which resolves it
-        bad_layout = bad_layout or any(map(is_neg, lgs))
+            self._check_grad_meta(live, lgs, of)
+            if self._dense:
+                bad_layout = not all(map(is_contiguous, lgs))
+            else:
+                bad_layout = list(map(stride, lgs)) != (self.strides if live is None
+                                                        else [self.strides[k] for k in live])
+            # a grad with torch's lazy negation bit (x.conj().imag) holds the negated values: copied, which
+            # resolves it
+            bad_layout = bad_layout or any(map(is_neg, lgs))
+            if not bad_layout:
+                self._validated(live, dtype, lgs)
         table = _core.int_table(lptrs)
         todo_idx = self._not_readable(table, live, lgs, bad_layout, of[0].element_size() if of else 1, lptrs)
         if live is not None:
@@ -478,6 +492,30 @@ class FlatSet:
         for k, _ in todo:
             table[k] = self.grad_ptrs[k]
         return table, todo, live is not None
+
+    def _like_validated(self, live: Optional[List[int]], dtype: torch.dtype, gs: Sequence[torch.Tensor]) -> bool:
+        """Whether grads `gs` of slots `live` (None: every slot) have, one by one, the metadata of the last grads
+        that passed `plan_gather`'s validation with no layout to fix, for the same slots and expected dtype: then
+        they pass it too (see `apex._meta_guard`)."""
+        g = self._grad_guard
+        if g is not None and g[1] is dtype and g[0] == live and g[2].matches(gs):
+            return True
+        self._guard_misses += 1
+        return False
+
+    def _validated(self, live: Optional[List[int]], dtype: torch.dtype, gs: Sequence[torch.Tensor]) -> None:
+        """Makes grads that passed the validation the guard's examples, unless the guard missed fewer times than
+        its patience: building one costs about as much as a validation, so where the slots with a grad, or the
+        grads' metadata, change at every step, guards that never matched are rebuilt after twice as many misses
+        each time (up to `GUARD_PATIENCE_MAX`), while one odd step after matching ones is forgotten at the next."""
+        g = self._grad_guard
+        if g is not None and not g[2].hits and self._guard_misses < self._guard_patience:
+            return
+        if g is not None:
+            self._guard_patience = 1 if g[2].hits else min(2 * self._guard_patience, GUARD_PATIENCE_MAX)
+        mg = _meta_guard.guard(gs)
+        self._grad_guard = None if mg is None else (live, dtype, mg)
+        self._guard_misses = 0
 
     def _check_grad_meta(self, ks: Optional[Sequence[int]], gs: Sequence[torch.Tensor],
                          of: Optional[Sequence[torch.Tensor]] = None) -> None:
