@@ -19,6 +19,8 @@ import copy
 import pytest
 import torch
 from _optim_harness import assert_close_rel, assert_unchanged, snapshot
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from apex import _core
 from apex.optimizers import (
@@ -970,3 +972,61 @@ def test_a_meta_guard_only_matches_under_the_dispatch_sets_it_was_built_under():
     with torch.inference_mode():
         assert not g.matches([torch.ones(3)])
     assert g.matches([torch.ones(3)]) and not g.matches([torch.ones(3)._neg_view()])
+
+
+_GRAD_KINDS = ["fresh", "none", "kept", "transposed", "neg", "requires_grad", "float64_data"]
+
+
+@settings(max_examples=25, deadline=None, database=None, phases=(Phase.explicit, Phase.generate))
+@given(plan=st.lists(st.one_of(st.just("again"), st.lists(st.sampled_from(_GRAD_KINDS), min_size=4, max_size=4)),
+                     min_size=2, max_size=9),
+       seed=st.integers(0, 2**16))
+def test_random_grad_histories_match_an_optimizer_that_validates_every_step(plan, seed):
+    """Random per-param grad histories (fresh, None, kept, transposed, negation bit, requires_grad, float64 data
+    behind the grad; "again": the kinds of the step before, so that guards match): an optimizer that skips the
+    validation of grads like the last validated ones (its guard) and one that validates at every step (no guard)
+    step to the same bits, and refuse the same steps with nothing changed."""
+    from apex import _meta_guard
+
+    usable = _meta_guard._works()
+    shapes = [(3, 5), (7,), (2, 2), (4, 1, 3)]
+    gen = torch.Generator().manual_seed(seed)
+    pa = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    oa, ob = NpuFusedAdam(pa, lr=1e-2, weight_decay=0.01), NpuFusedAdam(pb, lr=1e-2, weight_decay=0.01)
+    kinds = ["fresh"] * len(shapes)
+    for i, step_kinds in enumerate(plan):
+        kinds = kinds if step_kinds == "again" else step_kinds
+        for k, kind in enumerate(kinds):
+            g = torch.randn(shapes[k], generator=gen)
+            for p in (pa[k], pb[k]):
+                if kind == "none":
+                    p.grad = None
+                elif kind == "kept" and p.grad is not None and p.grad.dtype == p.dtype:
+                    with torch.no_grad():
+                        p.grad.copy_(g)
+                elif kind == "transposed" and g.dim() >= 2:
+                    p.grad = g.transpose(0, 1).contiguous().transpose(0, 1)
+                elif kind == "neg":
+                    p.grad = (-g)._neg_view()
+                elif kind == "requires_grad":
+                    p.grad = g.clone().requires_grad_()
+                elif kind == "float64_data":
+                    p.grad = g.clone()
+                    p.grad.data = g.double()
+                else:
+                    p.grad = g.clone()
+        errors = []
+        for opt, ps, guard in ((oa, pa, usable), (ob, pb, False)):
+            before = snapshot(opt, ps)
+            _meta_guard._USABLE = guard
+            try:
+                opt.step()
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e))
+                assert_unchanged(opt, ps, before)
+            finally:
+                _meta_guard._USABLE = None
+        assert errors[0] == errors[1], (i, kinds)
+        _assert_bitwise(oa, pa, ob, pb, f"step {i} {kinds}")
