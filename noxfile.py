@@ -5,7 +5,8 @@
 """Build, test and lint apex with nox (`pip install nox`, or run this file as a PEP 723 script).
 
   nox                          the default session: `tests`
-  nox -s tests -- --device cuda --full   posargs go to pytest
+  nox -s tests -- --device cuda --full   posargs go to pytest (the suite runs on pytest-xdist workers, one per
+                                         usable CPU up to 4; `-- -n 0` runs it in one process, e.g. for --pdb)
   nox -s build                 sdist + manylinux wheel in dist/ (zig compiler, auditwheel, audits)
   nox -s build -- --arch aarch64         cross-build the aarch64 wheel
   nox -s test-wheel            the suite against the installed wheel, from outside the source tree
@@ -54,7 +55,7 @@ from tools.sessions import (
     session_wheel,
     show_install,
 )
-from tools.util import ROOT, host_arch, sha256, source_date_epoch, wheels_for
+from tools.util import ROOT, host_arch, sha256, source_date_epoch, test_worker_args, wheels_for
 
 # A literal (nox reads it before running this file); tools/matrix.toml [tools] nox, checked by the tooling tests.
 nox.needs_version = ">=2025.2.9"
@@ -139,7 +140,7 @@ def tests(session: nox.Session) -> None:
     if npu_requested(session.posargs) and os.environ.get("APEX_NPU_EMULATOR", "").strip() != "0":
         # --device npu: the emulated npu (tests/npu_emulator); APEX_NPU_EMULATOR=0 keeps a real torch_npu instead
         build_emulator(session)
-    session.run("pytest", "tests", *session.posargs)
+    session.run("pytest", *test_worker_args(session.posargs), "tests", *session.posargs)
 
 
 @nox.session(python=PYTHONS, default=False)
@@ -266,7 +267,7 @@ def test_wheel(session: nox.Session) -> None:
     write_pytest_ini(outside)
     with session.chdir(outside):
         show_install(session)
-        session.run("pytest", "-p", "no:cacheprovider", "tests", *session.posargs)
+        session.run("pytest", "-p", "no:cacheprovider", *test_worker_args(session.posargs), "tests", *session.posargs)
 
 
 @nox.session(python=MAIN_PYTHON, requires=["build"], default=False)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 if __package__ != "tools":  # run as a file: the tools package is the folder above this one
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.util import FULL_TEST_TOOLS, WheelNotFound, find_wheel, run, sha256
+from tools.util import FULL_TEST_TOOLS, WheelNotFound, find_wheel, run, sha256, test_worker_args
 
 
 class CellTestError(RuntimeError):
@@ -119,7 +119,9 @@ def test_cell(args) -> dict:
         env.pop("PYTHONPATH", None)
         if args.installed:
             env["PYTHONPATH"] = str(tools)
-        rc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp,
+        # workers where the suite's tools include pytest-xdist (the full suite), else one process
+        workers = test_worker_args(args.pytest_args) if args.suite == "full" else []
+        rc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp, *workers,
                              f"--junitxml={junit}", *target, *args.pytest_args], cwd=tmp, env=env).returncode
         report["pytest_rc"] = rc
         report["counts"] = junit_counts(junit) if junit.exists() else {}

@@ -52,6 +52,26 @@ def test_sha256_and_source_date_epoch(tmp_path, monkeypatch):
     assert util.source_date_epoch(tmp_path) == util.EPOCH_FALLBACK  # not a git checkout
 
 
+@pytest.mark.parametrize("args,cpus,expected", [
+    ([], 2, ["-n", "2"]),
+    (["--device", "npu"], 16, ["-n", str(util.MAX_TEST_WORKERS)]),
+    ([], 1, []),
+    (["-n", "0"], 8, []),
+    (["-nauto"], 8, []),
+    (["--numprocesses=3"], 8, []),
+    (["-p", "no:xdist"], 8, []),
+])
+def test_suite_runs_on_one_worker_per_usable_cpu_unless_the_arguments_choose(args, cpus, expected, monkeypatch):
+    monkeypatch.setattr(util, "usable_cpus", lambda: cpus)
+    assert util.test_worker_args(args) == expected
+
+
+def test_full_suite_tools_include_what_the_worker_arguments_need():
+    assert "pytest-xdist" in util.FULL_TEST_TOOLS
+    group = tomllib.loads((ROOT / "pyproject.toml").read_text())["dependency-groups"]["test"]
+    assert any(r.startswith("pytest-xdist") for r in group)
+
+
 def test_container_scripts_run_as_files_and_import_the_shared_helpers():
     # the containers run these as files of the mounted tools/ folder, under interpreters as old as 3.9
     for script in ("test_cell.py", "build_cell.py", "install_runtime.py", "check_install.py"):
