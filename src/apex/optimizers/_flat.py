@@ -446,7 +446,8 @@ class FlatSet:
 
     def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]],
                     of: Optional[Sequence[torch.Tensor]] = None):
-        """Validates the grads of one step for reading them in place; changes nothing.
+        """Validates the grads of one step for reading them in place; changes nothing but the record of the last
+        validated grads' metadata (`_like_validated`).
 
         ``of``: the tensors whose dtype, device and shape grad k must have (default: the set's params;
         the fp32 shadows of low-precision params read their model params' grads, in the model dtype).
