@@ -926,9 +926,8 @@ def test_without_a_usable_meta_guard_every_step_validates(monkeypatch):
 def test_guards_for_grads_that_change_at_every_step_are_rebuilt_ever_more_rarely(monkeypatch):
     """Where the slots with a grad differ at every step, no guard matches; one is rebuilt only after twice as many
     misses as the last (building costs about a validation): after steps 0, 1, 3, 7, 15 and 31 of 60. When the
-    grads settle, a guard of them is built within `GUARD_PATIENCE_MAX` steps and matches from then on."""
+    grads settle, a guard of them is built within `PATIENCE_MAX` steps and matches from then on."""
     from apex import _meta_guard
-    from apex.optimizers import _flat
 
     builds = []
     real = _meta_guard.guard
@@ -948,9 +947,9 @@ def test_guards_for_grads_that_change_at_every_step_are_rebuilt_ever_more_rarely
         step(lambda k, i=i: (i >> k) & 1 or k == 7)  # another set of slots at every step
     assert builds == [1, 2, 3, 4, 5, 6], builds  # the live slots at steps 0, 1, 3, 7, 15, 31
     validations = _count_validations(monkeypatch)
-    for _ in range(_flat.GUARD_PATIENCE_MAX + 5):
+    for _ in range(_meta_guard.PATIENCE_MAX + 5):
         step(lambda k: True)
-    assert 1 <= len(validations) <= _flat.GUARD_PATIENCE_MAX + 1
+    assert 1 <= len(validations) <= _meta_guard.PATIENCE_MAX + 1
     n = len(validations)
     for _ in range(3):
         step(lambda k: True)

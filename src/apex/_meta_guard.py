@@ -13,7 +13,8 @@ The guard is a private torch API. It is used only after `_works` has shown, on t
 tensor like its example and rejects each difference the validation looks for; otherwise, and on any error it
 raises later, callers run the full validation. A guard only matches under the thread-local dispatch key sets it
 was built under (`MetaGuard.__init__`). It keeps no reference to its example tensors (checked by
-`_works` too), so fresh grads are not kept alive by it.
+`_works` too), so fresh grads are not kept alive by it. `LastValidated` keeps a caller's guard between calls and
+decides when to build a new one.
 """
 
 from __future__ import annotations
@@ -105,3 +106,42 @@ def guard(tensors: Sequence[torch.Tensor]) -> Optional[MetaGuard]:
         return MetaGuard(_build(tensors), _dispatch_tls())
     except Exception:
         return None
+
+
+#: the most misses after which a guard that never matched is replaced (`LastValidated.record`)
+PATIENCE_MAX = 64
+
+
+class LastValidated:
+    """The metadata of the last tensors a caller validated, for one key (what they were validated against): later
+    tensors `like` them, under the same key, pass the same validation.
+
+    Building a guard costs about as much as a validation, so where the tensors' metadata or the key change at every
+    call, guards that never matched are replaced after twice as many misses each time (up to `PATIENCE_MAX`), while
+    one odd call after matching ones is forgotten at the next."""
+
+    __slots__ = ("_guard", "_key", "_misses", "_patience")
+
+    def __init__(self) -> None:
+        self._key = None
+        self._guard: Optional[MetaGuard] = None
+        self._misses, self._patience = 0, 1
+
+    def like(self, key, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether `tensors` have, one by one, the metadata of the last recorded ones, recorded under `key`."""
+        if self._guard is not None and self._key == key and self._guard.matches(tensors):
+            return True
+        self._misses += 1
+        return False
+
+    def record(self, key, tensors: Sequence[torch.Tensor]) -> None:
+        """Makes `tensors` (just validated against `key`) the examples, unless the guard missed fewer times than
+        its patience."""
+        g = self._guard
+        if g is not None:
+            if not g.hits and self._misses < self._patience:
+                return
+            self._patience = 1 if g.hits else min(2 * self._patience, PATIENCE_MAX)
+        self._guard = guard(tensors)
+        self._key = key
+        self._misses = 0

@@ -70,9 +70,6 @@ _GATHERED = object()
 #: tensor test's fixed dozen ops)
 PY_SCAN_MAX = 1024
 
-#: the most misses after which a grad metadata guard that never matched is replaced (`FlatSet._validated`)
-GUARD_PATIENCE_MAX = 64
-
 
 def view_like(flat: torch.Tensor, offset: int, ref: torch.Tensor) -> torch.Tensor:
     """A view of `flat` at element `offset` with `ref`'s shape and strides."""
@@ -229,9 +226,9 @@ class FlatSet:
         # Slots of contiguous params: a grad has their element layout iff it is contiguous (also when strides of
         # size-1 dims differ), which is cheaper to ask than comparing stride tuples.
         self._dense = all(map(is_contiguous, self.params))
-        # (slots, expected dtype, MetaGuard) of the last grads `plan_gather` validated (`_like_validated`)
-        self._grad_guard: Optional[tuple] = None
-        self._guard_misses, self._guard_patience = 0, 1
+        # the metadata of the last grads `plan_gather` validated with nothing to fix, keyed by (slots with a grad,
+        # expected dtype): grads like them pass the same validation (see `apex._meta_guard`)
+        self._validated_grads = _meta_guard.LastValidated()
         # gather mode (`gathered`): the kernel reads each grad where it is, through this per-slot address table
         # (see plan_gather), which stays alive here until the next step
         self.gtab: Optional[torch.Tensor] = None
@@ -447,7 +444,7 @@ class FlatSet:
     def plan_gather(self, gs: List[Optional[torch.Tensor]], ptrs: Optional[List[int]],
                     of: Optional[Sequence[torch.Tensor]] = None):
         """Validates the grads of one step for reading them in place; changes nothing but the record of the last
-        validated grads' metadata (`_like_validated`).
+        validated grads' metadata (`_validated_grads`).
 
         ``of``: the tensors whose dtype, device and shape grad k must have (default: the set's params;
         the fp32 shadows of low-precision params read their model params' grads, in the model dtype).
@@ -468,8 +465,8 @@ class FlatSet:
             lptrs = list(map(data_ptr, lgs))
         else:
             live, lgs, lptrs = None, gs, ptrs
-        dtype = of[0].dtype if of else self.dtype
-        if self._like_validated(live, dtype, lgs):
+        key = (live, of[0].dtype if of else self.dtype)
+        if self._validated_grads.like(key, lgs):
             bad_layout = False
         else:
             self._check_grad_meta(live, lgs, of)
@@ -482,7 +479,7 @@ class FlatSet:
             # resolves it
             bad_layout = bad_layout or any(map(is_neg, lgs))
             if not bad_layout:
-                self._validated(live, dtype, lgs)
+                self._validated_grads.record(key, lgs)
         table = _core.int_table(lptrs)
         todo_idx = self._not_readable(table, live, lgs, bad_layout, of[0].element_size() if of else 1, lptrs)
         if live is not None:
@@ -493,30 +490,6 @@ class FlatSet:
         for k, _ in todo:
             table[k] = self.grad_ptrs[k]
         return table, todo, live is not None
-
-    def _like_validated(self, live: Optional[List[int]], dtype: torch.dtype, gs: Sequence[torch.Tensor]) -> bool:
-        """Whether grads `gs` of slots `live` (None: every slot) have, one by one, the metadata of the last grads
-        that passed `plan_gather`'s validation with no layout to fix, for the same slots and expected dtype: then
-        they pass it too (see `apex._meta_guard`)."""
-        g = self._grad_guard
-        if g is not None and g[1] is dtype and g[0] == live and g[2].matches(gs):
-            return True
-        self._guard_misses += 1
-        return False
-
-    def _validated(self, live: Optional[List[int]], dtype: torch.dtype, gs: Sequence[torch.Tensor]) -> None:
-        """Makes grads that passed the validation the guard's examples, unless the guard missed fewer times than
-        its patience: building one costs about as much as a validation, so where the slots with a grad, or the
-        grads' metadata, change at every step, guards that never matched are rebuilt after twice as many misses
-        each time (up to `GUARD_PATIENCE_MAX`), while one odd step after matching ones is forgotten at the next."""
-        g = self._grad_guard
-        if g is not None and not g[2].hits and self._guard_misses < self._guard_patience:
-            return
-        if g is not None:
-            self._guard_patience = 1 if g[2].hits else min(2 * self._guard_patience, GUARD_PATIENCE_MAX)
-        mg = _meta_guard.guard(gs)
-        self._grad_guard = None if mg is None else (live, dtype, mg)
-        self._guard_misses = 0
 
     def _check_grad_meta(self, ks: Optional[Sequence[int]], gs: Sequence[torch.Tensor],
                          of: Optional[Sequence[torch.Tensor]] = None) -> None:
