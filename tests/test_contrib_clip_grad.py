@@ -131,3 +131,26 @@ def test_empty_grads_are_left_out_of_every_norm():
     assert clip_grad_norm_(ps, 1.0, norm_type="inf").item() == 4.0
     torch.testing.assert_close(ps[1].grad, torch.tensor([3.0, -4.0, 1.0]) * (1.0 / (4.0 + 1e-6)))
     assert clip_grad_norm_([ps[0], ps[2]], 1.0, norm_type=float("inf")).item() == 0.0
+
+
+def _with_grad(p, grad):
+    p.grad = grad
+    return p
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: _with_grad(torch.zeros(3, requires_grad=True), torch.ones(3).to_sparse()),
+     r"must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    (lambda: _with_grad(torch.zeros(3, device="meta", requires_grad=True), torch.ones(3, device="meta")),
+     "must hold values, got a tensor on the meta device"),
+])
+def test_sparse_and_meta_grads_are_refused_by_name_changing_nothing(make, match):
+    ps = _params([torch.float32])
+    before = [None if p.grad is None else p.grad.clone() for p in ps]
+    bad = make()
+    with pytest.raises(TypeError, match=rf"clip_grad_norm_: parameters\[{len(ps)}\].grad {match}"):
+        clip_grad_norm_([*ps, bad], 1e-3)
+    for p, b in zip(ps, before):
+        assert (p.grad is None and b is None) or torch.equal(p.grad, b)
+    if not bad.is_meta:
+        assert torch.equal(bad.grad.to_dense(), torch.ones(3))

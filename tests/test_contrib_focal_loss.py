@@ -5,6 +5,8 @@ scaling; bad arguments."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -185,3 +187,41 @@ def test_labels_on_another_device_are_refused(device):
     kwargs["cls_targets_at_level"] = kwargs["cls_targets_at_level"].cpu()
     with pytest.raises(ValueError, match="cls_output's device"):
         loss_fn(*kwargs.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logits_with_the_lazy_negation_bit(device, dtype):
+    # the imaginary part of a conjugate is a view that negates on read (is_neg()); it is the same logits
+    # all classes real, so both inputs are read whole and in one layout: the bits must agree
+    z = torch.randn(4, 4, dtype=torch.complex64 if dtype == torch.float32 else torch.complex128, device=device)
+    lazy = z.conj().imag.requires_grad_()
+    assert lazy.is_neg()
+    labels, npos = torch.tensor([0, 1, -1, -2], device=device), torch.tensor([2.0], device=device)
+    resolved = lazy.detach().resolve_neg().requires_grad_()
+    want = loss_fn(resolved, labels, npos, 4, 0.25, 2.0, 0.1)
+    (want_grad,) = torch.autograd.grad(want, resolved)
+    got = loss_fn(lazy, labels, npos, 4, 0.25, 2.0, 0.1)
+    (got_grad,) = torch.autograd.grad(got, lazy)
+    assert torch.equal(got, want)
+    assert torch.equal(got_grad, want_grad)
+
+
+def _nested(*shapes):
+    with warnings.catch_warnings():  # torch's "prototype stage" notice for the strided nested layout
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(s) for s in shapes])
+
+
+@pytest.mark.parametrize("key,make,got", [
+    ("cls_output", lambda t: t.to_sparse(), "layout torch.sparse_coo"),
+    ("cls_output", lambda t: _nested((3, 8), (2, 8)), "a nested tensor"),
+    ("cls_targets_at_level", lambda t: t.to_sparse(), "layout torch.sparse_coo"),
+    ("num_positives_sum", lambda t: t.reshape(1).to_sparse(), "layout torch.sparse_coo"),
+])
+def test_sparse_and_nested_tensors_are_refused_by_name(key, make, got):
+    kwargs = _ok("cpu")
+    before = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    bad = dict(kwargs, **{key: make(kwargs[key])})
+    with pytest.raises(TypeError, match=rf"FocalLoss: {key} must be a dense \(strided\) tensor, got {got}"):
+        loss_fn(*bad.values())
+    assert all(torch.equal(kwargs[k], v) for k, v in before.items())

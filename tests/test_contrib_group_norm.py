@@ -4,6 +4,8 @@ out without SiLU against torch's own group norm, bitwise; what the backward keep
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -159,3 +161,37 @@ def test_compiles_to_one_graph():
 def test_bad_arguments(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def _nested(*shapes):
+    with warnings.catch_warnings():  # torch's "prototype stage" notice for the strided nested layout
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(s) for s in shapes])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: torch_group_norm(x.to_sparse(), 2, None, None, 1e-5),
+     r"torch_group_norm: input must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    (lambda x, w: torch_group_norm(_nested((4, 3), (4, 2)), 2, None, None, 1e-5),
+     "torch_group_norm: input must be a dense .* got a nested tensor"),
+    (lambda x, w: cuda_group_norm_v2_nhwc(x, 2, w.to_sparse(), None, 1e-5), "weight must be a dense"),
+    (lambda x, w: cuda_group_norm_nhwc_two_pass(x, 2, w, w.to_sparse(), 1e-5), "bias must be a dense"),
+    (lambda x, w: GroupNorm(2, 4)(x.to_sparse()), "GroupNorm: input must be a dense"),
+])
+def test_sparse_and_nested_tensors_are_refused_by_name(call, match):
+    x, w = torch.randn(2, 4, 3), torch.ones(4)
+    before = x.clone()
+    with pytest.raises(TypeError, match=match):
+        call(x, w)
+    assert torch.equal(x, before) and torch.equal(w, torch.ones(4))
+
+
+@pytest.mark.parametrize("channels,kwargs,match", [
+    (2**62, {}, "num_channels is 4611686018427387904: 18446744073709551616 bytes of torch.float32"),
+    (2**61, {"dtype": torch.float64}, "num_channels is 2305843009213693952: 18446744073709551616 bytes of "
+                                      "torch.float64"),
+    (2**63, {"affine": False}, "num_channels is 9223372036854775808: 9223372036854775808 elements"),
+])
+def test_channel_counts_no_tensor_can_have_are_refused_by_name(channels, kwargs, match):
+    with pytest.raises(ValueError, match=f"GroupNorm: {match}, more than a tensor holds"):
+        GroupNorm(1, channels, **kwargs)

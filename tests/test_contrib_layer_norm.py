@@ -109,3 +109,23 @@ def test_module_under_autocast_runs_in_the_autocast_dtype(device):
 def test_bad_arguments(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("which", ["gamma", "beta"])
+def test_sparse_weights_are_refused_by_name(which):
+    x, gamma, beta = torch.randn(2, 4), torch.ones(4), torch.zeros(4)
+    args = {"gamma": gamma, "beta": beta}
+    args[which] = args[which].to_sparse()
+    with pytest.raises(TypeError, match=rf"FastLayerNormFN: {which} must be a dense \(strided\) tensor, got layout "
+                                        "torch.sparse_coo"):
+        FastLayerNormFN.apply(x, args["gamma"], args["beta"], 1e-5)
+    assert torch.equal(gamma, torch.ones(4)) and torch.equal(beta, torch.zeros(4))
+
+
+@pytest.mark.parametrize("size,match", [
+    (2**63, "9223372036854775808 elements, more than a tensor holds"),
+    (2**62, "18446744073709551616 bytes of torch.float32, more than a tensor holds"),
+])
+def test_hidden_sizes_no_tensor_can_have_are_refused_by_name(size, match):
+    with pytest.raises(ValueError, match=f"FastLayerNorm: hidden_size is {size}: {match}"):
+        FastLayerNorm(size)

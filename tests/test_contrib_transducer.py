@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -226,3 +227,125 @@ def test_loss_bad_arguments(device):
     for call, error, words in cases:
         with pytest.raises(error, match=words):
             call()
+
+
+def _packed_inputs(device, dtype=torch.float32):
+    x, label, f_len, y_len = _loss_inputs(device, dtype)
+    rows = torch.cat([x[b, :int(f_len[b]), :int(y_len[b]) + 1].reshape(-1, x.shape[-1])
+                      for b in range(x.shape[0])]).detach()
+    return rows, label, f_len, y_len, torch.cumsum(f_len * (y_len + 1), 0)
+
+
+def test_packed_loss_work_follows_the_lengths_not_max_f_len(device):
+    rows, label, f_len, y_len, offset = _packed_inputs(device)
+    results = []
+    # 10**12 frames of lattice would not fit in any memory, nor finish: only the lengths may set the work
+    for max_f_len in (int(f_len.max()), int(f_len.max()) + 3, 10**12):
+        x = rows.clone().requires_grad_()
+        loss = TransducerLoss(packed_input=True)(x, label, f_len, y_len, 3, offset, max_f_len)
+        (grad,) = torch.autograd.grad(loss.sum(), x)
+        results.append((loss, grad))
+    for loss, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+
+
+def test_packed_debug_lattices_keep_the_max_f_len_layout(device):
+    rows, label, f_len, y_len, offset = _packed_inputs(device)
+    tight, wide = [], []
+    TransducerLoss(packed_input=True)(rows, label, f_len, y_len, 3, offset, int(f_len.max()), tight)
+    TransducerLoss(packed_input=True)(rows, label, f_len, y_len, 3, offset, int(f_len.max()) + 3, wide)
+    t, u1 = int(f_len.max()), label.shape[1] + 1
+    for small, big in zip(tight, wide):
+        assert small.shape == (4, t, u1) and big.shape == (4, t + 3, u1)
+        assert torch.equal(big[:, :t], small) and bool((big[:, t:] == float("-inf")).all())
+
+
+def test_padded_loss_is_that_of_the_logits_cropped_to_the_longest_sequence(device):
+    x, label, f_len, y_len = _loss_inputs(device, torch.float32)
+    t, u1 = int(f_len.max()), int(y_len.max()) + 1
+    wide = torch.cat([x.detach(), torch.randn(4, 6, x.shape[2], x.shape[3], device=device)], 1)
+    wide = torch.cat([wide, torch.randn(4, wide.shape[1], 5, x.shape[3], device=device)], 2).requires_grad_()
+    label_wide = torch.cat([label, torch.ones(4, 5, dtype=label.dtype, device=device)], 1)
+    debug = []
+    loss = TransducerLoss()(wide, label_wide, f_len, y_len, 3, debug_list=debug)
+    (grad,) = torch.autograd.grad(loss.sum(), wide)
+    crop = x.detach()[:, :t, :u1].clone().requires_grad_()
+    want = TransducerLoss()(crop, label, f_len, y_len, 3)
+    (want_grad,) = torch.autograd.grad(want.sum(), crop)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad[:, :t, :u1], want_grad, rtol=1e-6, atol=1e-7)
+    assert not grad[:, t:].any() and not grad[:, :, u1:].any()
+    assert [tuple(d.shape) for d in debug] == [tuple(wide.shape[:3])] * 2
+
+
+@pytest.mark.parametrize("offset,match", [
+    ([2, 69, 73, 80], r"batch_offset\[0\] is 2, but the lengths give 54"),
+    ([-5, 69, 73, 80], r"batch_offset\[0\] is -5, but the lengths give 54"),  # not read from the end
+    ([54, 69, 75, 80], r"batch_offset\[2\] is 75, but the lengths give 73"),
+    ([54, 69, 73, 81], r"batch_offset\[3\] is 81, but the lengths give 80"),
+])
+def test_packed_loss_refuses_offsets_the_lengths_do_not_give(device, offset, match):
+    rows, label, f_len, y_len, good = _packed_inputs(device)
+    assert good.tolist() == [54, 69, 73, 80]  # cumsum(f_len * (y_len + 1))
+    debug = []
+    with pytest.raises(ValueError, match=match + r" \(batch_offset must be the cumsum of f_len \* \(y_len \+ 1\)\)"):
+        TransducerLoss(packed_input=True)(rows, label, f_len, y_len, 3, torch.tensor(offset, device=device),
+                                          int(f_len.max()), debug)
+    assert debug == []
+
+
+def test_packed_loss_refuses_a_max_f_len_below_the_longest_f_len(device):
+    rows, label, f_len, y_len, offset = _packed_inputs(device)
+    debug = []
+    with pytest.raises(ValueError, match=r"max_f_len is 8, less than the longest f_len \(9\)"):
+        TransducerLoss(packed_input=True)(rows, label, f_len, y_len, 3, offset, 8, debug)
+    assert debug == []
+
+
+def test_packed_joint_refuses_offsets_the_lengths_do_not_give(device):
+    f, g, f_len, g_len, _ = _joint_inputs(device, torch.float32)
+    joint = TransducerJoint(pack_output=True, relu=True, probe_mask=True)
+    good = torch.cumsum(f_len * g_len, 0)
+    assert good.tolist() == [14, 34, 37]
+    with pytest.raises(ValueError, match=r"batch_offset\[1\] is 30, but the lengths give 34 \(batch_offset must be "
+                                         r"the cumsum of f_len \* g_len\)"):
+        joint(f, g, f_len, g_len, torch.tensor([14, 30, 37], device=device), 37)
+    with pytest.raises(TypeError, match=r"batch_offset must be an integer tensor, got torch\.float32"):
+        joint(f, g, f_len, g_len, good.float(), 37)
+    assert joint.mask_probe == []
+    assert joint(f, g, f_len, g_len, good, 37).shape == (37, f.shape[2])
+
+
+def _nested(*shapes):
+    with warnings.catch_warnings():  # torch's "prototype stage" notice for the strided nested layout
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(s) for s in shapes])
+
+
+@pytest.mark.parametrize("name,call", [
+    ("x", lambda x, label, fl, yl: TransducerLoss()(x.to_sparse(), label, fl, yl, 3)),
+    ("label", lambda x, label, fl, yl: TransducerLoss()(x, label.to_sparse(), fl, yl, 3)),
+    ("f_len", lambda x, label, fl, yl: TransducerLoss()(x, label, fl.to_sparse(), yl, 3)),
+    ("batch_offset", lambda x, label, fl, yl: TransducerLoss(packed_input=True)(
+        x.reshape(-1, x.shape[-1]), label, fl, yl, 3, torch.cumsum(fl * (yl + 1), 0).to_sparse(), 9)),
+    ("x", lambda x, label, fl, yl: TransducerLoss()(_nested((9, 6, 7), (8, 6, 7)), label, fl, yl, 3)),
+])
+def test_loss_refuses_sparse_and_nested_tensors_by_name(name, call):
+    x, label, f_len, y_len = _loss_inputs("cpu", torch.float32)
+    before = x.detach().clone()
+    with pytest.raises(TypeError, match=rf"TransducerLoss: {name} must be a dense \(strided\) tensor"):
+        call(x.detach(), label, f_len, y_len)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("name,call", [
+    ("f", lambda j, f, g, fl, gl: j(f.to_sparse(), g, fl, gl)),
+    ("g", lambda j, f, g, fl, gl: j(f, _nested((5, 12), (4, 12), (5, 12)), fl, gl)),
+    ("g_len", lambda j, f, g, fl, gl: j(f, g, fl, gl.to_sparse())),
+])
+def test_joint_refuses_sparse_and_nested_tensors_by_name(name, call):
+    f, g, f_len, g_len, _ = _joint_inputs("cpu", torch.float32)
+    joint = TransducerJoint(relu=True, probe_mask=True)
+    with pytest.raises(TypeError, match=rf"TransducerJoint: {name} must be a dense \(strided\) tensor"):
+        call(joint, f.detach(), g.detach(), f_len, g_len)
+    assert joint.mask_probe == []

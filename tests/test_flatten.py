@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -110,3 +111,24 @@ def test_parallel_distributed_exports_upstream_names():
     from apex.parallel import distributed
 
     assert distributed.flatten is fl.flatten and distributed.unflatten is fl.unflatten
+
+
+def _nested():
+    with warnings.catch_warnings():  # torch's "prototype stage" notice for the strided nested layout
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda n: apex_C.flatten([torch.ones(2), n]), r"apex_C.flatten: tensors\[1\] must be a dense \(strided\) "
+     "tensor, got a nested tensor"),
+    (lambda n: apex_C.unflatten(torch.ones(6), [n]), r"apex_C.unflatten: tensors\[0\] must be a dense"),
+    (lambda n: apex_C.unflatten(n, [torch.ones(2)]), "apex_C.unflatten: flat must be a dense .* nested tensor"),
+])
+def test_nested_tensors_are_refused_by_name(call, match):
+    # a nested tensor reports the strided layout, so the layout check alone lets it through
+    nested = _nested()
+    before = [t.clone() for t in nested.unbind()]
+    with pytest.raises(TypeError, match=match):
+        call(nested)
+    assert all(torch.equal(a, b) for a, b in zip(nested.unbind(), before))

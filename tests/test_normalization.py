@@ -361,3 +361,39 @@ def test_bad_eps_and_inputs_are_named():
         FusedLayerNorm(4)(nested)
     with pytest.raises(TypeError, match=r"weight must be a floating-point tensor or None, got a torch\.int64 tensor"):
         fused_layer_norm_affine(x, torch.ones(4, dtype=torch.long), torch.zeros(4), (4,))
+
+
+def _nested(*shapes):
+    with warnings.catch_warnings():  # torch's "prototype stage" notice for the strided nested layout
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.ones(s) for s in shapes])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x: fused_layer_norm_affine(x, torch.ones(4).to_sparse(), torch.zeros(4), 4),
+     r"fused_layer_norm_affine: weight must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    (lambda x: fused_layer_norm_affine(x, torch.ones(4), torch.zeros(4).to_sparse(), 4),
+     "fused_layer_norm_affine: bias must be a dense"),
+    (lambda x: fused_layer_norm_affine(x, _nested((4,)), torch.zeros(4), 4), "weight must be a dense .* nested"),
+    (lambda x: fused_rms_norm_affine(x, torch.ones(4).to_sparse(), 4),
+     "fused_rms_norm_affine: weight must be a dense"),
+    (lambda x: fln.FusedLayerNormAffineFunction.apply(x, torch.ones(4).to_sparse(), torch.zeros(4), (4,), 1e-5),
+     "FusedLayerNormAffineFunction: weight must be a dense"),
+])
+def test_sparse_or_nested_weights_are_refused_by_name(call, match):
+    x = torch.randn(2, 4)
+    before = x.clone()
+    with pytest.raises(TypeError, match=match):
+        call(x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm])
+@pytest.mark.parametrize("shape,match", [
+    (2**63, r"normalized_shape is 9223372036854775808: 9223372036854775808 elements, more than a tensor holds"),
+    ([2**62, 4], r"normalized_shape is \(4611686018427387904, 4\): 18446744073709551616 elements"),
+    (2**62, r"normalized_shape is 4611686018427387904: 18446744073709551616 bytes of torch.float32"),
+])
+def test_shapes_no_tensor_can_have_are_refused_by_name(cls, shape, match):
+    with pytest.raises(ValueError, match=f"{cls.__name__}: {match}"):
+        cls(shape)

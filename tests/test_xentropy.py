@@ -140,3 +140,28 @@ def test_empty_non_contiguous_and_autocast(device):
 def test_bad_arguments(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("which", ["logits", "labels"])
+def test_sparse_tensors_are_refused_by_name(which):
+    logits, labels = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    before = logits.clone()
+    args = {"logits": logits, "labels": labels}
+    args[which] = args[which].to_sparse()
+    with pytest.raises(TypeError, match=rf"SoftmaxCrossEntropyLoss: {which} must be a dense \(strided\) tensor, "
+                                        "got layout torch.sparse_coo"):
+        loss_fn(args["logits"], args["labels"])
+    assert torch.equal(logits, before) and torch.equal(labels, torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("pad", [2**63, 2**70, -2**63 - 1])
+def test_padding_idx_beyond_int64_is_refused_by_name(pad):
+    with pytest.raises(ValueError, match=rf"padding_idx must be in \[-9223372036854775808, 9223372036854775807\], "
+                                         f"got {pad}"):
+        loss_fn(torch.randn(3, 4), torch.tensor([1, 2, 3]), 0.0, pad)
+
+
+@pytest.mark.parametrize("pad", [2**63 - 1, -2**63])
+def test_padding_idx_at_the_int64_bounds_pads_nothing(pad):
+    logits, labels = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    torch.testing.assert_close(loss_fn(logits, labels, 0.0, pad), F.cross_entropy(logits, labels, reduction="none"))

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 from typing import Any, Container, Optional, Union
 
 import torch
 
-__all__ = ["FLOAT32_MAX", "check_fraction", "check_int", "plain_numbers", "real_number"]
+__all__ = ["FLOAT32_MAX", "INT64_MAX", "INT64_MIN", "check_bool", "check_dense", "check_fraction", "check_int",
+           "check_size", "plain_numbers", "real_number"]
 
 #: the largest finite float32: hyperparameters and step counts the updates hold in float32 must not exceed it
 FLOAT32_MAX = 3.4028234663852886e38
+
+#: the range of torch's int64, which is what a Python int becomes when it reaches an op
+INT64_MIN = -2**63
+INT64_MAX = 2**63 - 1
 
 
 def real_number(value: Any) -> Optional[Union[int, float]]:
@@ -114,3 +120,52 @@ def check_fraction(value: Any, what: str) -> float:
     if not 0.0 <= number <= 1.0:
         raise ValueError(f"{what} must be in [0, 1], got {number}")
     return float(number)
+
+
+
+def check_bool(value: Any, what: str) -> bool:
+    """``value`` as a Python bool: an on/off option.
+
+    Taken: ``True`` / ``False``, numpy's bools (what comparing numpy values gives) and the ints 0 and 1 (upstream
+    scripts pass flags parsed with ``type=int``). Never a string or any other object: Python's truth value would
+    read ``"no"`` or ``"False"`` as on. ``what`` names the option in the message ("LARC: clip").
+    """
+    if isinstance(value, bool):
+        return value
+    np = sys.modules.get("numpy")  # numpy's bools can only exist once numpy is imported
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        if value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{what} must be True or False (or 0/1), got {value!r}")
+    raise TypeError(f"{what} must be True or False, got {value!r:.80} ({type(value).__name__})")
+
+
+def check_dense(value: torch.Tensor, what: str, *, meta: bool = True) -> None:
+    """TypeError unless the tensor ``value`` is dense: strided layout and not nested (a nested tensor may report
+    the strided layout). Sparse and nested tensors otherwise pass the dtype and shape checks and fail deep inside
+    torch with messages that name no argument. ``meta=False`` also refuses a tensor on the meta device, for callers
+    that must read or change values. ``what`` names the argument ("FocalLoss: cls_output")."""
+    if value.is_nested or value.layout != torch.strided:
+        got = "a nested tensor" if value.is_nested else f"layout {value.layout}"
+        raise TypeError(f"{what} must be a dense (strided) tensor, got {got}")
+    if not meta and value.is_meta:
+        raise TypeError(f"{what} must hold values, got a tensor on the meta device")
+
+
+def check_size(shape: Any, what: str, dtype: Optional[torch.dtype] = None) -> None:
+    """ValueError unless a tensor of ``shape`` (sizes already checked to be ints >= 0) can exist: each size, its
+    element count and, when ``dtype`` is given, its size in bytes must fit in int64, as torch counts them. Past that
+    torch fails with an overflow naming no argument. ``what`` names the size argument ("GroupNorm: num_channels")."""
+    sizes = tuple(int(d) for d in shape)
+    shown = sizes[0] if len(sizes) == 1 else sizes
+    numel = 1
+    for d in sizes:
+        numel *= d
+    if max(sizes, default=0) > INT64_MAX or numel > INT64_MAX:
+        raise ValueError(f"{what} is {shown}: {numel} elements, more than a tensor holds (at most {INT64_MAX}, "
+                         "int64)")
+    if dtype is not None and numel * dtype.itemsize > INT64_MAX:
+        raise ValueError(f"{what} is {shown}: {numel * dtype.itemsize} bytes of {dtype}, more than a tensor holds "
+                         f"(at most {INT64_MAX} bytes, int64)")

@@ -16,6 +16,8 @@ from typing import Any, List, Sequence
 
 import torch
 
+from apex._checks import check_dense
+
 __all__ = ["flatten", "unflatten"]
 
 
@@ -25,8 +27,7 @@ def _dense_list(where: str, tensors: Any) -> List[torch.Tensor]:
     for k, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: tensors[{k}] must be a tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise TypeError(f"{where}: tensors[{k}] must be a dense (strided) tensor, got layout {t.layout}")
+        check_dense(t, f"{where}: tensors[{k}]")
     return list(tensors)
 
 
@@ -35,7 +36,7 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     Always new memory (torch's own flatten returns a view when given one contiguous tensor). The tensors must
     share a device; mixed dtypes are promoted as ``torch.cat`` promotes them. Raises
-    TypeError for a non-sequence, a non-tensor or sparse entry; ValueError for an empty sequence or mixed
+    TypeError for a non-sequence, a non-tensor, sparse or nested entry; ValueError for an empty sequence or mixed
     devices.
     """
     ts = _dense_list("apex_C.flatten", tensors)
@@ -53,13 +54,12 @@ def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch
     """Views of ``flat`` with the shapes of ``tensors``, consecutive from element 0.
 
     ``flat`` must be a 1-D dense tensor with at least as many elements as the tensors together (a longer one
-    leaves its tail unused); its dtype and device are kept. Raises TypeError for a non-tensor ``flat`` or
-    bad ``tensors``; ValueError for a ``flat`` that is not 1-D or is too short.
+    leaves its tail unused); its dtype and device are kept. Raises TypeError for a non-tensor, sparse or nested
+    ``flat`` or bad ``tensors``; ValueError for a ``flat`` that is not 1-D or is too short.
     """
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"apex_C.unflatten: flat must be a tensor, got {type(flat).__name__}")
-    if flat.layout != torch.strided:
-        raise TypeError(f"apex_C.unflatten: flat must be a dense (strided) tensor, got layout {flat.layout}")
+    check_dense(flat, "apex_C.unflatten: flat")
     ts = _dense_list("apex_C.unflatten", tensors)
     if flat.dim() != 1:
         raise ValueError(f"apex_C.unflatten: flat must be 1-D, got shape {tuple(flat.shape)}")

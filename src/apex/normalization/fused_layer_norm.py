@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apex._checks import real_number
+from apex._checks import check_dense, check_size, real_number
 from apex._upstream_forms import FunctionForm, run_as_fused
 
 __all__ = [
@@ -74,6 +74,14 @@ def _shape(normalized_shape: ShapeLike, where: str) -> Tuple[int, ...]:
     return shape
 
 
+def _module_shape(where: str, normalized_shape: ShapeLike) -> Tuple[int, ...]:
+    shape = _shape(normalized_shape, where)
+    # the weights are made here, in the default dtype: a shape no tensor can have is refused before torch's
+    # overflow, which names no argument
+    check_size(shape, f"{where}: normalized_shape", torch.get_default_dtype())
+    return shape
+
+
 def _as_float(value: numbers.Real) -> float:
     try:
         return float(value)
@@ -93,9 +101,7 @@ def _check(where: str, x: torch.Tensor, shape: Tuple[int, ...], eps: float,
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: input must be a floating-point tensor, got {got}")
-    if x.is_nested or x.layout != torch.strided:
-        raise TypeError(f"{where}: input must be a dense (strided) tensor, got "
-                        f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
+    check_dense(x, f"{where}: input")
     if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
         raise ValueError(f"{where}: input of shape {tuple(x.shape)} does not end with normalized_shape {shape}")
     _check_eps(where, eps)
@@ -105,6 +111,7 @@ def _check(where: str, x: torch.Tensor, shape: Tuple[int, ...], eps: float,
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             got = f"a {p.dtype} tensor" if isinstance(p, torch.Tensor) else type(p).__name__
             raise TypeError(f"{where}: {name} must be a floating-point tensor or None, got {got}")
+        check_dense(p, f"{where}: {name}")
         if tuple(p.shape) != shape:
             raise ValueError(f"{where}: {name} has shape {tuple(p.shape)}, expected normalized_shape {shape}")
         if p.device != x.device:
@@ -294,7 +301,7 @@ class FusedLayerNorm(nn.Module):
     def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
                  memory_efficient: bool = False) -> None:
         super().__init__()
-        self.normalized_shape = torch.Size(_shape(normalized_shape, type(self).__name__))
+        self.normalized_shape = torch.Size(_module_shape(type(self).__name__, normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)
@@ -332,7 +339,7 @@ class FusedRMSNorm(nn.Module):
     def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
                  memory_efficient: bool = False) -> None:
         super().__init__()
-        self.normalized_shape = torch.Size(_shape(normalized_shape, type(self).__name__))
+        self.normalized_shape = torch.Size(_module_shape(type(self).__name__, normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = bool(elementwise_affine)

@@ -18,6 +18,8 @@ from typing import Iterable, Union
 
 import torch
 
+from apex._checks import check_dense
+
 __all__ = ["clip_grad_norm_"]
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -43,8 +45,9 @@ def clip_grad_norm_(parameters: _TensorOrTensors, max_norm: float, norm_type: fl
     ``parameters``: a tensor or an iterable of tensors; those without a grad, or with an empty one, are skipped
     (none left: returns ``tensor(0.)``). ``norm_type``: a positive number or ``'inf'``. ``error_if_nonfinite``:
     raise RuntimeError, changing nothing, when the total norm is nan or inf. Returns the total norm (before
-    clipping) as a 0-d tensor. Raises TypeError for a non-tensor entry or non-number argument, ValueError for a
-    negative or nan ``max_norm`` or a ``norm_type`` that is not a positive number.
+    clipping) as a 0-d tensor. Raises TypeError for a non-tensor entry, a sparse, nested or meta grad or a
+    non-number argument, ValueError for a negative or nan ``max_norm`` or a ``norm_type`` that is not a positive
+    number.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -56,6 +59,9 @@ def clip_grad_norm_(parameters: _TensorOrTensors, max_norm: float, norm_type: fl
     for k, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"clip_grad_norm_: parameters[{k}] must be a tensor, got {type(p).__name__}")
+        if p.grad is not None:
+            # torch's norms fail on a sparse grad naming no parameter, and a meta grad has no norm to clip by
+            check_dense(p.grad, f"clip_grad_norm_: parameters[{k}].grad", meta=False)
     max_norm = _real("max_norm", max_norm)
     if math.isnan(max_norm) or max_norm < 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")

@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from apex._checks import check_fraction, check_int, real_number
+from apex._checks import check_dense, check_fraction, check_int, real_number
 from apex._device import block_elements
 
 __all__ = ["FocalLoss", "focal_loss"]
@@ -72,11 +72,13 @@ def _check(cls_output, labels, num_positives_sum, num_real_classes, alpha, gamma
     if not isinstance(cls_output, torch.Tensor) or cls_output.dtype not in _DTYPES:
         got = cls_output.dtype if isinstance(cls_output, torch.Tensor) else type(cls_output).__name__
         raise TypeError(f"{_WHERE}: cls_output must be a float32, float16, bfloat16 or float64 tensor, got {got}")
+    check_dense(cls_output, f"{_WHERE}: cls_output")
     if cls_output.dim() < 1:
         raise ValueError(f"{_WHERE}: cls_output must have a class dimension (shape (*anchors, C)), got a scalar")
     if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
         got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise TypeError(f"{_WHERE}: cls_targets_at_level must be an int64 tensor, got {got}")
+    check_dense(labels, f"{_WHERE}: cls_targets_at_level")
     if labels.shape != cls_output.shape[:-1]:
         raise ValueError(f"{_WHERE}: cls_targets_at_level must have shape {tuple(cls_output.shape[:-1])} (cls_output's "
                          f"without its class dimension), got {tuple(labels.shape)}")
@@ -87,6 +89,7 @@ def _check(cls_output, labels, num_positives_sum, num_real_classes, alpha, gamma
         got = num_positives_sum.dtype if isinstance(num_positives_sum, torch.Tensor) \
             else type(num_positives_sum).__name__
         raise TypeError(f"{_WHERE}: num_positives_sum must be a floating tensor of one element, got {got}")
+    check_dense(num_positives_sum, f"{_WHERE}: num_positives_sum")
     if num_positives_sum.numel() != 1:
         raise ValueError(f"{_WHERE}: num_positives_sum must have one element, got shape "
                          f"{tuple(num_positives_sum.shape)}")
@@ -123,13 +126,17 @@ def _partial_grad(x: torch.Tensor, y: torch.Tensor, alpha: float, gamma: float, 
     compute dtype, ``y`` their labels. Adds the block's loss to ``loss_total``."""
     positive = y.unsqueeze(1) == torch.arange(x.shape[1], device=x.device)
     p = torch.sigmoid(x)
-    # scalars as tensors of the compute dtype: where() would make Python floats float32
-    one_minus_t = torch.where(positive, x.new_tensor(s / 2), x.new_tensor(1 - s / 2))
+    # scalars as tensors of the compute dtype: where() would make Python floats float32. torch.tensor, as
+    # Tensor.new_tensor fails on a view carrying torch's lazy negation bit (``z.conj().imag``)
+    def scalar(v: float) -> torch.Tensor:
+        return torch.tensor(v, dtype=x.dtype, device=x.device)
+
+    one_minus_t = torch.where(positive, scalar(s / 2), scalar(1 - s / 2))
     bce = torch.addcmul(-F.logsigmoid(x), one_minus_t, x)
     # q: the predicted probability of the wrong answer (1 - p for the anchor's class, p for the others); one pow
     # gives both modulating factors, and d(q^gamma)/dx = q^gamma * gamma * (1 - q) * (-1 or +1)
     q = torch.where(positive, 1 - p, p)
-    weight = q.pow(gamma).mul_(torch.where(positive, x.new_tensor(alpha), x.new_tensor(1 - alpha)))
+    weight = q.pow(gamma).mul_(torch.where(positive, scalar(alpha), scalar(1 - alpha)))
     slope = torch.where(positive, q - 1, 1 - q).mul_(gamma)
     # an ignored anchor is left out, not weighted by 0: a non-finite logit there must not reach the sums
     ignored = y.eq(_IGNORE).unsqueeze(1)

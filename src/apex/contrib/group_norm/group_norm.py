@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from apex._checks import check_int, real_number
+from apex._checks import check_dense, check_int, check_size, real_number
 
 __all__ = ["GroupNorm"]
 
@@ -115,6 +115,7 @@ def _group_norm(where: str, x, groups, weight, bias, eps, act) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: input must be a float32, float16, bfloat16 or float64 tensor, got {got}")
+    check_dense(x, f"{where}: input")
     if x.dim() < 2:
         raise ValueError(f"{where}: input must have shape (N, C, ...), got {tuple(x.shape)}")
     groups = check_int(groups, f"{where}: num_groups", 1)
@@ -127,6 +128,7 @@ def _group_norm(where: str, x, groups, weight, bias, eps, act) -> torch.Tensor:
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{where}: {name} must be a floating-point tensor or None, got {got}")
+        check_dense(t, f"{where}: {name}")
         if tuple(t.shape) != (channels,):
             raise ValueError(f"{where}: {name} must have shape ({channels},), one per channel of the input, "
                              f"got {tuple(t.shape)}")
@@ -179,6 +181,10 @@ class GroupNorm(nn.Module):
                              f"and {self.num_groups}")
         self.eps = _check_eps(eps, where)
         self.affine = bool(affine)
+        # the weights are made here: a count no tensor can have is refused before torch's overflow, which names no
+        # argument
+        check_size((self.num_channels,), f"{where}: num_channels",
+                   (dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()) if self.affine else None)
         self.act = act.lower() if isinstance(act, str) else act
         _act_name(act, where)
         if self.affine:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from apex._checks import check_int, real_number
+from apex._checks import check_dense, check_int, check_size, real_number
 from apex._upstream_forms import FunctionForm
 from apex.normalization.fused_layer_norm import _layer_norm_form
 
@@ -28,6 +28,7 @@ def _fast_layer_norm(where: str, cast: bool, x, gamma, beta, epsilon) -> torch.T
     for name, t in (("gamma", gamma), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        check_dense(t, f"{where}: {name}")
     if gamma.shape != beta.shape or gamma.dtype != beta.dtype:
         raise ValueError(f"{where}: gamma ({gamma.dtype}, shape {tuple(gamma.shape)}) and beta ({beta.dtype}, "
                          f"shape {tuple(beta.shape)}) must have one dtype and shape")
@@ -60,6 +61,7 @@ class FastLayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, memory_efficient: bool = False) -> None:
         super().__init__()
         hidden_size = check_int(hidden_size, "FastLayerNorm: hidden_size", 1)
+        check_size((hidden_size,), "FastLayerNorm: hidden_size", torch.get_default_dtype())
         if real_number(eps) is None:
             raise TypeError(f"FastLayerNorm: eps must be a number >= 0, got {type(eps).__name__}")
         if not eps >= 0:

@@ -21,18 +21,23 @@ labels per sequence. In log space, with ``p = log_softmax(x)``::
     loss = -(alpha(T-1, U) + p(T-1, U, blank))          T = f_len, U = y_len
 
 computed in float32 (float64 for float64 logits) one anti-diagonal of the (t, u) lattice at a time for the whole
-batch, with the backward variables ``beta`` the same way; the loss has the logits' dtype. The gradient with
-respect to the logits is ``softmax(x) * occupancy(t, u) - (probability of the blank and label transitions out of
-(t, u))`` scaled by each sequence's loss gradient, zero outside the lattice: what upstream's kernel computed with
-``fuse_softmax_backward``; without it upstream went through an fp16 ``log_softmax``, here both use the one float32
-form. The forward keeps the logits, one log-sum-exp per (b, t, u) and the lattices (upstream kept the log-softmax,
-the logits' size). ``debug_list=[]`` receives ``alpha`` and ``beta`` (float32, (B, T, U + 1), padded layout for
-either input form).
+batch, up to the longest sequence's (``f_len.max()``, ``y_len.max() + 1``; with padded input on an accelerator, the
+logits' T and U), whatever ``max_f_len`` says, with the backward variables ``beta`` the same way; the loss has the
+logits' dtype. The gradient with respect to the logits is ``softmax(x) * occupancy(t, u) - (probability of the blank
+and label transitions out of (t, u))`` scaled by each sequence's loss gradient, zero outside the lattice: what
+upstream's kernel computed with ``fuse_softmax_backward``; without it upstream went through an fp16 ``log_softmax``,
+here both use the one float32 form. The forward keeps the logits, one log-sum-exp per (b, t, u) and the lattices
+(upstream kept the log-softmax, the logits' size). ``debug_list=[]`` receives ``alpha`` and ``beta`` (float32, (B,
+T, U + 1), padded layout for either input form, T = ``max_f_len`` for packed input); they are meaningful inside each
+sequence's lattice and -inf past the longest one.
 
 Arguments and shapes are checked before anything runs; lengths and labels in CPU tensors are also checked against
-the shapes (on an accelerator that check would wait for the device). ``opt`` and ``fwd_tile_size`` chose upstream's
-CUDA kernels and are accepted (``opt`` 0 or 1); ReLU and dropout work with either (upstream's ``opt=0`` refused
-them).
+the shapes (on an accelerator that check would wait for the device). The packed forms read their lengths and
+``batch_offset`` once on any device (on an accelerator, one wait): they decide the layout, and a ``batch_offset``
+that is not the cumsum the lengths give (``f_len * g_len`` for the joint, ``f_len * (y_len + 1)`` for the loss), or
+a ``max_f_len`` below ``f_len.max()``, raises ValueError naming the entry. ``opt`` and ``fwd_tile_size`` chose
+upstream's CUDA kernels and are accepted (``opt`` 0 or 1); ReLU and dropout work with either (upstream's ``opt=0``
+refused them).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from apex._checks import check_floating, check_fraction, check_int
+from apex._checks import INT64_MAX, check_dense, check_floating, check_fraction, check_int
 from apex._device import block_elements
 
 __all__ = ["TransducerJoint", "TransducerLoss"]
@@ -56,6 +61,7 @@ def _lengths(where: str, name: str, t, batch: int, device: torch.device) -> torc
     if not isinstance(t, torch.Tensor) or t.dtype not in _INTS:
         got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"{where}: {name} must be an integer tensor, got {got}")
+    check_dense(t, f"{where}: {name}")
     if tuple(t.shape) != (batch,):
         raise ValueError(f"{where}: {name} must have shape ({batch},), one length per sequence, got "
                          f"{tuple(t.shape)}")
@@ -72,6 +78,17 @@ def _check_range(where: str, name: str, t: torch.Tensor, low: int, high: int) ->
             i = int(bad.nonzero()[0, 0]) if t.dim() == 1 else tuple(int(v) for v in bad.nonzero()[0])
             raise ValueError(f"{where}: {name} at {i} is {int(t.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]])}, "
                              f"outside [{low}, {high}]")
+
+
+def _check_offsets(where: str, offsets: List[int], sizes: List[int], rule: str) -> None:
+    """ValueError naming the first entry of ``offsets`` (host ints) that is not the running sum of ``sizes``: an
+    offset that disagrees with the lengths would read or place another sequence's rows."""
+    end = 0
+    for i, (got, n) in enumerate(zip(offsets, sizes)):
+        end += n
+        if got != end:
+            raise ValueError(f"{where}: batch_offset[{i}] is {got}, but the lengths give {end} (batch_offset must "
+                             f"be the cumsum of {rule})")
 
 
 def _flag(where: str, name: str, value) -> bool:
@@ -143,6 +160,7 @@ class TransducerJoint(nn.Module):
         where = "TransducerJoint"
         for name, t in (("f", f), ("g", g)):
             check_floating(t, f"{where}: {name}")
+            check_dense(t, f"{where}: {name}")
             if t.dim() != 3:
                 raise ValueError(f"{where}: {name} must be 3-D, (B, T, H) / (B, U, H), got {tuple(t.shape)}")
         if g.shape[0] != f.shape[0] or g.shape[2] != f.shape[2]:
@@ -160,15 +178,19 @@ class TransducerJoint(nn.Module):
             if batch_offset is None or (isinstance(packed_batch, int) and packed_batch == 0):
                 raise ValueError(f"{where}: pack_output needs batch_offset and packed_batch")
             rows = check_int(packed_batch, f"{where}: packed_batch", 0)
-            # the packed layout is decided by the lengths: read them once (on an accelerator, one wait)
-            lengths = list(zip(fl.tolist(), gl.tolist()))
+            off = _lengths(where, "batch_offset", batch_offset, b, f.device)
+            # the packed layout is decided by the lengths: read them and the offsets once (on an accelerator, one
+            # wait)
+            f_host, g_host, off_host = torch.stack([fl, gl, off]).tolist() if b else ([], [], [])
+            lengths = list(zip(f_host, g_host))
             if any(not (0 <= a <= t_max and 0 <= c <= u_max) for a, c in lengths):
                 raise ValueError(f"{where}: f_len must be in [0, {t_max}] and g_len in [0, {u_max}], got "
-                                 f"{[a for a, _ in lengths]} and {[c for _, c in lengths]}")
+                                 f"{f_host} and {g_host}")
             total = sum(a * c for a, c in lengths)
             if total != rows:
                 raise ValueError(f"{where}: packed_batch is {rows}, but the lengths give {total} rows "
                                  f"(sum of f_len * g_len)")
+            _check_offsets(where, off_host, [a * c for a, c in lengths], "f_len * g_len")
             h = _PackedJoint.apply(f, g, lengths)
         else:
             h = f[:, :, None, :] + g[:, None, :, :]
@@ -243,8 +265,9 @@ def _lattices(blank: torch.Tensor, emit: torch.Tensor, fl: torch.Tensor, yl: tor
 
 class _TransducerLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, label, fl, yl, rows_index, grid, blank_idx, debug_list):
-        # rows_index: for each (b, t, u) node of the (B, T, U1) grid, its row of x2d (-1: none)
+    def forward(ctx, x, label, fl, yl, rows_index, grid, debug_extent, blank_idx, debug_list):
+        # rows_index: for each (b, t, u) node of the (B, T, U1) grid, its row of x2d (-1: none); the grid ends at
+        # the longest sequence, debug_extent is the (T, U1) of the documented padded layout
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         x2d = x.reshape(-1, x.shape[-1])
         lse = _log_sum_exp_rows(x2d, compute)
@@ -261,7 +284,7 @@ class _TransducerLossFunction(torch.autograd.Function):
         alpha, beta = _lattices(blank, emit, fl, yl)
         log_p = beta[:, 0, 0]
         if isinstance(debug_list, list) and not debug_list:
-            debug_list += [alpha, beta]
+            debug_list += [_padded(alpha, debug_extent), _padded(beta, debug_extent)]
         ctx.save_for_backward(x, lse, alpha, beta, blank, emit, rows_index, lab, fl, yl)
         ctx.blank_idx = blank_idx
         return (-log_p).to(x.dtype)
@@ -307,7 +330,16 @@ class _TransducerLossFunction(torch.autograd.Function):
             block[:, blank_idx] -= torch.where(live, blank_f[n], 0.0)
             block.scatter_add_(1, lab_f[n][:, None], -torch.where(live, emit_f[n], 0.0)[:, None])
             grad2d[lo:hi] = block.masked_fill_(~live[:, None], 0.0)
-        return grad2d.view(x.shape), None, None, None, None, None, None, None
+        return grad2d.view(x.shape), None, None, None, None, None, None, None, None
+
+
+def _padded(lattice: torch.Tensor, extent: Tuple[int, int]) -> torch.Tensor:
+    b, t_run, u_run = lattice.shape
+    if (t_run, u_run) == extent:
+        return lattice
+    out = lattice.new_full((b, *extent), float("-inf"))
+    out[:, :t_run, :u_run] = lattice
+    return out
 
 
 class TransducerLoss(nn.Module):
@@ -325,10 +357,12 @@ class TransducerLoss(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"{where}: x must be a float32, float16, bfloat16 or float64 tensor, got {got}")
+        check_dense(x, f"{where}: x")
         if not isinstance(label, torch.Tensor) or label.dtype not in _INTS or label.dim() != 2:
             got = (f"{label.dtype} of shape {tuple(label.shape)}" if isinstance(label, torch.Tensor)
                    else type(label).__name__)
             raise TypeError(f"{where}: label must be a 2-D integer tensor (B, max labels), got {got}")
+        check_dense(label, f"{where}: label")
         if label.device != x.device:
             raise ValueError(f"{where}: label must be on x's device ({x.device}), got {label.device}")
         b = label.shape[0]
@@ -345,15 +379,28 @@ class TransducerLoss(nn.Module):
             t_max = check_int(max_f_len, f"{where}: max_f_len", 1)
             u1 = label.shape[1] + 1
             off = _lengths(where, "batch_offset", batch_offset, b, x.device)
-            _check_range(where, "f_len", fl, 1, t_max)
+            _check_range(where, "f_len", fl, 1, INT64_MAX)
             _check_range(where, "y_len", yl, 0, u1 - 1)
-            start = torch.cat([off.new_zeros(1), off[:-1]])
-            t = torch.arange(t_max, device=x.device)[None, :, None]
-            u = torch.arange(u1, device=x.device)[None, None, :]
+            # the lengths set the lattice's extent and the rows' layout: read them once (on an accelerator, one
+            # wait); a loop bounded by max_f_len instead would cost what max_f_len says, not what the data holds
+            sizes = fl * (yl + 1)
+            f_host, y_host, off_host = torch.stack([fl, yl, off]).tolist() if b else ([], [], [])
+            if b and not (min(f_host) >= 1 and min(y_host) >= 0 and max(y_host) <= u1 - 1):
+                raise ValueError(f"{where}: f_len must be >= 1 and y_len in [0, {u1 - 1}] (the labels' width), "
+                                 f"got {f_host} and {y_host}")
+            t_need = max(f_host, default=1)
+            if t_need > t_max:
+                raise ValueError(f"{where}: max_f_len is {t_max}, less than the longest f_len ({t_need}); it must "
+                                 "be at least f_len.max()")
+            _check_offsets(where, off_host, [a * (c + 1) for a, c in zip(f_host, y_host)], "f_len * (y_len + 1)")
+            if b and off_host[-1] != x.shape[0]:
+                raise ValueError(f"{where}: batch_offset ends at {off_host[-1]}, but x has {x.shape[0]} rows")
+            t_run, u_run = t_need, max(y_host, default=0) + 1
+            start = torch.cumsum(sizes, 0) - sizes
+            t = torch.arange(t_run, device=x.device)[None, :, None]
+            u = torch.arange(u_run, device=x.device)[None, None, :]
             rows = start[:, None, None] + t * (yl[:, None, None] + 1) + u
             inside = (t < fl[:, None, None]) & (u <= yl[:, None, None])
-            if x.device.type == "cpu" and b and int(off[-1]) != x.shape[0]:
-                raise ValueError(f"{where}: batch_offset ends at {int(off[-1])}, but x has {x.shape[0]} rows")
             rows_index = torch.where(inside, rows, -1)
         else:
             if x.dim() != 4 or x.shape[0] != b:
@@ -364,7 +411,14 @@ class TransducerLoss(nn.Module):
                                  f"{label.shape[1]}")
             _check_range(where, "f_len", fl, 1, t_max)
             _check_range(where, "y_len", yl, 0, u1 - 1)
+            t_run, u_run = t_max, u1
+            if fl.device.type == "cpu" and b:
+                # no lattice reaches past the longest sequence; on an accelerator reading that would wait, and x's
+                # own extent bounds the work there
+                t_run, u_run = int(fl.max()), int(yl.max()) + 1
             rows_index = torch.arange(b * t_max * u1, device=x.device).view(b, t_max, u1)
+            rows_index = rows_index[:, :t_run, :u_run].contiguous()
         if debug_list is not None and not isinstance(debug_list, list):
             raise TypeError(f"{where}: debug_list must be a list or None, got {type(debug_list).__name__}")
-        return _TransducerLossFunction.apply(x, label, fl, yl, rows_index, (b, t_max, u1), blank, debug_list)
+        return _TransducerLossFunction.apply(x, label, fl, yl, rows_index, (b, t_run, u_run), (t_max, u1), blank,
+                                             debug_list)

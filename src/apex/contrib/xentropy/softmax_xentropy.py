@@ -28,7 +28,7 @@ from typing import Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from apex._checks import check_fraction, check_int
+from apex._checks import INT64_MAX, INT64_MIN, check_dense, check_fraction, check_int
 from apex._device import block_elements
 
 __all__ = ["SoftmaxCrossEntropyLoss"]
@@ -44,18 +44,21 @@ def _check(logits, labels, smoothing, padding_idx, half_to_float) -> Tuple[float
     if not isinstance(logits, torch.Tensor) or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise TypeError(f"{_WHERE}: logits must be a float32, float16 or bfloat16 tensor, got {got}")
+    check_dense(logits, f"{_WHERE}: logits")
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"{_WHERE}: logits must have shape (N, C) with C >= 1, got {tuple(logits.shape)}")
     if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
         got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise TypeError(f"{_WHERE}: labels must be an int64 tensor, got {got}")
+    check_dense(labels, f"{_WHERE}: labels")
     if labels.shape != (logits.shape[0],):
         raise ValueError(f"{_WHERE}: labels must have shape ({logits.shape[0]},), one per row of logits, "
                          f"got {tuple(labels.shape)}")
     if labels.device != logits.device:
         raise ValueError(f"{_WHERE}: labels must be on the logits' device ({logits.device}), got {labels.device}")
     eps = check_fraction(smoothing, f"{_WHERE}: smoothing")
-    pad = check_int(padding_idx, f"{_WHERE}: padding_idx")
+    # compared with the int64 labels: beyond int64 it could never match one
+    pad = check_int(padding_idx, f"{_WHERE}: padding_idx", INT64_MIN, INT64_MAX)
     if not isinstance(half_to_float, bool):
         raise TypeError(f"{_WHERE}: half_to_float must be a bool, got {type(half_to_float).__name__}")
     if labels.device.type == "cpu" and labels.numel():
