@@ -170,6 +170,54 @@ def test_larc_errors():
         LARC(opt, eps="small")
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(trust_coefficient=float("inf"), clip=False), ValueError,
+     r"LARC: trust_coefficient must be a finite number > 0 within float32's normal range "
+     r"\[1\.17549e-38, 3\.40282e\+38\], got inf"),
+    (dict(trust_coefficient=1e300, clip=False), ValueError, "trust_coefficient must be .*got 1e\\+300"),
+    (dict(trust_coefficient=4e38), ValueError, "trust_coefficient must be a finite number > 0"),
+    (dict(trust_coefficient=10**400), ValueError, "trust_coefficient must be a finite number > 0"),
+    (dict(trust_coefficient=0.0), ValueError, "trust_coefficient must be a finite number > 0 .*got 0.0"),
+    (dict(trust_coefficient=0), ValueError, "trust_coefficient must be a finite number > 0 .*got 0"),
+    (dict(trust_coefficient=1e-300), ValueError, "trust_coefficient must be .*got 1e-300"),
+    (dict(trust_coefficient=-1.0), ValueError, "trust_coefficient must be a finite number > 0"),
+    (dict(trust_coefficient=float("nan")), ValueError, "trust_coefficient must be .*got nan"),
+    (dict(trust_coefficient="0.02"), TypeError, r"LARC: trust_coefficient must be a real number, got '0.02' \(str\)"),
+    (dict(trust_coefficient=True), TypeError, r"trust_coefficient must be a real number, got True \(bool\)"),
+    (dict(eps=float("inf")), ValueError, r"LARC: eps must be a finite number >= 0 within float32's range "
+                                         r"\(<= 3\.40282e\+38\), got inf"),
+    (dict(eps=1e300), ValueError, "eps must be a finite number >= 0"),
+    (dict(eps=-1e-8), ValueError, "eps must be a finite number >= 0"),
+    (dict(eps=float("nan")), ValueError, "eps must be .*got nan"),
+    (dict(eps="small"), TypeError, "eps must be a real number"),
+    (dict(clip="no"), TypeError, r"LARC: clip must be True or False, got 'no' \(str\)"),
+    (dict(clip=None), TypeError, r"LARC: clip must be True or False, got None"),
+    (dict(clip=2), ValueError, r"LARC: clip must be True or False \(or 0/1\), got 2"),
+])
+def test_larc_refuses_values_that_would_corrupt_or_freeze_the_weights(kwargs, error, match):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, weight_decay=1e-4)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(error, match=match):
+        LARC(opt, **kwargs)
+    assert opt.state_dict() == before and not hasattr(opt, "optim")
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
+def test_larc_accepts_the_edges_of_the_ranges_and_upstream_flags():
+    np = pytest.importorskip("numpy")
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    assert LARC(opt, clip=0).clip is False
+    assert LARC(opt, clip=np.bool_(True)).clip is True
+    assert LARC(opt, eps=0).eps == 0.0
+    assert LARC(opt, trust_coefficient=3.4e38, eps=3.4e38).trust_coefficient == 3.4e38
+    larc = LARC(opt, trust_coefficient=1.2e-38, clip=1)
+    p.grad = torch.full((3,), 0.5)
+    larc.step()
+    assert torch.isfinite(p).all()
+
+
 def _train(model, opt, steps, amp_module=None, seed=3):
     gen = torch.Generator().manual_seed(seed)
     losses = []

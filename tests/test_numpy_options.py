@@ -212,7 +212,7 @@ def test_ddp_takes_a_numpy_predivide_factor(tmp_path):
     try:
         ddp = DistributedDataParallel(torch.nn.Linear(2, 2), gradient_predivide_factor=np.float32(2.0))
         assert type(ddp.gradient_predivide_factor) is float and ddp.gradient_predivide_factor == 2.0
-        with pytest.raises(ValueError, match="gradient_predivide_factor must be a positive number"):
+        with pytest.raises(TypeError, match="gradient_predivide_factor must be a positive number"):
             DistributedDataParallel(torch.nn.Linear(2, 2), gradient_predivide_factor=np.bool_(True))
     finally:
         dist.destroy_process_group()

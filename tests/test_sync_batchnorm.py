@@ -10,9 +10,12 @@ Single-process: without a process group it is exactly torch's batch norm.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from _dist_harness import run
+import torch.distributed as dist
+from _dist_harness import get_pool, run
 
 from apex.parallel import SyncBatchNorm, convert_syncbn_model
 
@@ -146,3 +149,102 @@ def test_a_process_group_of_the_wrong_type_is_refused_at_construction():
 
     with pytest.raises(TypeError, match=r"process_group must be a torch\.distributed process group"):
         SyncBatchNorm(4, process_group="x")
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(process_group=3), TypeError, r"SyncBatchNorm: process_group must be a torch\.distributed process group "
+                                       r"\(or None for the default group\), got 3 \(int\)"),
+    (dict(channel_last="no"), TypeError, r"SyncBatchNorm: channel_last must be True or False, got 'no' \(str\)"),
+    (dict(fuse_relu="yes"), TypeError, r"SyncBatchNorm: fuse_relu must be True or False, got 'yes'"),
+    (dict(affine="False"), TypeError, r"SyncBatchNorm: affine must be True or False, got 'False'"),
+    (dict(track_running_stats=None), TypeError, r"SyncBatchNorm: track_running_stats must be True or False"),
+    (dict(fuse_relu=2), ValueError, r"SyncBatchNorm: fuse_relu must be True or False \(or 0/1\), got 2"),
+])
+def test_wrong_options_are_refused_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SyncBatchNorm(4, **kwargs)
+
+
+def test_flags_take_upstreams_spellings():
+    np = pytest.importorskip("numpy")
+    bn = SyncBatchNorm(4, affine=0, track_running_stats=np.bool_(True), channel_last=1, fuse_relu=False)
+    assert (bn.affine, bn.track_running_stats, bn.channel_last, bn.fuse_relu) == (False, True, True, False)
+    assert all(type(v) is bool for v in (bn.affine, bn.track_running_stats, bn.channel_last, bn.fuse_relu))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(channel_last="yes"), TypeError, r"convert_syncbn_model: channel_last must be True or False"),
+    (dict(process_group="x"), TypeError, r"convert_syncbn_model: process_group must be a torch\.distributed"),
+])
+def test_convert_refuses_wrong_options_before_replacing_anything(kwargs, error, match):
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(2), torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+    with pytest.raises(error, match=match):
+        convert_syncbn_model(model, **kwargs)
+    assert type(model[0]) is torch.nn.BatchNorm2d and type(model[1][0]) is torch.nn.BatchNorm1d
+
+
+# ---------------------------------------------------------------- num_features that differs across ranks
+# (scenarios run on every rank of a spawned pool, which imports this module by name)
+
+HERE = "test_sync_batchnorm"
+
+
+def _bn_state(bn):
+    return {k: v.clone() for k, v in bn.state_dict().items()}
+
+
+def num_features_differ(rank, world):
+    """The last rank builds SyncBatchNorm(4), the others SyncBatchNorm(3): every rank must raise (gloo would
+    terminate the process on statistics of different sizes), with the module unchanged and the group usable."""
+    c = 4 if rank == world - 1 else 3
+    bn = SyncBatchNorm(c)
+    before = _bn_state(bn)
+    x = torch.randn(4, c, 2, requires_grad=True)
+    try:
+        bn(x)
+        msg = None
+    except RuntimeError as exc:
+        msg = str(exc)
+    after = bn.state_dict()
+    untouched = all(torch.equal(before[k], after[k]) for k in before) and x.grad is None
+    # the ranks are still in step: one more collective completes everywhere
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    # a matching module still synchronizes, after one agreement on its first forward only
+    bn = SyncBatchNorm(3)
+    calls = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_object")}
+    try:
+        for name, fn in real.items():
+            setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+        y1 = bn(torch.full((2, 3), float(rank)))
+        first = list(calls)
+        del calls[:]
+        bn(torch.full((2, 3), float(rank)))
+        second = list(calls)
+        copied = copy.deepcopy(bn)  # a copy may meet ranks that never agreed with it: it agrees again
+        del calls[:]
+        copied(torch.full((2, 3), float(rank)))
+        third = list(calls)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return {"msg": msg, "untouched": untouched, "sum": t.item(), "mean": bn.running_mean.clone(),
+            "y1": y1.detach(), "calls": (first, second, third)}
+
+
+def test_num_features_that_differ_across_ranks_raise_on_every_rank():
+    res = get_pool(2).run(HERE, "num_features_differ")
+    for rank, r in enumerate(res):
+        assert r["msg"] is not None, f"rank {rank} raised nothing"
+        assert ("apex.parallel.SyncBatchNorm: num_features differs across the ranks of the process group: "
+                "3 on rank 0, 4 on rank 1") in r["msg"], r["msg"]
+        assert r["untouched"], f"rank {rank}: the failed forward changed the module"
+        assert r["sum"] == 3.0
+        # the batch is [0, 0, 1, 1] per channel: mean 0.5 over both ranks, so each rank's output is -1 or +1
+        torch.testing.assert_close(r["y1"], torch.full((2, 3), -1.0 if rank == 0 else 1.0), rtol=0, atol=1e-4)
+        torch.testing.assert_close(r["mean"], torch.full((3,), 0.05 + 0.045))
+        first, second, third = r["calls"]
+        assert first == ["all_reduce", "all_gather"]  # the agreement, then the statistics
+        assert second == ["all_gather"]  # agreed once per module: the statistics only
+        assert third == ["all_reduce", "all_gather"]

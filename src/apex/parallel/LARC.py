@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .._checks import real_number
+from .._checks import FLOAT32_MAX, check_bool, real_number
 from ..optimizers._state_check import check_unique_params
 
 __all__ = ["LARC"]
@@ -37,13 +37,30 @@ __all__ = ["LARC"]
 _MISSING = object()
 
 
+#: the smallest normal float32: a trust coefficient below it is 0 (or a subnormal) once the update, which works in
+#: float32, multiplies by it, and no weight would ever change
+_FLOAT32_TINY = 1.1754943508222875e-38
+
+
 def _check_number(name: str, value: Any, positive: bool) -> float:
+    """``value`` as a float the float32 rescaling can use: finite and at most float32's largest value (an inf
+    or an overflowing trust coefficient writes inf/NaN into the weights at the first step). ``positive``: also at
+    least float32's smallest normal value (a trust coefficient of 0 freezes every weight); otherwise 0 is allowed
+    (an eps of 0 only drops the guard of the denominator, which LARC never lets reach 0)."""
     number = real_number(value)
     if number is None:
-        raise TypeError(f"LARC: {name} must be a number, got {type(value).__name__}")
-    value = float(number)
-    if math.isnan(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"LARC: {name} must be {'> 0' if positive else '>= 0'}, got {value}")
+        raise TypeError(f"LARC: {name} must be a real number, got {value!r:.80} ({type(value).__name__})")
+    try:
+        value = float(number)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    low = _FLOAT32_TINY if positive else 0.0
+    if not low <= value <= FLOAT32_MAX:
+        if positive:
+            raise ValueError(f"LARC: {name} must be a finite number > 0 within float32's normal range "
+                             f"[{_FLOAT32_TINY:.6g}, {FLOAT32_MAX:.6g}], got {number!r}")
+        raise ValueError(f"LARC: {name} must be a finite number >= 0 within float32's range "
+                         f"(<= {FLOAT32_MAX:.6g}), got {number!r}")
     return value
 
 
@@ -70,9 +87,9 @@ class LARC(torch.optim.Optimizer):
 
     Args:
         optimizer: the optimizer to wrap (any torch.optim.Optimizer, including apex's fused ones).
-        trust_coefficient: eta of the paper (default 0.02).
-        clip: True: the effective rate is ``min(lr, local)``; False: ``lr * local``.
-        eps: added to the denominator of the local rate (default 1e-8).
+        trust_coefficient: eta of the paper (default 0.02); finite, > 0 and within float32's normal range.
+        clip: True: the effective rate is ``min(lr, local)``; False: ``lr * local`` (a bool, or 0/1).
+        eps: added to the denominator of the local rate (default 1e-8); finite, >= 0, within float32's range.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
@@ -82,10 +99,13 @@ class LARC(torch.optim.Optimizer):
             raise TypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         for gi, group in enumerate(optimizer.param_groups):
             _check_group(gi, group, optimizer.param_groups[:gi])
+        trust_coefficient = _check_number("trust_coefficient", trust_coefficient, positive=True)
+        eps = _check_number("eps", eps, positive=False)
+        clip = check_bool(clip, "LARC: clip")
         self.optim = optimizer
-        self.trust_coefficient = _check_number("trust_coefficient", trust_coefficient, positive=False)
-        self.eps = _check_number("eps", eps, positive=False)
-        self.clip = bool(clip)
+        self.trust_coefficient = trust_coefficient
+        self.eps = eps
+        self.clip = clip
 
     # ------------------------------------------------------------------ delegation
     def __getstate__(self) -> dict:

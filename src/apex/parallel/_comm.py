@@ -11,7 +11,11 @@ there is no transport of our own. What this module adds:
 * ``agree_layout``: ranks compare a list of (name, shape, dtype) entries with one
   small all-reduce; only when they differ is the full list gathered, so that every
   rank raises the same error naming the first difference (and no rank hangs in a
-  later collective of a different size);
+  later collective of a different size, or aborts: gloo terminates the process
+  when the sizes of one collective differ across ranks);
+* ``agree_values``: the same for named options that fix a collective's size;
+* ``check_process_group``: a TypeError naming the argument for anything but a
+  process group, before any collective is attempted with it;
 * ``broadcast_tensors`` / ``flat_dist_call``: collectives over many tensors
   through a few flat buffers (one per dtype x device, split into chunks).
 """
@@ -56,6 +60,15 @@ def require_initialized(what: str) -> None:
             f"{what} needs an initialized default process group: call torch.distributed.init_process_group("
             f"backend=apex.parallel.default_backend(), ...) first (torchrun sets the rank and world size)"
         )
+
+
+def check_process_group(value: Any, what: str) -> None:
+    """TypeError unless ``value`` is a torch.distributed process group or None (the default group); ``what``
+    names the argument ("apex.parallel.DistributedDataParallel: process_group")."""
+    pg_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if value is not None and pg_type is not None and not isinstance(value, pg_type):
+        raise TypeError(f"{what} must be a torch.distributed process group (or None for the default group), got "
+                        f"{value!r:.80} ({type(value).__name__})")
 
 
 def group_or_world(group: Any) -> Any:
@@ -177,12 +190,7 @@ def agree_layout(entries: Sequence[LayoutEntry], what: str, noun: str = "paramet
     One all-reduce of a signature; the full lists are gathered only when they differ.
     """
     pg = group_or_world(group)
-    sig = torch.tensor(_signature(entries), dtype=torch.int64)
-    both = torch.cat([sig, -sig]).to(_collective_device(group))
-    with collective(f"{what}: comparing the {noun} layout across ranks", group):
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
-    n = sig.numel()
-    if torch.equal(both[:n].cpu(), -both[n:].cpu()):  # max == min everywhere: all ranks agree
+    if _same_everywhere(_signature(entries), f"{what}: comparing the {noun} layout across ranks", group):
         return
     gathered: List[Any] = [None] * dist.get_world_size(pg)
     with collective(f"{what}: gathering the {noun} layouts of all ranks", group):
@@ -196,6 +204,56 @@ def agree_layout(entries: Sequence[LayoutEntry], what: str, noun: str = "paramet
         f"{_describe_entry(a, noun)}, rank {rank} has {_describe_entry(b, noun)} (rank 0 lists {len(ref)}, "
         f"rank {rank} lists {len(theirs)}). Every rank must build the same model{hint}."
     )
+
+
+def _same_everywhere(signature: List[int], what: str, group: Any) -> bool:
+    """Whether every rank of the group holds the same ``signature`` (one all-reduce of a fixed size)."""
+    sig = torch.tensor(signature, dtype=torch.int64)
+    both = torch.cat([sig, -sig]).to(_collective_device(group))
+    with collective(what, group):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group_or_world(group))
+    n = sig.numel()
+    return torch.equal(both[:n].cpu(), -both[n:].cpu())  # max == min everywhere: all ranks agree
+
+
+def _describe_ranks(values: List[str], ranks: List[int], limit: int = 8) -> str:
+    """'3 on rank 0, 4 on ranks 1, 2' for the per-rank ``values`` (at most ``limit`` values and ranks each)."""
+    by_value: Dict[str, List[int]] = {}
+    for value, rank in zip(values, ranks):
+        by_value.setdefault(value, []).append(rank)
+    parts = []
+    for value, where in list(by_value.items())[:limit]:
+        listed = ", ".join(map(str, where[:limit])) + (", ..." if len(where) > limit else "")
+        parts.append(f"{value} on rank{'s' if len(where) > 1 else ''} {listed}")
+    if len(by_value) > limit:
+        parts.append(f"{len(by_value) - limit} more values")
+    return ", ".join(parts)
+
+
+def agree_values(named: Sequence[Tuple[str, Any]], what: str, group: Any = None, hint: str = "") -> None:
+    """Raise the same RuntimeError on every rank unless all ranks hold equal values (compared by ``repr``) under
+    each name: options that fix the size or the sequence of later collectives.
+
+    One all-reduce of a fixed size (a signature); the values are gathered only when they differ, and the error
+    names the first option that differs with the value of every rank (global ranks).
+    """
+    pg = group_or_world(group)
+    entries = [(name, repr(value)) for name, value in named]
+    if dist.get_world_size(pg) == 1:
+        return
+    if _same_everywhere(_signature(entries), f"{what}: comparing {entries[0][0]} across ranks", group):
+        return
+    gathered: List[Any] = [None] * dist.get_world_size(pg)
+    with collective(f"{what}: gathering {entries[0][0]} of all ranks", group):
+        dist.all_gather_object(gathered, entries, group=pg)
+    ranks = list(range(len(gathered))) if pg is dist.group.WORLD else dist.get_process_group_ranks(pg)
+    for i, (name, _) in enumerate(entries):
+        values = [theirs[i][1] if i < len(theirs) else "nothing" for theirs in gathered]
+        if len(set(values)) > 1:
+            raise RuntimeError(f"{what}: {name} differs across the ranks of the process group: "
+                               f"{_describe_ranks(values, ranks)}{hint}")
+    listed = _describe_ranks([repr([name for name, _ in theirs]) for theirs in gathered], ranks)
+    raise RuntimeError(f"{what}: the ranks compare different options: {listed}{hint}")
 
 
 def layout_of(named: Sequence[Tuple[str, torch.Tensor]]) -> List[LayoutEntry]:

@@ -51,12 +51,21 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._checks import check_int, real_number
+from .._checks import check_bool, check_int, real_number
 from .._flatten import flatten as flatten  # upstream's module-level helpers, kept here
 from .._flatten import unflatten as unflatten
 from .._tensor_utils import YIELDS_GRADS
 from ..contrib.combine_tensors import plan_layout
-from ._comm import agree_layout, broadcast_tensors, flat_dist_call, layout_of, require_initialized, world_size
+from ._comm import (
+    agree_layout,
+    agree_values,
+    broadcast_tensors,
+    check_process_group,
+    flat_dist_call,
+    layout_of,
+    require_initialized,
+    world_size,
+)
 from .reducer import BucketedAllReduce, GradSlots, Reducer, dense_view, plan_param_buckets
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
@@ -101,6 +110,65 @@ class _FlatSet:
         self.views = [p.grad for p in self.params]
 
 
+#: float32's smallest normal value, and the largest factor whose reciprocal is still one: the buckets are divided by
+#: the factor and multiplied by it again, in float32 or lower, so both it and 1 / factor must be normal float32s
+_FACTOR_LOW = 2.0 ** -126
+_FACTOR_HIGH = 2.0 ** 126
+
+
+def _check_predivide_factor(value: Any, name: str) -> float:
+    number = real_number(value)
+    if number is None:
+        raise TypeError(f"DistributedDataParallel: {name} must be a positive number, got {value!r:.80} "
+                        f"({type(value).__name__})")
+    try:
+        factor = float(number)
+    except OverflowError:  # an int beyond the float range
+        factor = float("inf")
+    if not _FACTOR_LOW <= factor <= _FACTOR_HIGH:
+        raise ValueError(f"DistributedDataParallel: {name} must be a positive number that, like its reciprocal, is "
+                         f"a normal float32 (in [{_FACTOR_LOW:.6g}, {_FACTOR_HIGH:.6g}]), got {number!r}")
+    return factor
+
+
+def _check_communicators(value: Any, n: int) -> Optional[List[Any]]:
+    """``allreduce_communicators`` as a list of ``n`` process groups (None: DDP creates them)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"DistributedDataParallel: allreduce_communicators must be a list or tuple of "
+                        f"torch.distributed process groups (or None), got {value!r:.80} ({type(value).__name__})")
+    groups = list(value)
+    for k, group in enumerate(groups):
+        if group is None:
+            raise TypeError(f"DistributedDataParallel: allreduce_communicators[{k}] must be a torch.distributed "
+                            "process group, got None")
+        check_process_group(group, f"DistributedDataParallel: allreduce_communicators[{k}]")
+    if len(groups) != n:
+        raise ValueError(f"DistributedDataParallel: allreduce_communicators has {len(groups)} groups, "
+                         f"num_allreduce_streams is {n}")
+    return groups
+
+
+def _check_trigger_params(value: Any) -> frozenset:
+    """The ids of the ``allreduce_trigger_params`` tensors (an iterable of them, not one tensor)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError("DistributedDataParallel: allreduce_trigger_params must be a list of parameters, got one "
+                        "tensor (wrap it in a list)")
+    try:
+        params = list(value)
+    except TypeError:
+        raise TypeError(f"DistributedDataParallel: allreduce_trigger_params must be a list of parameters, got "
+                        f"{type(value).__name__}") from None
+    for k, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"DistributedDataParallel: allreduce_trigger_params[{k}] must be a parameter (tensor), "
+                            f"got {type(p).__name__}")
+    if not params:
+        raise ValueError("allreduce_trigger_params must name at least one parameter")
+    return frozenset(id(p) for p in params)
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Data-parallel wrapper with upstream apex's arguments (see the module docstring).
 
@@ -118,10 +186,15 @@ class DistributedDataParallel(torch.nn.Module):
             needs ``delay_allreduce=False``.
         allreduce_communicators: the process groups to use for that (default: new groups over all ranks).
         gradient_average: divide the sum by the world size.
-        gradient_predivide_factor: divide before the all-reduce, multiply by factor / world size after.
+        gradient_predivide_factor: divide before the all-reduce, multiply by factor / world size after; it and
+            its reciprocal must be normal float32 values (``[2**-126, 2**126]``).
         gradient_average_split_factor: deprecated upstream name of gradient_predivide_factor.
         prof: profiler ranges (``torch.profiler.record_function``) around bucket all-reduces.
         process_group: the group to reduce over (default: the default group).
+
+    The on/off options take bools (or 0/1). At construction the ranks compare the options that shape the
+    collectives (bucket plan, reduction dtype, groups, scaling) and the state_dict layout; any difference raises
+    the same RuntimeError on every rank, naming each rank's value.
     """
 
     _apex_parallel_wrapper = True  # amp.initialize refuses models already wrapped
@@ -144,36 +217,57 @@ class DistributedDataParallel(torch.nn.Module):
             )
         message_size = check_int(message_size, "DistributedDataParallel: message_size (elements)", 1)
         num_allreduce_streams = check_int(num_allreduce_streams, "DistributedDataParallel: num_allreduce_streams", 1)
+        delay_allreduce = check_bool(delay_allreduce, "DistributedDataParallel: delay_allreduce")
+        retain_allreduce_buffers = check_bool(retain_allreduce_buffers,
+                                              "DistributedDataParallel: retain_allreduce_buffers")
+        allreduce_always_fp32 = check_bool(allreduce_always_fp32, "DistributedDataParallel: allreduce_always_fp32")
+        gradient_average = check_bool(gradient_average, "DistributedDataParallel: gradient_average")
+        prof = check_bool(prof, "DistributedDataParallel: prof")
+        factor_name = "gradient_predivide_factor"
         if gradient_average_split_factor is not None:
             warnings.warn("gradient_average_split_factor is deprecated; use gradient_predivide_factor",
                           DeprecationWarning, stacklevel=2)
             gradient_predivide_factor = gradient_average_split_factor
-        factor = real_number(gradient_predivide_factor)
-        if factor is None or not factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+            factor_name = "gradient_average_split_factor"
+        factor = _check_predivide_factor(gradient_predivide_factor, factor_name)
         if num_allreduce_streams > 1 and delay_allreduce:
             raise ValueError("num_allreduce_streams > 1 (allreduce_different_streams) may only be used with "
                              "delay_allreduce=False")
+        check_process_group(process_group, "DistributedDataParallel: process_group")
+        communicators = _check_communicators(allreduce_communicators, num_allreduce_streams)
+        trigger_ids = None
+        if allreduce_trigger_params is not None:
+            trigger_ids = _check_trigger_params(allreduce_trigger_params)
         require_initialized("apex.parallel.DistributedDataParallel")
 
         self.module = module
         self.process_group = process_group
         self.message_size = message_size
-        self.delay_allreduce = bool(delay_allreduce)
-        self.allreduce_always_fp32 = bool(allreduce_always_fp32)
-        self.gradient_average = bool(gradient_average)
-        self.gradient_predivide_factor = float(factor)
-        self.retain_allreduce_buffers = bool(retain_allreduce_buffers)
-        self.prof = bool(prof)
+        self.delay_allreduce = delay_allreduce
+        self.allreduce_always_fp32 = allreduce_always_fp32
+        self.gradient_average = gradient_average
+        self.gradient_predivide_factor = factor
+        self.retain_allreduce_buffers = retain_allreduce_buffers
+        self.prof = prof
         self.num_allreduce_streams = num_allreduce_streams
         self.allreduce_different_streams = num_allreduce_streams > 1
         self.world_size = world_size(process_group)
-        self._trigger_ids = None
-        if allreduce_trigger_params is not None:
-            self._trigger_ids = frozenset(id(p) for p in allreduce_trigger_params)
-            if not self._trigger_ids:
-                raise ValueError("allreduce_trigger_params must name at least one parameter")
-        self._groups = self._reduce_groups(num_allreduce_streams, allreduce_communicators)
+        self._trigger_ids = trigger_ids
+        # What shapes the buckets' collectives (their sizes, dtypes, groups) must be the same on every rank: a
+        # bucket all-reduced with different sizes on two ranks terminates the process under gloo. The scaling
+        # options are compared too: ranks that scale differently would drift apart without any error. Compared
+        # before the groups are created, since creating them is itself a collective.
+        options: List[Tuple[str, Any]] = [("num_allreduce_streams", num_allreduce_streams)]
+        if trigger_ids is None:
+            options.append(("message_size", message_size))
+        else:
+            options.append(("allreduce_trigger_params (positions in module.parameters())",
+                            [i for i, p in enumerate(module.parameters()) if id(p) in trigger_ids]))
+        options += [("allreduce_always_fp32", allreduce_always_fp32), ("gradient_average", gradient_average),
+                    (factor_name, factor)]
+        agree_values(options, "apex.parallel.DistributedDataParallel", group=process_group,
+                     hint=". Every rank must pass the same options.")
+        self._groups = self._reduce_groups(num_allreduce_streams, communicators)
         self._allreduce_enabled = True
         self._pass_active = False
         self._hooks: Dict[int, Any] = {}
@@ -193,12 +287,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._build()
 
     # ------------------------------------------------------------------ structure
-    def _reduce_groups(self, n: int, communicators: Optional[Sequence[Any]]) -> List[Any]:
+    def _reduce_groups(self, n: int, communicators: Optional[List[Any]]) -> List[Any]:
         if communicators is not None:
-            groups = list(communicators)
-            if len(groups) != n:
-                raise ValueError(f"allreduce_communicators has {len(groups)} groups, num_allreduce_streams is {n}")
-            return groups
+            return communicators
         if n == 1:
             return [self.process_group]
         ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)

@@ -348,13 +348,13 @@ class Reducer:
     """
 
     def __init__(self, module_or_grads_list: Any, process_group: Any = None) -> None:
-        from ._comm import broadcast_tensors, require_initialized
+        from ._comm import agree_layout, broadcast_tensors, check_process_group, layout_of, require_initialized
 
-        self.process_group = process_group
-        self.module: Optional[torch.nn.Module] = None
-        self.grads: Optional[List[torch.Tensor]] = None
+        check_process_group(process_group, "apex.parallel.Reducer: process_group")
+        module: Optional[torch.nn.Module] = None
+        grads: Optional[List[torch.Tensor]] = None
         if isinstance(module_or_grads_list, torch.nn.Module):
-            self.module = module_or_grads_list
+            module = module_or_grads_list
         else:
             try:
                 grads = list(module_or_grads_list)
@@ -364,17 +364,37 @@ class Reducer:
             for i, g in enumerate(grads):
                 if not isinstance(g, torch.Tensor):
                     raise TypeError(f"Reducer: entry {i} of the gradient list is {type(g).__name__}, not a tensor")
-            self.grads = grads
         require_initialized("apex.parallel.Reducer")
-        if self.module is not None:
+        # The flat buffers of the broadcast and of every reduce() are sized by these tensors: ranks holding
+        # different ones would run collectives of different sizes, which gloo answers by terminating the process.
+        if module is not None:
+            named = list(module.named_parameters())
+            noun = "parameter"
+        else:
+            named = [(f"tensor {i}", g) for i, g in enumerate(grads)]
+            noun = "gradient tensor"
+        agree_layout(layout_of(named), "apex.parallel.Reducer", noun=noun, group=process_group,
+                     hint=" (the same parameters, or gradient tensors of the same shapes and dtypes, in the same "
+                          "order)")
+        self.process_group = process_group
+        self.module = module
+        self.grads = grads
+        if module is not None:
             with torch.no_grad():
-                broadcast_tensors([p.detach() for p in self.module.parameters()], 0, process_group,
+                broadcast_tensors([p.detach() for _, p in named], 0, process_group,
                                   what="apex.parallel.Reducer: broadcasting the parameters from rank 0")
 
     def reduce(self) -> None:
         """Average the gradients over all ranks (in place)."""
+        from ._comm import agree_layout, layout_of
+
         if self.module is not None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            named = [(name, p.grad) for name, p in self.module.named_parameters() if p.grad is not None]
+            # which parameters have a gradient can differ between ranks (a branch taken on one rank only); the
+            # reduced buffers would then differ in size, so the ranks compare them first (one small all-reduce)
+            agree_layout(layout_of(named), "apex.parallel.Reducer.reduce", noun="gradient", group=self.process_group,
+                         hint=" (every rank must produce gradients for the same parameters before reduce())")
+            grads = [g for _, g in named]
         else:
             grads = self.grads
         with torch.no_grad():

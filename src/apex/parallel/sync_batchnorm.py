@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._checks import check_int
-from ._comm import collective, group_or_world
+from .._checks import check_bool, check_int
+from ._comm import agree_values, check_process_group, collective, group_or_world
 
 __all__ = ["SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group"]
 
@@ -163,15 +163,38 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: Any = None, channel_last: bool = False,
                  fuse_relu: bool = False, device: Any = None, dtype: Any = None) -> None:
+        affine = check_bool(affine, "SyncBatchNorm: affine")
+        track_running_stats = check_bool(track_running_stats, "SyncBatchNorm: track_running_stats")
+        channel_last = check_bool(channel_last, "SyncBatchNorm: channel_last")
+        fuse_relu = check_bool(fuse_relu, "SyncBatchNorm: fuse_relu")
+        check_process_group(process_group, "SyncBatchNorm: process_group")
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
                          track_running_stats=track_running_stats, device=device, dtype=dtype)
-        pg_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
-        if process_group is not None and pg_type is not None and not isinstance(process_group, pg_type):
-            raise TypeError(f"SyncBatchNorm: process_group must be a torch.distributed process group (or None for "
-                            f"the default group), got {type(process_group).__name__}")
         self.process_group = process_group
-        self.channel_last = bool(channel_last)
-        self.fuse_relu = bool(fuse_relu)
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+        self._agreed: Optional[Tuple[int, Any]] = None
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) may meet ranks that never agreed with it: it agrees again on its first forward
+        state = super().__getstate__()
+        state["_agreed"] = None
+        return state
+
+    def _agree_across_ranks(self) -> None:
+        """Before the first synchronized forward (and again if num_features or the group changes): every rank of
+        the group must have the same num_features, or the statistics the ranks exchange differ in size, which gloo
+        answers by terminating the process and nccl by a hang or garbage. One small collective, once per module;
+        every rank of the group runs it at the same point, the first synchronized forward of its copy of the
+        module."""
+        group = self.process_group
+        agreed = getattr(self, "_agreed", None)  # modules pickled before this attribute existed lack it
+        if agreed is not None and agreed[0] == self.num_features and agreed[1] is group:
+            return
+        agree_values([("num_features", self.num_features)], "apex.parallel.SyncBatchNorm", group,
+                     hint=". Every rank must build the same model: the per-channel statistics the ranks exchange "
+                          "must have the same size everywhere.")
+        self._agreed = (self.num_features, group)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -201,7 +224,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if channels != self.num_features:
             raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {channels} channels "
                              f"(shape {list(input.shape)}, channel_last={self.channel_last})")
-        if self._needs_sync() and input.device.type not in _torch_sync_devices():
+        sync = self._needs_sync()
+        if sync:
+            self._agree_across_ranks()
+        if sync and input.device.type not in _torch_sync_devices():
             factor = self._factor()
             track = self.track_running_stats
             out = _SyncBatchNormCPU.apply(input, self.weight, self.bias, self.running_mean if track else None,
@@ -211,7 +237,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             # torch's implementation: synchronized where it supports the device, plain batch norm otherwise
             # (outside training, one rank, no process group). Called unbound: this module has every attribute
             # it reads (process_group, momentum, running stats, _check_* methods).
-            base = torch.nn.SyncBatchNorm if self._needs_sync() else torch.nn.modules.batchnorm._BatchNorm
+            base = torch.nn.SyncBatchNorm if sync else torch.nn.modules.batchnorm._BatchNorm
             forward = base.forward
             if self.channel_last:
                 out = forward(self, input.movedim(-1, 1)).movedim(1, -1)
@@ -233,6 +259,9 @@ def convert_syncbn_model(module: torch.nn.Module, process_group: Any = None, cha
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"convert_syncbn_model: expected an nn.Module, got {type(module).__name__}")
+    # checked before the first replacement: a bad argument must not leave a half-converted model
+    channel_last = check_bool(channel_last, "convert_syncbn_model: channel_last")
+    check_process_group(process_group, "convert_syncbn_model: process_group")
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         ref = module.weight if module.weight is not None else module.running_mean
         kwargs = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
