@@ -1,6 +1,7 @@
 """apex.fp16_utils: loss scalers, fp16 model helpers and FP16_Optimizer, against hand-computed references."""
 
 import io
+import re
 
 import pytest
 import torch
@@ -513,3 +514,75 @@ def test_clip_master_grads_names_a_bad_max_norm():
             opt.clip_master_grads(value)
     with pytest.raises(TypeError, match="norm_type must be a number"):
         opt.clip_master_grads(1.0, norm_type="2")
+
+
+# ---------------------------------------------------------------- sparse tensors, flat masters: refused before any copy
+class _SparseEmbeddingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.emb = nn.Embedding(5, 3, sparse=True)
+
+    def forward(self, i):
+        return self.lin(self.emb(i)).sum()
+
+
+@pytest.mark.parametrize("flat_master", [False, True])
+@pytest.mark.parametrize("grads_before", [False, True])
+def test_a_sparse_model_grad_is_refused_before_any_master_grad_changes(flat_master, grads_before):
+    model = _SparseEmbeddingModel()
+    model_params, masters = prep_param_lists(model, flat_master=flat_master)
+    model(torch.tensor([1, 2])).backward()
+    if not grads_before:
+        for m in masters:
+            m.grad = None
+    before = [None if m.grad is None else m.grad.clone() for m in masters]
+    with pytest.raises(TypeError, match=r"model_grads_to_master_grads: param 2: the model grad must be a dense "
+                                        r"\(strided\) tensor, got layout torch.sparse_coo \(a sparse grad"):
+        model_grads_to_master_grads(model_params, masters, flat_master=flat_master)
+    for m, b in zip(masters, before):
+        assert (m.grad is None) if b is None else torch.equal(m.grad, b)
+
+
+@pytest.mark.parametrize("which", ["master", "model"])
+def test_a_sparse_param_is_refused_before_any_model_param_is_written(which):
+    models, masters = [torch.zeros(3), torch.zeros(3)], [torch.ones(3), torch.ones(3)]
+    (masters if which == "master" else models)[1] = torch.ones(3).to_sparse()
+    with pytest.raises(TypeError, match=rf"master_params_to_model_params: {which} param 1 must be a dense "
+                                        r"\(strided\) tensor, got layout torch.sparse_coo"):
+        master_params_to_model_params(models, masters)
+    assert not models[0].any()
+    with pytest.raises(TypeError, match=rf"model_grads_to_master_grads: {which} param 1 must be a dense"):
+        model_grads_to_master_grads(models, masters)
+    assert masters[0].grad is None
+
+
+@pytest.mark.parametrize("shape", [(5, 1), (1, 5), (4,)])
+def test_a_flat_master_must_be_one_dimensional_with_every_element(shape):
+    ps = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    master = torch.ones(shape, requires_grad=True)
+    match = "the flat master must be 1-D with the model params' 5 elements, got shape " + re.escape(str(shape))
+    with pytest.raises(ValueError, match="model_grads_to_master_grads: " + match):
+        model_grads_to_master_grads(ps, [master], flat_master=True)
+    assert master.grad is None
+    with pytest.raises(ValueError, match="master_params_to_model_params: " + match):
+        master_params_to_model_params(ps, [master], flat_master=True)
+    assert not any(p.any() for p in ps)
+
+
+def test_fp16_optimizer_checks_every_group_before_copying_any_grad():
+    first, second = nn.Linear(3, 3).half(), nn.Embedding(5, 3, sparse=True).half()
+    opt = FP16_Optimizer(torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters()}], lr=0.1),
+                         static_loss_scale=1.0, verbose=False)
+    for p in first.parameters():
+        p.grad = torch.ones_like(p)
+    second.weight.grad = torch.ones(5, 3, dtype=torch.half).to_sparse()
+    masters = opt.fp32_from_fp16_groups[0]
+    before = [None if m.grad is None else m.grad.clone() for m in masters]
+    with pytest.raises(TypeError, match=r"FP16_Optimizer: model_grads_to_master_grads: param 0: the model grad must "
+                                        r"be a dense"):
+        opt.update_master_grads()
+    for m, b in zip(masters, before):
+        assert (m.grad is None) if b is None else torch.equal(m.grad, b)

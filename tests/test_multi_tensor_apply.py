@@ -580,10 +580,9 @@ def test_update_scale_hysteresis_takes_the_host_form_on_cpu(monkeypatch):
     monkeypatch.setattr(impl, "_hysteresis_on_host", lambda *a: ops.append("host"))
     amp_C.update_scale_hysteresis(torch.ones(1), torch.zeros(1, dtype=torch.int32),
                                   torch.ones(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 2, 2)
-    amp_C.update_scale_hysteresis(torch.ones(1, device="meta"), torch.zeros(1, dtype=torch.int32, device="meta"),
-                                  torch.ones(1, dtype=torch.int32, device="meta"), torch.zeros(1, device="meta"),
-                                  2.0, 0.5, 2, 2)
-    assert ops == ["host", "device"]
+    assert ops == ["host"]
+    # a tensor off the host takes the device form (meta stands for one here: the op itself refuses meta tensors)
+    assert not impl._scalars_on_host(torch.ones(1, device="meta"))
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -632,16 +631,17 @@ def test_bad_arguments_raise_before_writing():
         amp_C.multi_tensor_l2norm(0, _flag(), [xs])
     with pytest.raises(TypeError, match=r"chunk_size must be an int, got 2048\.0"):
         amp_C.multi_tensor_l2norm(2048.0, _flag(), [xs])
+    ms, vs = [torch.zeros_like(x) for x in xs], [torch.zeros_like(x) for x in xs]
     with pytest.raises(ValueError, match="mode"):
-        amp_C.multi_tensor_adam(2048, _flag(), [xs, outs, outs, outs], 1e-3, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)
+        amp_C.multi_tensor_adam(2048, _flag(), [xs, outs, ms, vs], 1e-3, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)
     with pytest.raises(ValueError, match="arg_to_check"):
         amp_C.multi_tensor_axpby(2048, _flag(), [xs, xs, outs], 1.0, 1.0, 3)
     with pytest.raises(ValueError, match="grad_norms"):
-        amp_C.multi_tensor_novograd(2048, _flag(), [xs, outs, outs], torch.ones(2), 1e-3, 0.9, 0.9, 1e-8, 1, 1,
+        amp_C.multi_tensor_novograd(2048, _flag(), [xs, outs, ms], torch.ones(2), 1e-3, 0.9, 0.9, 1e-8, 1, 1,
                                     0.0, 1, 0, 2)
     with pytest.raises(TypeError, match="list of lists"):
         amp_C.multi_tensor_scale(2048, _flag(), xs, 1.0)
-    assert all(not o.any() for o in outs)
+    assert all(not o.any() for o in outs + ms + vs)
 
 
 def test_tensors_pair_in_memory_order_whatever_their_shapes():
@@ -878,6 +878,7 @@ def _bad_lists():
         "not contiguous": [[x, torch.ones(6, 2).t()], [x.clone(), torch.ones(2, 6)]],
         "other numel": [[x, torch.ones(6)], [x.clone(), torch.ones(5)]],
         "other device": [[x, torch.ones(6)], [x.clone(), torch.ones(6, device="meta")]],
+        "meta": [[torch.ones(6, device="meta")], [torch.ones(6, device="meta")]],
         "other length": [[x, x.clone()], [x.clone()]],
         "same numel, other shape": [[x, torch.ones(2, 3)], [x.clone(), torch.ones(3, 2)]],
         "channels_last": [[torch.ones(1, 2, 2, 3).to(memory_format=torch.channels_last)],
@@ -1084,3 +1085,203 @@ def test_lamb_and_adagrad_refuse_a_huge_finite_hyperparameter_before_any_write()
     for lst, old in zip(lists, before):
         for t, o in zip(lst, old):
             assert torch.equal(t, o)
+
+
+# ---------------------------------------------------------------- memory shared between a written tensor and another
+def _opt_call(op, lists):
+    """``op`` (by its short name) on ``lists`` with ordinary hyperparameters."""
+    flag = _flag()
+    if op == "scale":
+        return amp_C.multi_tensor_scale(64, flag, lists, 2.0)
+    if op == "axpby":
+        return amp_C.multi_tensor_axpby(64, flag, lists, 2.0, 3.0, -1)
+    if op == "adam":
+        return amp_C.multi_tensor_adam(64, flag, lists, 0.1, 0.9, 0.999, 1e-8, 1, 0, 1, 0.0)
+    if op == "sgd":
+        return amp_C.multi_tensor_sgd(64, flag, lists, 0.0, 0.9, 0.0, 0.1, False, True, False)
+    if op == "lamb":
+        return amp_C.multi_tensor_lamb(64, flag, lists, 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, 1.0, 1.0)
+    if op == "novograd":
+        return amp_C.multi_tensor_novograd(64, flag, lists, torch.ones(len(lists[0])), 1e-3, 0.9, 0.9, 1e-8, 1, 1,
+                                           0.0, 1, 0, 2)
+    if op == "adagrad":
+        return amp_C.multi_tensor_adagrad(64, flag, lists, 0.1, 1e-8, 0, 0.0)
+    raise AssertionError(op)
+
+
+#: per op: how many lists it takes, and which it writes
+_WRITES = {"scale": (2, (1,)), "axpby": (3, (2,)), "adam": (4, (1, 2, 3)), "sgd": (4, (1, 2, 3)),
+           "lamb": (4, (0, 1, 2, 3)), "novograd": (3, (1, 2)), "adagrad": (3, (1, 2))}
+
+
+def _overlap_cases():
+    for op, (depth, writes) in _WRITES.items():
+        for w in writes:
+            for o in range(depth):
+                if o != w:
+                    yield op, w, o
+
+
+_ALIASES = {("scale", 1, 0), ("axpby", 2, 0), ("axpby", 2, 1)}
+
+
+@pytest.mark.parametrize("op, w, o", list(_overlap_cases()))
+@pytest.mark.parametrize("how", ["partly", "wholly"])
+def test_a_written_tensor_sharing_memory_with_another_of_its_position_is_refused_before_any_write(op, w, o, how):
+    """Found mid-call, such an overlap failed (or read half-written values) after position 0 was written. The same
+    memory is allowed only where the op works in place (scale: out is in; axpby: out is x or y), and only as the
+    same dtype."""
+    depth, writes = _WRITES[op]
+    gen = torch.Generator().manual_seed(1)
+    lists = [[torch.rand(4, generator=gen) + 0.5, torch.rand(4, generator=gen) + 0.5] for _ in range(depth)]
+    base = torch.rand(8, generator=gen).add_(0.5).to(torch.float16)
+    if how == "partly":
+        lists[w][1], lists[o][1] = base[:4], base[2:6]
+    elif (op, w, o) in _ALIASES:
+        lists[w][1], lists[o][1] = base[:4], base[:4].view(torch.bfloat16)  # the same bytes as another dtype
+    else:
+        lists[w][1] = lists[o][1] = base[:4]
+    first, second = (o, w) if o in writes and o < w else (w, o)  # each pair of written lists is checked once
+    before = [t.clone() for tl in lists for t in tl] + [base.clone()]
+    with pytest.raises(ValueError, match=rf"multi_tensor_{op}: tensor_lists\[{first}\]\[1\], which the op writes, "
+                                         rf"overlaps tensor_lists\[{second}\]\[1\] in memory; expected no shared "):
+        _opt_call(op, lists)
+    after = [t for tl in lists for t in tl] + [base]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("op, w, o", sorted(_ALIASES))
+def test_in_place_positions_may_alias_exactly(op, w, o):
+    depth, _ = _WRITES[op]
+    lists = [[torch.full((4,), 2.0), torch.full((3,), 2.0)] for _ in range(depth)]
+    lists[w][1] = lists[o][1][:]  # another tensor object over the same memory
+    _opt_call(op, lists)
+    assert torch.equal(lists[w][1], torch.full((3,), 4.0 if op == "scale" else 10.0))
+
+
+def test_zero_element_tensors_overlap_nothing():
+    x = torch.ones(4)
+    src, dst = [torch.ones(2), x[:0]], [x[2:], x[1:1]]  # x[1:1] lies inside x, but holds no element
+    amp_C.multi_tensor_scale(64, _flag(), [src, dst], 3.0)
+    assert torch.equal(x, torch.tensor([1.0, 1.0, 3.0, 3.0]))
+
+
+def test_the_earliest_overlapping_position_is_named_whatever_the_lists():
+    base = torch.ones(16)
+    g = [torch.ones(4) for _ in range(3)]
+    p = [torch.ones(4), torch.ones(4), base[:4]]
+    m = [torch.zeros(4), base[8:12], torch.zeros(4)]
+    v = [torch.zeros(4), base[10:14], base[2:6]]  # position 1: m and v; position 2: p and v
+    with pytest.raises(ValueError, match=r"tensor_lists\[2\]\[1\], which the op writes, overlaps "
+                                         r"tensor_lists\[3\]\[1\]"):
+        amp_C.multi_tensor_adam(64, _flag(), [g, p, m, v], 0.1, 0.9, 0.999, 1e-8, 1, 0, 1, 0.0)
+    assert torch.equal(base, torch.ones(16)) and not any(t.any() for t in m[:1] + v[:1])
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_overlaps_are_found_by_the_whole_list_test_and_by_the_loop_alike(plain, monkeypatch):
+    if not plain:
+        monkeypatch.setattr(amp_C, "_plain_lists", lambda lists: False)
+    x = torch.arange(10.0)
+    out0 = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"tensor_lists\[1\]\[1\], which the op writes, overlaps "
+                                         r"tensor_lists\[0\]\[1\] in memory; expected no shared memory, or "
+                                         r"exactly the same memory and dtype \(in place\)"):
+        amp_C.multi_tensor_scale(64, _flag(), [[torch.ones(3), x[:5]], [out0, x[3:8]]], 2.0)
+    assert torch.equal(x, torch.arange(10.0)) and not out0.any()
+
+
+# ---------------------------------------------------------------- flags, meta tensors
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_a_flag_that_cannot_record_an_overflow_is_refused(kind):
+    flag = torch.zeros(1, dtype=torch.int)
+    flag = flag.to_sparse() if kind == "sparse" else flag.to("meta")
+    x = torch.tensor([float("inf"), 1.0])
+    out = torch.zeros(2)
+    error, match = ((TypeError, "noop_flag must be a dense one-element integer tensor, got layout torch.sparse_coo")
+                    if kind == "sparse" else (ValueError, "noop_flag must hold a value .*got a meta tensor"))
+    with pytest.raises(error, match="multi_tensor_scale: " + match):
+        amp_C.multi_tensor_scale(64, flag, [[x], [out]], 1.0)
+    with pytest.raises(error, match="multi_tensor_l2norm: " + match):
+        amp_C.multi_tensor_l2norm(64, flag, [[x]], False)
+    p, buf = torch.ones(2), torch.zeros(2)
+    with pytest.raises(error, match="multi_tensor_sgd: " + match):
+        amp_C.multi_tensor_sgd(64, flag, [[torch.ones(2)], [p], [buf]], 0.0, 0.9, 0.0, 0.1, False, True, False)
+    assert not out.any() and torch.equal(p, torch.ones(2)) and not buf.any()
+    # with empty lists too: the flag is checked whatever the tensors
+    with pytest.raises(error, match="multi_tensor_l2norm: " + match):
+        amp_C.multi_tensor_l2norm(64, flag, [[]], False)
+
+
+def test_a_flag_on_another_device_than_the_tensors_is_refused(device):
+    if device == "cpu":
+        pytest.skip("needs a second device")
+    for flag, xs in ((_flag("cpu"), [torch.ones(3, device=device)]), (_flag(device), [torch.ones(3)])):
+        outs = [torch.zeros_like(x) for x in xs]
+        with pytest.raises(ValueError, match="multi_tensor_scale: expected noop flag to be on the same device as "
+                                             "tensors: noop_flag is on"):
+            amp_C.multi_tensor_scale(64, flag, [xs, outs], 2.0)
+        assert not outs[0].any()
+    amp_C.multi_tensor_l2norm(64, _flag("cpu"), [[]], False)  # no tensors: any flag
+
+
+@pytest.mark.parametrize("op", [*sorted(_WRITES), "l2norm"])
+@pytest.mark.parametrize("plain", [True, False])
+def test_meta_tensors_are_refused_before_anything_runs(op, plain, monkeypatch):
+    if not plain:
+        monkeypatch.setattr(amp_C, "_plain_lists", lambda lists: False)
+    depth = _WRITES[op][0] if op in _WRITES else 1
+    lists = [[torch.ones(3, device="meta")] for _ in range(depth)]
+    assert not amp_C._plain_lists(lists)
+    with pytest.raises(ValueError, match=rf"multi_tensor_{op}: tensor_lists\[0\]\[0\] must hold values, got a meta "
+                                         "tensor"):
+        if op == "l2norm":
+            amp_C.multi_tensor_l2norm(64, _flag(), lists, True)
+        else:
+            _opt_call(op, lists)
+
+
+@pytest.mark.parametrize("arg", ["current_scale", "growth_tracker", "hysteresis_tracker", "found_inf"])
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_update_scale_hysteresis_refuses_a_state_without_element_writes_before_any_change(arg, kind):
+    states = {"current_scale": torch.tensor([4.0]), "growth_tracker": torch.tensor([0], dtype=torch.int32),
+              "hysteresis_tracker": torch.tensor([2], dtype=torch.int32), "found_inf": torch.tensor([0.0])}
+    before = {k: v.clone() for k, v in states.items()}
+    states[arg] = states[arg].to_sparse() if kind == "sparse" else states[arg].to("meta")
+    error, match = ((TypeError, f"{arg} must be a dense one-element .* tensor, got layout torch.sparse_coo")
+                    if kind == "sparse" else (ValueError, f"{arg} must hold a value, got a meta tensor"))
+    with pytest.raises(error, match="update_scale_hysteresis: " + match):
+        amp_C.update_scale_hysteresis(*states.values(), 2.0, 0.5, 1, 2)
+    for k, v in states.items():
+        if k != arg:
+            assert torch.equal(v, before[k])
+
+
+# ---------------------------------------------------------------- autograd's version counter
+@pytest.mark.parametrize("op", sorted(_WRITES))
+def test_every_written_tensor_gets_a_new_version(op):
+    """apex_C writes through raw addresses: the ops tell autograd, as torch's in-place ops do."""
+    depth, writes = _WRITES[op]
+    lists = [[torch.rand(s) + 0.5 for s in [(3,), (2, 2), (0,)]] for _ in range(depth)]
+    versions = [[t._version for t in tl] for tl in lists]
+    _opt_call(op, lists)
+    for li, tl in enumerate(lists):
+        for t, v in zip(tl, versions[li]):
+            if t.numel():  # (an empty tensor holds nothing to change)
+                assert (t._version > v) == (li in writes), (li, t._version, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("form", ["in place", "into another tensor", "axpby"])
+def test_a_tensor_saved_for_backward_then_written_makes_backward_raise(dtype, form):
+    x = torch.ones(3, dtype=dtype, requires_grad=True)
+    w = torch.ones(3, dtype=dtype)
+    y = (x * w).sum()  # saves w
+    if form == "in place":
+        amp_C.multi_tensor_scale(64, _flag(), [[w], [w]], 2.0)
+    elif form == "into another tensor":
+        amp_C.multi_tensor_scale(64, _flag(), [[torch.ones(3, dtype=dtype)], [w]], 2.0)
+    else:
+        amp_C.multi_tensor_axpby(64, _flag(), [[torch.ones(3)], [torch.ones(3)], [w]], 1.0, 1.0, -1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

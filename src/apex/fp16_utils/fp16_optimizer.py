@@ -22,7 +22,15 @@ import torch
 
 from apex._checks import real_number
 from apex._wrapped_optimizer import WrapsOptimizer
-from apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params, model_grads_to_master_grads
+from apex.fp16_utils.fp16util import (
+    _check_grads_to_masters,
+    _check_params_to_models,
+    _copy_grads_to_masters,
+    _copy_params_to_models,
+    clip_grad_norm,
+    master_params_to_model_params,  # noqa: F401  (upstream's module has these names too)
+    model_grads_to_master_grads,  # noqa: F401
+)
 from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler, _check_positive
 
 __all__ = ["FP16_Optimizer"]
@@ -135,13 +143,23 @@ class FP16_Optimizer(WrapsOptimizer):
     def _update_scale(self, has_overflow: bool = False) -> None:
         self.loss_scaler.update_scale(has_overflow)
 
+    # Every group is checked before any is copied: a refused group (a sparse grad) must not leave the earlier
+    # groups' masters updated and the later ones stale.
     def _master_params_to_model_params(self) -> None:
-        for low, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups):
-            master_params_to_model_params(low, masters)
+        where = "FP16_Optimizer: master_params_to_model_params"
+        pairs = list(zip(self.fp16_groups, self.fp32_from_fp16_groups))
+        for low, masters in pairs:
+            _check_params_to_models(list(low), list(masters), False, where)
+        for low, masters in pairs:
+            _copy_params_to_models(list(low), list(masters), False)
 
     def _model_grads_to_master_grads(self) -> None:
-        for low, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups):
-            model_grads_to_master_grads(low, masters)
+        where = "FP16_Optimizer: model_grads_to_master_grads"
+        pairs = list(zip(self.fp16_groups, self.fp32_from_fp16_groups))
+        for low, masters in pairs:
+            _check_grads_to_masters(list(low), list(masters), False, where)
+        for low, masters in pairs:
+            _copy_grads_to_masters(list(low), list(masters), False)
 
     def _downscale_master(self) -> None:
         if self.loss_scale == 1.0:

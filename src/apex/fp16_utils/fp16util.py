@@ -7,7 +7,7 @@ to the masters before the step and the updated masters back into the model after
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -152,6 +152,15 @@ def _check_copy(where: str, what: str, dst: torch.Tensor, src: torch.Tensor) -> 
                            "outside torch.inference_mode()")
 
 
+def _check_dense(where: str, what: str, t: torch.Tensor) -> None:
+    """A strided tensor: torch copies no sparse tensor into a dense one, nor flattens one (as upstream, whose
+    copies of ``.data`` fail on them too), and would fail only after the earlier pairs were copied."""
+    if t.is_nested or t.layout != torch.strided:
+        got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        hint = " (a sparse grad, as nn.Embedding(sparse=True) makes, has no dense master copy)" if t.is_sparse else ""
+        raise TypeError(f"{where}: {what} must be a dense (strided) tensor, got {got}{hint}")
+
+
 def _check_pairing(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
                    flat_master: bool, where: str) -> None:
     model_params, master_params = list(model_params), list(master_params)
@@ -159,13 +168,15 @@ def _check_pairing(model_params: Sequence[torch.Tensor], master_params: Sequence
         for i, p in enumerate(ps):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{where}: {name} param {i} must be a tensor, got {type(p).__name__}")
+            _check_dense(where, f"{name} param {i}", p)
     if flat_master:
         if len(master_params) != 1:
             raise ValueError(f"{where}: flat_master=True expects one flat master, got {len(master_params)}")
         total = sum(p.numel() for p in model_params)
-        if master_params[0].numel() != total:
-            raise ValueError(
-                f"{where}: the flat master has {master_params[0].numel()} elements, the model params {total}")
+        flat = master_params[0]
+        if flat.dim() != 1 or flat.numel() != total:
+            raise ValueError(f"{where}: the flat master must be 1-D with the model params' {total} elements, got "
+                             f"shape {tuple(flat.shape)}")
         return
     if len(model_params) != len(master_params):
         raise ValueError(f"{where}: {len(model_params)} model params but {len(master_params)} master params")
@@ -175,41 +186,93 @@ def _check_pairing(model_params: Sequence[torch.Tensor], master_params: Sequence
                              f"{tuple(master.shape)}")
 
 
+def _kept_grad(master: torch.Tensor) -> Optional[torch.Tensor]:
+    """The master's grad if the copy can write into it, else None (a new one is allocated)."""
+    grad = master.grad
+    if grad is None or grad.shape != master.shape or grad.is_nested or grad.layout != torch.strided:
+        return None
+    return grad
+
+
+def _check_grads_to_masters(model_params: List[torch.Tensor], master_params: List[torch.Tensor],
+                            flat_master: bool, where: str) -> None:
+    """Every check of `model_grads_to_master_grads`, before it writes or allocates anything."""
+    _check_pairing(model_params, master_params, flat_master, where)
+    for i, model in enumerate(model_params):
+        if model.grad is not None:
+            _check_dense(where, f"param {i}: the model grad", model.grad)
+    if flat_master:
+        master = master_params[0]
+        devices = {p.device for p in model_params}
+        if len(devices) > 1:
+            raise ValueError(f"{where}: flat_master=True needs every model param on one device, got "
+                             f"{sorted(map(str, devices))}")
+        for i, model in enumerate(model_params):
+            if model.grad is not None:
+                _check_copy(where, f"param {i}", master, model.grad)
+        kept = _kept_grad(master)
+        if kept is not None:
+            _check_copy(where, "the flat master's grad", kept, master)
+        return
+    for i, (model, master) in enumerate(zip(model_params, master_params)):
+        if model.grad is not None:
+            _check_copy(where, f"param {i}", master, model.grad)
+            kept = _kept_grad(master)
+            if kept is not None:
+                _check_copy(where, f"param {i}: the master's grad", kept, model.grad)
+
+
+def _check_params_to_models(model_params: List[torch.Tensor], master_params: List[torch.Tensor],
+                            flat_master: bool, where: str) -> None:
+    """Every check of `master_params_to_model_params`, before it writes anything."""
+    _check_pairing(model_params, master_params, flat_master, where)
+    for i, model in enumerate(model_params):
+        _check_copy(where, f"param {i}", model, master_params[0] if flat_master else master_params[i])
+
+
 def model_grads_to_master_grads(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
                                 flat_master: bool = False) -> None:
     """Copy the model grads into the masters' grads (allocated as needed); a model param without a
-    grad leaves its master without one."""
+    grad leaves its master without one. Grads must be dense: a sparse grad is refused, before anything is
+    copied."""
     model_params, master_params = list(model_params), list(master_params)
-    where = "model_grads_to_master_grads"
-    _check_pairing(model_params, master_params, flat_master, where)
-    if not flat_master:
-        for i, (model, master) in enumerate(zip(model_params, master_params)):
-            if model.grad is not None:
-                _check_copy(where, f"param {i}", master, model.grad)
+    _check_grads_to_masters(model_params, master_params, flat_master, "model_grads_to_master_grads")
+    _copy_grads_to_masters(model_params, master_params, flat_master)
+
+
+def _copy_grads_to_masters(model_params: List[torch.Tensor], master_params: List[torch.Tensor],
+                           flat_master: bool) -> None:
+    """`model_grads_to_master_grads` once `_check_grads_to_masters` has passed."""
     if flat_master:
         master = master_params[0]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
-        if master.grad is None:
-            master.grad = torch.empty_like(master)
-        master.grad.copy_(_flatten_dense_tensors([g.detach() for g in grads]))
+        flat = _flatten_dense_tensors([g.detach() for g in grads])  # before the master's grad is allocated
+        grad = _kept_grad(master)
+        if grad is None:
+            master.grad = grad = torch.empty_like(master)
+        grad.detach().copy_(flat)
         return
     for model, master in zip(model_params, master_params):
         if model.grad is None:
             master.grad = None
             continue
-        if master.grad is None or master.grad.shape != master.shape:
-            master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
-        master.grad.detach().copy_(model.grad.detach())
+        grad = _kept_grad(master)
+        if grad is None:
+            master.grad = grad = torch.empty_like(master, memory_format=torch.preserve_format)
+        grad.detach().copy_(model.grad.detach())
 
 
 def master_params_to_model_params(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor],
                                   flat_master: bool = False) -> None:
     """Copy the master values into the model params (rounded to the model dtype)."""
     model_params, master_params = list(model_params), list(master_params)
-    where = "master_params_to_model_params"
-    _check_pairing(model_params, master_params, flat_master, where)
-    for i, model in enumerate(model_params):
-        _check_copy(where, f"param {i}", model, master_params[0] if flat_master else master_params[i])
+    _check_params_to_models(model_params, master_params, flat_master, "master_params_to_model_params")
+    _copy_params_to_models(model_params, master_params, flat_master)
+
+
+def _copy_params_to_models(model_params: List[torch.Tensor], master_params: List[torch.Tensor],
+                           flat_master: bool) -> None:
+    """`master_params_to_model_params` once `_check_params_to_models` has passed."""
     with torch.no_grad():
         if flat_master:
             for model, part in zip(model_params, _unflatten_dense_tensors(master_params[0].detach(), model_params)):

@@ -5,8 +5,12 @@ Each op has NVIDIA's signature: ``op(chunk_size, noop_flag, tensor_lists, *args)
 ``tensor_lists`` a list of equally long lists of dense tensors (contiguous or channels_last, as
 upstream requires; tensor ``i`` of every list has one element count, and the ops pair elements in
 memory order whatever the shapes, as upstream's kernels do). Every argument is checked before
-anything is written. Call them directly or through
-:data:`apex.multi_tensor_apply.multi_tensor_applier`, which supplies ``chunk_size``.
+anything is written: tensors must hold values (no meta tensors), the flag must be dense and, as
+upstream requires, on the tensors' device, and at each position a tensor the op writes may share no
+memory with that position's other tensors, except as the very same memory and dtype where the op
+works in place (``multi_tensor_scale``'s out is its in; ``multi_tensor_axpby``'s out is its x or y).
+Call them directly or through :data:`apex.multi_tensor_apply.multi_tensor_applier`, which supplies
+``chunk_size``.
 
 The flag, as upstream:
 
@@ -26,7 +30,9 @@ Executors: on CPU the elementwise checks, scales and sums of squares go through
 optimizer updates through the optimizers' per-tensor math; on CUDA / NPU the same code runs as
 torch ops, except that ``multi_tensor_scale``, ``multi_tensor_axpby`` and the norms take whole
 lists at once there (foreach ops and one host synchronisation, where a per-tensor loop would wait
-on the device once per tensor).
+on the device once per tensor). Every written tensor gets a new autograd version, as after torch's
+in-place ops (upstream's CUDA kernels leave it as it was): backward through a tensor saved before an
+op wrote it raises rather than using the new values.
 ``available`` is True: nothing here needs a compiled extension.
 """
 
@@ -85,18 +91,14 @@ _repeat = itertools.repeat
 
 
 # ---------------------------------------------------------------- argument checks
-def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
-                depths: Sequence[int]) -> List[List[torch.Tensor]]:
-    """Validate the common arguments; returns the lists as lists. Raises before anything is written."""
+def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any, depths: Sequence[int],
+                writes: Sequence[int] = (), aliases: Sequence[Tuple[int, int]] = ()) -> List[List[torch.Tensor]]:
+    """Validate the common arguments; returns the lists as lists. Raises before anything is written.
+
+    ``writes``: the lists the op writes; at each position, their tensors may share no memory with the position's
+    other tensors, except a pair ``(written, other)`` of ``aliases`` that is exactly the same memory (in place)."""
     check_int(chunk_size, f"{op}: chunk_size", 1)
-    if not isinstance(noop_flag, torch.Tensor):
-        raise TypeError(f"{op}: noop_flag must be a one-element integer tensor, got {type(noop_flag).__name__}")
-    if noop_flag.numel() < 1 or noop_flag.is_floating_point() or noop_flag.is_complex():
-        raise TypeError(f"{op}: noop_flag must be a one-element integer tensor (torch.zeros(1, dtype=torch.int)), "
-                        f"got {noop_flag.dtype} with {noop_flag.numel()} elements")
-    if noop_flag.is_inference() and not torch.is_inference_mode_enabled():
-        raise TypeError(f"{op}: noop_flag is an inference tensor, which cannot be written outside "
-                        "torch.inference_mode(); create the flag outside inference mode")
+    _check_flag(op, noop_flag)
     if not isinstance(tensor_lists, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in tensor_lists):
         raise TypeError(f"{op}: tensor_lists must be a list of lists of tensors, got {type(tensor_lists).__name__}")
     copies: dict = {}  # a list passed twice (in place: [grads, grads]) stays one list, checked once
@@ -104,8 +106,42 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
     if len(lists) not in depths:
         expected = " or ".join(str(d) for d in depths)
         raise ValueError(f"{op}: expected {expected} tensor lists, got {len(lists)}")
-    if _plain_lists(lists):
+    plain = _plain_lists(lists)
+    if not plain:
+        _check_tensors(op, lists)
+    if lists[0] and noop_flag.device != lists[0][0].device:
+        # upstream's rule; a flag elsewhere would be written (or read) on another device than the tensors'
+        raise ValueError(f"{op}: expected noop flag to be on the same device as tensors: noop_flag is on "
+                         f"{noop_flag.device}, tensor_lists[0][0] on {lists[0][0].device}")
+    if writes:
+        _check_overlaps(op, lists, writes, aliases)
+    if plain:
         return lists
+    # one memory-order 1-D view per tensor: the ops then pair elements as upstream's kernels do (by position in
+    # memory), and no shape difference between lists can fail halfway through, after earlier tensors were written
+    return [[_memory_order(t) for t in tl] for tl in lists]
+
+
+def _check_flag(op: str, noop_flag: Any) -> None:
+    if not isinstance(noop_flag, torch.Tensor):
+        raise TypeError(f"{op}: noop_flag must be a one-element integer tensor, got {type(noop_flag).__name__}")
+    if noop_flag.is_nested or noop_flag.layout != torch.strided:
+        # a sparse flag takes no element write: an overflow would go unrecorded
+        raise TypeError(f"{op}: noop_flag must be a dense one-element integer tensor, got "
+                        f"{'a nested tensor' if noop_flag.is_nested else f'layout {noop_flag.layout}'}")
+    if noop_flag.is_meta:
+        raise ValueError(f"{op}: noop_flag must hold a value (a one-element integer tensor on the tensors' "
+                         "device), got a meta tensor")
+    if noop_flag.numel() < 1 or noop_flag.is_floating_point() or noop_flag.is_complex():
+        raise TypeError(f"{op}: noop_flag must be a one-element integer tensor (torch.zeros(1, dtype=torch.int)), "
+                        f"got {noop_flag.dtype} with {noop_flag.numel()} elements")
+    if noop_flag.is_inference() and not torch.is_inference_mode_enabled():
+        raise TypeError(f"{op}: noop_flag is an inference tensor, which cannot be written outside "
+                        "torch.inference_mode(); create the flag outside inference mode")
+
+
+def _check_tensors(op: str, lists: List[list]) -> None:
+    """The per-tensor form of `_plain_lists`' test: raises naming the first tensor that fails it."""
     n = len(lists[0])
     for li, tl in enumerate(lists):
         if len(tl) != n:
@@ -126,21 +162,86 @@ def _check_call(op: str, chunk_size: Any, noop_flag: Any, tensor_lists: Any,
             if t.device != lists[0][0].device:
                 raise ValueError(f"{op}: every tensor must be on one device: tensor_lists[{li}][{ti}] is on "
                                  f"{t.device}, tensor_lists[0][0] on {lists[0][0].device}")
+            if t.is_meta:
+                raise ValueError(f"{op}: tensor_lists[{li}][{ti}] must hold values, got a meta tensor")
             if not _dense(t):
                 raise ValueError(f"{op}: tensor_lists[{li}][{ti}] must be contiguous (or channels_last), got "
                                  f"shape {tuple(t.shape)} with strides {tuple(t.stride())}")
-    # one memory-order 1-D view per tensor: the ops then pair elements as upstream's kernels do (by position in
-    # memory), and no shape difference between lists can fail halfway through, after earlier tensors were written
-    return [[_memory_order(t) for t in tl] for tl in lists]
+
+
+#: a start past every address and an end before every address: an empty tensor's span, which overlaps nothing
+_NO_START, _NO_END = 1 << 62, -1
+_DTYPE_IDS = {dtype: i for i, dtype in enumerate(_FLOATS)}
+
+
+def _spans(tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int64 tables of each (dense: contiguous or channels_last) tensor's first and past-the-end byte address."""
+    start = _core.int_table(list(map(data_ptr, tensors)))
+    size = _core.int_table(list(map(get_nbytes, tensors)))
+    end = start + size
+    empty = size == 0
+    if bool(empty.any()):
+        start.masked_fill_(empty, _NO_START)
+        end.masked_fill_(empty, _NO_END)
+    return start, end
+
+
+def _check_overlaps(op: str, lists: List[List[torch.Tensor]], writes: Sequence[int],
+                    aliases: Sequence[Tuple[int, int]]) -> None:
+    """Raises where a tensor the op writes shares memory with another tensor of its position (see `_check_call`).
+    Found mid-call, such an overlap fails (or silently reads half-written values) after earlier positions were
+    written. Vectorised over positions: two address tables per list and a few int64 comparisons per pair of
+    lists, no Python frame per tensor."""
+    if not lists[0]:
+        return
+    spans: dict = {}
+
+    def span(li: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = id(lists[li])  # (a list passed twice is one object: its table is built once)
+        if key not in spans:
+            spans[key] = _spans(lists[li])
+        return spans[key]
+
+    first: Optional[Tuple[int, int, int]] = None  # (position, written list, other list) of the earliest clash
+    written = [w for w in writes if w < len(lists)]
+    for w in written:
+        for o in range(len(lists)):
+            if o == w or (o in written and o < w):  # each pair of written lists once
+                continue
+            allowed = (w, o) in aliases or (o, w) in aliases
+            if allowed and (lists[w] is lists[o] or _in_place(lists[w], lists[o])):
+                continue  # the very same tensors: in place
+            (ws, we), (os_, oe) = span(w), span(o)
+            clash = (ws < oe) & (os_ < we)
+            if allowed:
+                # exactly the same memory as the same dtype is in place; any other overlap is a clash
+                same = (ws == os_) & (we == oe)
+                if bool(same.any()):
+                    codes = [_core.int_table(list(map(_DTYPE_IDS.__getitem__, map(get_dtype, lists[li]))))
+                             for li in (w, o)]
+                    clash &= ~(same & (codes[0] == codes[1]))
+            hits = clash.nonzero()
+            if len(hits):
+                i = int(hits[0, 0])
+                if first is None or i < first[0]:
+                    first = (i, w, o)
+    if first is not None:
+        i, w, o = first
+        allowed = (w, o) in aliases or (o, w) in aliases
+        expected = ("no shared memory, or exactly the same memory and dtype (in place)" if allowed
+                    else "no shared memory")
+        raise ValueError(f"{op}: tensor_lists[{w}][{i}], which the op writes, overlaps tensor_lists[{o}][{i}] in "
+                         f"memory; expected {expected}")
 
 
 def _plain_lists(lists: List[list]) -> bool:
     """Whether the lists pass `_check_call`'s checks as they are: tensors of a supported float dtype, strided and
-    contiguous, each with the shape and device of its position in list 0. Such tensors are their own memory-order
-    views (memory order is index order, and pairs have equal shapes). One map per property, no Python frame per
-    tensor: a Megatron- or DeepSpeed-style caller clips and unscales every grad through these ops at every step,
-    and the per-tensor loop and views cost about 3 us a tensor. False sends the lists to that loop, which names
-    the culprit or accepts what this test does not (channels_last tensors, pairs of different shapes)."""
+    contiguous, each with the shape and device (not meta) of its position in list 0. Such tensors are their own
+    memory-order views (memory order is index order, and pairs have equal shapes). One map per property, no Python
+    frame per tensor: a Megatron- or DeepSpeed-style caller clips and unscales every grad through these ops at
+    every step, and the per-tensor loop and views cost about 3 us a tensor. False sends the lists to that loop,
+    which names the culprit or accepts what this test does not (channels_last tensors, pairs of different
+    shapes)."""
     first = lists[0]
     others = [tl for tl in lists[1:] if tl is not first]
     for tl in [first, *others]:
@@ -151,6 +252,8 @@ def _plain_lists(lists: List[list]) -> bool:
             return False
     shapes, devices = list(map(get_shape, first)), list(map(get_device, first))
     if len(set(devices)) > 1:  # upstream's rule: every tensor on the device of the first
+        return False
+    if devices and devices[0].type == "meta":  # (every tensor is on that device: one test for all)
         return False
     return all(list(map(get_shape, tl)) == shapes and list(map(get_device, tl)) == devices for tl in others)
 
@@ -362,7 +465,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]`` (dtypes may differ, e.g. fp16 grads into
     fp32 masters); sets the flag if any input holds inf/nan. Runs even when the flag is already set."""
     op = "multi_tensor_scale"
-    src, dst = _check_call(op, chunk_size, noop_flag, tensor_lists, (2,))
+    src, dst = _check_call(op, chunk_size, noop_flag, tensor_lists, (2,), writes=(1,), aliases=((1, 0),))
     scale = _number(scale, "scale", op)
     if _off_host(src) and _off_host(dst):
         bad = _scale_lists(src, dst, scale)
@@ -373,7 +476,9 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     if _in_place(src, dst) and _core.kernel_many(src) and _disjoint(src):
         # in place on CPU: one apex_C pass over the tensors' address table, where the loop below makes one call
         # per tensor (the same element kernel: the same bits)
-        if _core._scale_gather_unchecked(src, scale, check=True):
+        bad = _core._scale_gather_unchecked(src, scale, check=True)
+        _bump_versions(src)
+        if bad:
             _set_flag(noop_flag)
         return
     bad = False
@@ -383,6 +488,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
         else:
             bad |= _nonfinite(s)
             d.detach().copy_(s.detach().to(torch.float64) * scale)
+    _bump_versions(dst)
     if bad:
         _set_flag(noop_flag)
 
@@ -394,7 +500,8 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
     ``arg_to_check``: -1 checks x and y for inf/nan, 0 only x, 1 only y; a hit sets the flag.
     """
     op = "multi_tensor_axpby"
-    xs, ys, outs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
+    xs, ys, outs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,), writes=(2,),
+                               aliases=((2, 0), (2, 1)))
     a, b = _number(a, "a", op), _number(b, "b", op)
     arg_to_check = _choice(arg_to_check, (-1, 0, 1), "arg_to_check", op, "-1 (both), 0 (x) or 1 (y)")
     if _off_host(xs) and _off_host(ys) and _off_host(outs):
@@ -415,8 +522,17 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
             _core.axpy_(y.detach(), out.detach(), b, check=False)        # out += b*y
         else:
             _store(out, _f32(x).mul_(a).add_(_f32(y), alpha=b))
+    _bump_versions(outs)
     if bad:
         _set_flag(noop_flag)
+
+
+def _bump_versions(written: List[torch.Tensor]) -> None:
+    """Tells autograd that the tensors changed in place. apex_C writes through raw addresses, which torch does
+    not see: a tensor saved for backward and then written here would otherwise give a silently wrong gradient,
+    where torch's in-place ops make backward raise. (Tensors written by torch's ops get a second bump, which
+    autograd allows.) One call for the list: about 0.2 us a tensor."""
+    torch.autograd.graph.increment_version(written)
 
 
 def _shares_memory(u: torch.Tensor, v: torch.Tensor) -> bool:
@@ -530,7 +646,7 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     capturable form). Updates even when the flag is set, as upstream's op.
     """
     op = "multi_tensor_adam"
-    gs, ps, ms, vs = _check_call(op, chunk_size, noop_flag, tensor_lists, (4,))
+    gs, ps, ms, vs = _check_call(op, chunk_size, noop_flag, tensor_lists, (4,), writes=(1, 2, 3))
     lr, step = _number(lr, "lr", op), _number(step, "step", op)
     mode = _check_mode(op, mode)
     grad_scale = 1.0 if inv_scale is None else _number(inv_scale, "inv_scale", op)
@@ -565,7 +681,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
     (decayed) grad. Does nothing when the flag is already set.
     """
     op = "multi_tensor_sgd"
-    lists = _check_call(op, chunk_size, noop_flag, tensor_lists, (3, 4))
+    lists = _check_call(op, chunk_size, noop_flag, tensor_lists, (3, 4), writes=(1, 2, 3))
     wd, momentum = _number(wd, "wd", op), _number(momentum, "momentum", op)
     dampening, lr = _number(dampening, "dampening", op), _number(lr, "lr", op)
     scale = _number(scale, "scale", op)
@@ -603,7 +719,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     As upstream, each grad tensor holds its update afterwards.
     """
     op = "multi_tensor_lamb"
-    gs, ps, ms, vs = _check_call(op, chunk_size, noop_flag, tensor_lists, (4,))
+    gs, ps, ms, vs = _check_call(op, chunk_size, noop_flag, tensor_lists, (4,), writes=(0, 1, 2, 3))
     lr, step = _number(lr, "lr", op), _number(step, "step", op)
     beta1, beta2 = _number(beta1, "beta1", op), _number(beta2, "beta2", op)
     eps, wd = _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
@@ -652,7 +768,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     ``norm_type`` (2 or 0) names how the norms were computed.
     """
     op = "multi_tensor_novograd"
-    gs, ps, ms = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
+    gs, ps, ms = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,), writes=(1, 2))
     if not isinstance(grad_norms, torch.Tensor) or grad_norms.numel() != len(gs):
         got = grad_norms.numel() if isinstance(grad_norms, torch.Tensor) else type(grad_norms).__name__
         raise ValueError(f"{op}: grad_norms must be a tensor with one norm per tensor ({len(gs)}), got {got}")
@@ -694,7 +810,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     """Adagrad on ``tensor_lists = [grads, params, sums]``: mode 0 adds ``weight_decay * p`` to the grad
     (L2), mode 1 to the update (decoupled); ``h += g^2``, ``p -= lr * g / (sqrt(h) + eps)``."""
     op = "multi_tensor_adagrad"
-    gs, ps, hs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,))
+    gs, ps, hs = _check_call(op, chunk_size, noop_flag, tensor_lists, (3,), writes=(1, 2))
     lr, eps, wd = _number(lr, "lr", op), _number(epsilon, "epsilon", op), _number(weight_decay, "weight_decay", op)
     mode = _check_mode(op, mode)
     for g, p, h in zip(gs, ps, hs):
@@ -716,6 +832,11 @@ def _one_element(op: str, name: str, t: Any, kind: str) -> torch.Tensor:
         ok = t.is_floating_point()
     else:
         ok = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    if t.is_nested or t.layout != torch.strided:
+        raise TypeError(f"{op}: {name} must be a dense one-element {kind} tensor, got "
+                        f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
+    if t.is_meta:
+        raise ValueError(f"{op}: {name} must hold a value, got a meta tensor")
     if t.numel() != 1 or not ok:
         raise TypeError(f"{op}: {name} must be a one-element {kind} tensor, got {t.dtype} with {t.numel()} elements")
     return t
