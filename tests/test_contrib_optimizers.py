@@ -237,3 +237,265 @@ def test_fused_lamb_is_the_main_fused_lamb_without_nvlamb():
             opt.step()
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------- bad input: clear errors, nothing changed
+
+
+def _snapshot(opt, params):
+    """Everything a rejected call must leave as it was: params, per-param state, param groups (copies)."""
+    import copy
+
+    return copy.deepcopy(([p.detach() for p in params], {id(p): st for p, st in opt.state.items()},
+                          [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _unchanged(opt, params, snap):
+    return _same(_snapshot(opt, params), snap)
+
+
+def _two_groups(**kw):
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([{"params": [a]}, {"params": [b]}], lr=1e-2, max_grad_norm=1.0, **kw)
+    a.grad, b.grad = torch.randn(3), torch.randn(4)
+    opt.step()
+    a.grad, b.grad = torch.randn(3), torch.randn(4)
+    return opt, [a, b]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool])
+def test_fused_adam_refuses_params_it_cannot_update(dtype):
+    bad = torch.zeros(3, dtype=dtype)
+    with pytest.raises(TypeError, match="complex" if dtype.is_complex else "floating point"):
+        FusedAdam([bad])
+    opt, params = _two_groups()
+    snap = _snapshot(opt, params)
+    with pytest.raises(TypeError, match="param 0"):
+        opt.add_param_group({"params": [bad]})
+    assert len(opt.param_groups) == 2 and _unchanged(opt, params, snap)
+
+
+@pytest.mark.parametrize("grad,exc,fragment", [
+    (torch.zeros(4, dtype=torch.complex64), TypeError, "grad of param 0 of group 1 has dtype torch.complex64"),
+    (torch.zeros(4, dtype=torch.int32), TypeError, "grad of param 0 of group 1 has dtype torch.int32"),
+    (torch.zeros(4, device="meta"), ValueError, "meta tensor"),
+    ("x", TypeError, "grad of param 0 of group 1 is str"),
+])
+def test_fused_adam_refuses_bad_flat_grads_before_any_update(grad, exc, fragment):
+    opt, params = _two_groups()
+    snap = _snapshot(opt, params)
+    with pytest.raises(exc, match=fragment):
+        opt.step(grads=[[torch.randn(3)], [grad]])
+    assert _unchanged(opt, params, snap)
+
+
+def _set_state(key, value):
+    def mutate(opt, params):
+        opt.state[params[1]][key] = value
+    return mutate
+
+
+def _set_group(key, value):
+    def mutate(opt, params):
+        opt.param_groups[1][key] = value
+    return mutate
+
+
+@pytest.mark.parametrize("kwargs,mutate,exc,fragment", [
+    (dict(output_params=[[torch.empty(3)], [torch.zeros(1).expand(4)]]), None, ValueError,
+     "output param 0 of group 1 repeats memory"),
+    (dict(output_params=[[torch.empty(3)], [torch.empty(5)]]), None, ValueError,
+     r"output param 0 of group 1 has shape \(5,\)"),
+    (dict(output_params=[[torch.empty(3)], [torch.empty(4, dtype=torch.int64)]]), None, TypeError,
+     "output param 0 of group 1 must be a real floating point tensor"),
+    (dict(output_params=[[torch.empty(3)], ["out"]]), None, TypeError, "output param 0 of group 1 must be a tensor"),
+    (dict(output_params=[[torch.empty(3)], 5]), None, TypeError, "output_params for group 1 must be a list"),
+    (dict(grad_norms=[1.0, "x"]), None, TypeError, r"grad_norms\[1\]"),
+    (dict(grad_norms=[1.0, -2.0]), None, ValueError, r"grad_norms\[1\]"),
+    (dict(grad_norms=[1.0, float("nan")]), None, ValueError, r"grad_norms\[1\]"),
+    (dict(grad_norms=1.0), None, TypeError, "grad_norms must be a list of one norm per param group"),
+    (dict(grad_norms=[1.0]), None, ValueError, "grad_norms has 1 entries, the optimizer has 2 groups"),
+    ({}, _set_state("exp_avg", torch.zeros(7)), ValueError, "state of param 0 in group 1: 'exp_avg'"),
+    ({}, _set_state("exp_avg_sq", torch.zeros(4, dtype=torch.int64)), ValueError, "'exp_avg_sq'"),
+    ({}, _set_state("step", "three"), TypeError, "'step'"),
+    ({}, _set_state("step", -1), ValueError, "'step'"),
+    ({}, lambda o, ps: o.state.__setitem__(ps[1], 5), TypeError, "expected a dict of state entries"),
+    ({}, lambda o, ps: o.state[ps[1]].pop("exp_avg"), ValueError, "'exp_avg'"),
+    ({}, _set_group("bias_correction", torch.tensor([1, 0])), TypeError, "param group 1: Invalid bias_correction"),
+    ({}, _set_group("lr", -1.0), ValueError, "param group 1: Invalid learning rate"),
+    ({}, _set_group("max_grad_norm", "big"), TypeError, "param group 1: Invalid max_grad_norm"),
+    ({}, _set_group("amsgrad", True), ValueError, "param group 1: FusedAdam does not support the AMSGrad"),
+    ({}, _set_group("maximize", True), ValueError, "param group 1: FusedAdam does not implement maximize"),
+    ({}, lambda o, ps: o.param_groups[1].pop("eps"), KeyError, "FusedAdam: param group 1 has no 'eps'"),
+    ({}, lambda o, ps: o.param_groups[1]["params"].append(torch.zeros(2, dtype=torch.complex64)), TypeError,
+     "complex"),
+])
+def test_fused_adam_step_checks_everything_before_the_first_update(kwargs, mutate, exc, fragment):
+    opt, params = _two_groups()
+    if mutate is not None:
+        mutate(opt, params)
+    snap = _snapshot(opt, params)
+    with pytest.raises(exc, match=fragment):
+        opt.step(**kwargs)
+    assert _unchanged(opt, params, snap)
+
+
+def test_fused_adam_takes_one_element_tensor_options_and_norms():
+    opt, params = _two_groups()
+    twin, twin_params = _two_groups()
+    opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+    opt.step(grad_norms=torch.tensor([2.0, 3.0]))
+    twin.step(grad_norms=[2.0, 3.0])
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+
+
+def _corrupt(key, value, where="state"):
+    def mutate(sd):
+        if where == "state":
+            sd["state"][1][key] = value
+        else:
+            sd["param_groups"][1][key] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate,exc,fragment", [
+    (_corrupt("exp_avg", torch.zeros(7)), ValueError, r"state of param 0 in param group 1, key 'exp_avg': expected "
+                                                      r"shape \(4,\)"),
+    (_corrupt("exp_avg", 3.0), TypeError, "'exp_avg'"),
+    (_corrupt("step", -2), ValueError, "'step'"),
+    (lambda sd: sd["state"][1].pop("exp_avg_sq"), ValueError, "lacks"),
+    (lambda sd: sd["state"].__setitem__(1, 5), TypeError, "dict"),
+    (_corrupt("lr", -1.0, "group"), ValueError, "param group 1: Invalid learning rate"),
+    (_corrupt("max_grad_norm", -1.0, "group"), ValueError, "param group 1: Invalid max_grad_norm"),
+    (_corrupt("amsgrad", True, "group"), ValueError, "AMSGrad"),
+    (_corrupt("maximize", True, "group"), ValueError, "maximize"),
+    (_corrupt("bias_correction", torch.tensor([1, 0]), "group"), TypeError, "bias_correction"),
+    (lambda sd: sd["param_groups"].pop(), ValueError, "number of parameter groups"),
+])
+def test_fused_adam_load_state_dict_is_all_or_nothing(mutate, exc, fragment):
+    import copy
+
+    opt, params = _two_groups()
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    mutate(bad)
+    snap = _snapshot(opt, params)
+    with pytest.raises(exc, match=fragment):
+        opt.load_state_dict(bad)
+    assert _unchanged(opt, params, snap)
+    opt.step()  # still steps
+
+
+def test_fused_adam_loads_a_torch_adam_checkpoint_and_fills_missing_options():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4))
+    ref = torch.optim.Adam([p], lr=1e-2)
+    p.grad = torch.randn(4)
+    ref.step()
+    sd = ref.state_dict()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = FusedAdam([q], lr=1e-2, max_grad_norm=1.0)
+    del sd["param_groups"][0]["lr"]  # an older checkpoint: the default fills in
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["max_grad_norm"] == 1.0
+    assert "differentiable" not in opt.defaults
+    q.grad = torch.randn(4)
+    opt.step()
+    assert int(opt.state[q]["step"]) == 2
+    amsgrad = torch.optim.Adam([torch.nn.Parameter(torch.randn(4))], amsgrad=True)
+    with pytest.raises(ValueError, match="AMSGrad"):
+        opt.load_state_dict(amsgrad.state_dict())
+
+
+def _dynamic(seed=0):
+    model = _fp16_model(seed)
+    return model, _bert_style(model, dynamic_loss_scale=True)
+
+
+@pytest.mark.parametrize("key,value,exc,fragment", [
+    ("scale_window", 0, ValueError, "scale_window must be >= 1"),
+    ("scale_window", 2.5, TypeError, "scale_window must be an int"),
+    ("scale_factor", 0.5, ValueError, "scale_factor must be > 1"),
+    ("scale_factor", "x", TypeError, "scale_factor must be a number"),
+    ("cur_scale", 0.0, ValueError, "cur_scale must be a finite number > 0"),
+    ("cur_iter", "abc", TypeError, "'cur_iter' must be an int"),
+    ("cur_iter", -1, ValueError, "'cur_iter' must be >= 0"),
+    ("last_overflow_iter", None, TypeError, "'last_overflow_iter' must be an int"),
+    ("last_overflow_iter", -2, ValueError, "'last_overflow_iter' must be >= -1"),
+    ("dynamic_loss_scale", "yes", TypeError, "'dynamic_loss_scale' must be True or False"),
+    ("fp32_groups", None, ValueError, "fp32_groups"),
+])
+def test_fp16_optimizer_load_checks_every_field_before_loading(key, value, exc, fragment):
+    import copy
+
+    trained_model, trained = _dynamic()
+    _train(trained_model, trained, 0, 3)
+    sd = copy.deepcopy(trained.state_dict())
+    sd[key] = value
+    _, opt = _dynamic(seed=1)
+    fields = {k: getattr(opt, k) for k in ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter",
+                                            "scale_factor", "scale_window")}
+    masters = [p.detach().clone() for g in opt.fp32_groups for p in g]
+    with pytest.raises(exc, match=fragment) as info:
+        opt.load_state_dict(sd)
+    assert "FP16_Optimizer.load_state_dict" in str(info.value)
+    assert {k: getattr(opt, k) for k in fields} == fields
+    assert len(opt.optimizer.state) == 0  # the wrapped optimizer's state was not loaded
+    assert all(torch.equal(a, b) for a, b in zip(masters, [p for g in opt.fp32_groups for p in g]))
+
+
+def test_fp16_optimizer_load_rejects_a_bad_inner_state_with_nothing_changed():
+    import copy
+
+    trained_model, trained = _dynamic()
+    _train(trained_model, trained, 0, 3)
+    sd = copy.deepcopy(trained.state_dict())
+    inner = sd["optimizer_state_dict"]
+    inner["state"][0]["exp_avg"] = torch.zeros(7)
+    _, opt = _dynamic(seed=1)
+    with pytest.raises(ValueError, match="'exp_avg': expected shape"):
+        opt.load_state_dict(sd)
+    assert opt.cur_iter == 0 and len(opt.optimizer.state) == 0
+
+
+def test_fp16_optimizer_loads_integral_float_counters():
+    import copy
+
+    trained_model, trained = _dynamic()
+    _train(trained_model, trained, 0, 3)
+    sd = copy.deepcopy(trained.state_dict())
+    sd.update(cur_iter=3.0, scale_window=1000.0, last_overflow_iter=-1.0)
+    _, opt = _dynamic(seed=1)
+    opt.load_state_dict(sd)
+    assert (opt.cur_iter, opt.scale_window, opt.last_overflow_iter) == (3, 1000, -1)
+    assert all(type(v) is int for v in (opt.cur_iter, opt.scale_window, opt.last_overflow_iter))
+
+
+def test_fused_adam_copies_keep_the_eps_rule():
+    import copy
+    import pickle
+
+    for eps_inside_sqrt in (False, True):
+        opt, params = _two_groups(eps_inside_sqrt=eps_inside_sqrt)
+        for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+            assert other.eps_mode == opt.eps_mode
+            other_params = [p for g in other.param_groups for p in g["params"]]
+            for p, q in zip(params, other_params):
+                q.grad = p.grad.clone()
+            other.step()
+        opt.step()
+        for p, q in zip(params, other_params):
+            assert torch.equal(p, q)

@@ -1249,3 +1249,147 @@ def test_fused_adam_master_weights_grad_scaler():
             torch.testing.assert_close(m, a, rtol=2e-3, atol=2e-3)
             assert torch.equal(p.detach(), m.detach().to(p.dtype))
     assert opt.param_groups[0]["step"].tolist() == [5]
+
+
+# ------------------------------------------------------------------ torch checkpoints asking for math we lack
+
+
+def _torch_trained(make, steps=2):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    opt = make([p])
+    for _ in range(steps):
+        p.grad = torch.randn(4, dtype=torch.float64)
+        opt.step()
+    return p, opt
+
+
+def _refuses_load(opt, sd, exc, fragment):
+    """``load_state_dict(sd)`` raises and leaves the optimizer's state_dict as it was."""
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(exc, match=fragment) as info:
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert type(opt).__name__ in str(info.value)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+
+
+def test_fused_adagrad_refuses_torch_lr_decay():
+    _, ref = _torch_trained(lambda ps: torch.optim.Adagrad(ps, lr=0.01, lr_decay=0.1))
+    opt = FusedAdagrad([torch.nn.Parameter(torch.zeros(4))], lr=0.01)
+    _refuses_load(opt, ref.state_dict(), ValueError, r"param group 0: FusedAdagrad has no learning-rate decay .*: "
+                                                     r"expected lr_decay=0, got lr_decay=0.1")
+    with pytest.raises(ValueError, match="lr_decay"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr_decay": 0.5})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["lr_decay"] = 0.1  # set later: refused at the step, before anything changes
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="lr_decay"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(4)) and not opt.state
+
+
+def test_fused_adagrad_loads_torch_adagrad_without_lr_decay_and_matches():
+    p, ref = _torch_trained(lambda ps: torch.optim.Adagrad(ps, lr=0.01, eps=1e-10))
+    q = torch.nn.Parameter(p.detach().float().clone())
+    opt = FusedAdagrad([q], lr=0.01)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for t in range(3):
+        g = torch.randn(4, generator=torch.Generator().manual_seed(t))
+        p.grad, q.grad = g.double(), g.clone()
+        ref.step()
+        opt.step()
+    torch.testing.assert_close(q.double(), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_refuses_a_torch_checkpoint_of_the_other_decay_rule(adam_w_mode):
+    other = torch.optim.Adam if adam_w_mode else torch.optim.AdamW
+    _, ref = _torch_trained(lambda ps: other(ps, weight_decay=0.1))
+    opt = FusedAdam([torch.nn.Parameter(torch.zeros(4))], adam_w_mode=adam_w_mode)
+    _refuses_load(opt, ref.state_dict(), ValueError,
+                  rf"FusedAdam\(adam_w_mode={adam_w_mode}\) applies .* weight decay; the group has "
+                  rf"decoupled_weight_decay={not adam_w_mode}")
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.1,
+                             "decoupled_weight_decay": not adam_w_mode})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_continues_a_torch_checkpoint_of_its_decay_rule(adam_w_mode):
+    same = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    p, ref = _torch_trained(lambda ps: same(ps, lr=1e-2, weight_decay=0.1))
+    q = torch.nn.Parameter(p.detach().float().clone())
+    opt = FusedAdam([q], adam_w_mode=adam_w_mode)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for t in range(5):
+        g = torch.randn(4, generator=torch.Generator().manual_seed(t))
+        p.grad, q.grad = g.double(), g.clone()
+        ref.step()
+        opt.step()
+    torch.testing.assert_close(q.double(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adam_without_decay_takes_either_torch_rule():
+    """No decay: Adam and AdamW are one update, so torch.optim.Adam's default checkpoint loads into the default
+    FusedAdam; a decay set later must then agree (checked at the step)."""
+    _, ref = _torch_trained(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    q = torch.nn.Parameter(torch.zeros(4))
+    opt = FusedAdam([q], lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    q.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["weight_decay"] = 0.1
+    before, step = q.detach().clone(), opt.param_groups[0]["step"]
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        opt.step()
+    assert torch.equal(q, before) and opt.param_groups[0]["step"] == step
+
+
+def _amsgrad_sd():
+    return _torch_trained(lambda ps: torch.optim.Adam(ps, amsgrad=True))[1].state_dict()
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(ps, adam_w_mode=False),
+    lambda ps: FusedLAMB(ps),
+    lambda ps: FusedNovoGrad(ps),
+    lambda ps: FusedMixedPrecisionLamb(ps),
+], ids=["FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedMixedPrecisionLamb"])
+def test_classes_without_amsgrad_refuse_it_in_loads_added_groups_and_steps(make):
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = make([p])
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["amsgrad"] = True
+    _refuses_load(opt, sd, ValueError, "does not support the AMSGrad variant")
+    with pytest.raises(ValueError, match="AMSGrad"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["amsgrad"] = True
+    p.grad = torch.ones(4)
+    with pytest.raises(ValueError, match=r"param group 0: .* AMSGrad"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(4)) and not opt.state
+    opt.param_groups[0]["amsgrad"] = False  # torch's default value is accepted
+    opt.step()
+
+
+def test_fused_adam_refuses_a_torch_amsgrad_checkpoint():
+    opt = FusedAdam([torch.nn.Parameter(torch.zeros(4))], adam_w_mode=False)
+    _refuses_load(opt, _amsgrad_sd(), ValueError, "AMSGrad")
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedAdagrad, FusedSGD, FusedLAMB, FusedNovoGrad])
+@pytest.mark.parametrize("option", ["maximize", "capturable", "differentiable"])
+def test_torch_only_options_refused_in_loads(cls, option):
+    kw = dict(lr=0.1) if cls is FusedSGD else {}
+    opt = cls([torch.nn.Parameter(torch.zeros(4))], **kw)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0][option] = True
+    _refuses_load(opt, sd, ValueError, f"does not implement {option}=True")
+    sd["param_groups"][0][option] = False
+    sd["param_groups"][0].update(foreach=True, fused=True)  # executor choices: ours is fused either way
+    opt.load_state_dict(sd)

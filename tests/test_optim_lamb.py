@@ -307,6 +307,84 @@ def test_reference_lamb_rejects_a_grad_of_another_shape_before_any_update():
     harness.assert_unchanged(opt, params, snap)
 
 
+
+@pytest.mark.parametrize("cls", [NpuFusedLamb, Lamb])
+def test_load_without_an_option_takes_the_default_and_trains_on(cls):
+    import copy
+
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = cls([p], lr=0.1)
+    p.grad = torch.randn(4)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["param_groups"][0]["lr"], sd["param_groups"][0]["use_global_grad_norm"]
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["use_global_grad_norm"] is False
+    assert "differentiable" not in opt.defaults and "differentiable" not in opt.param_groups[0]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a second load spreads nothing either
+    assert set(opt.param_groups[0]) == set(opt.defaults) | {"params"}
+    opt.step()
+
+
+@pytest.mark.parametrize("option", ["maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("cls", [NpuFusedLamb, Lamb])
+def test_torch_only_options_refused_everywhere(cls, option):
+    import copy
+
+    msg = rf"param group \d: {cls.__name__} does not implement {option}=True"
+    p = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match=msg):
+        cls([{"params": [p], option: True}], lr=0.1)
+    opt = cls([p], lr=0.1)
+    with pytest.raises(ValueError, match=msg):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], option: True})
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0][option] = True
+    snap = harness.snapshot(opt, [p])
+    with pytest.raises(ValueError, match=msg):
+        opt.load_state_dict(sd)
+    harness.assert_unchanged(opt, [p], snap)
+    opt.param_groups[0][option] = True
+    p.grad = torch.ones(4)
+    snap = harness.snapshot(opt, [p])
+    with pytest.raises(ValueError, match=msg):
+        opt.step()
+    harness.assert_unchanged(opt, [p], snap)
+
+
+@pytest.mark.parametrize("cls", [NpuFusedLamb, Lamb])
+def test_a_state_entry_that_is_not_a_dict_is_named_before_any_update(cls):
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))]
+    opt = cls(params, lr=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    step0 = float(opt.state[params[0]]["step"])
+    opt.state[params[1]] = 5
+    with pytest.raises(TypeError, match=r"state of param 1 .*group 0.*dict.*got int|group 0.*state of param 1 .*dict"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert float(opt.state[params[0]]["step"]) == step0 and opt.state[params[1]] == 5
+    opt.state[params[1]] = {}  # a fresh start is fine
+    opt.step()
+
+
+def test_reference_lamb_global_norm_takes_float64_params():
+    """float64 params (the reference class takes any float dtype): the global norm works and matches the norm
+    of the grads as the update reads them (float32), so the result is that of float32 copies of the params."""
+    g64 = [torch.randn(4, dtype=torch.float64) * 3, torch.randn(5, dtype=torch.float64) * 3]
+    p64 = [torch.nn.Parameter(torch.randn(s.shape, dtype=torch.float64)) for s in g64]
+    p32 = [torch.nn.Parameter(p.detach().float()) for p in p64]
+    o64, o32 = Lamb(p64, lr=0.1, use_global_grad_norm=True), Lamb(p32, lr=0.1, use_global_grad_norm=True)
+    for p, q, g in zip(p64, p32, g64):
+        p.grad, q.grad = g.clone(), g.float()
+    o64.step()
+    o32.step()
+    for p, q in zip(p64, p32):
+        torch.testing.assert_close(p.detach().float(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
 # --------------------------------------------------------------------------- timm (optional outside peer)
 @pytest.mark.parametrize("use_global", [False, True])
 def test_matches_timm_lamb(use_global):

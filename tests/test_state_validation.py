@@ -368,3 +368,50 @@ def test_base_class_and_clip_function_name_what_they_need():
         CombinedOptimizer([p], {})
     with pytest.raises(TypeError, match="expected an apex optimizer"):
         clip_optimizer_grad_norm_fused([], 1.0)
+
+
+# ---------------------------------------------------------------- state rewritten between steps
+
+
+def _step_options(opt):
+    """The options a group must keep (torch's behaviour options may be absent: their default applies)."""
+    return [k for k in opt.defaults if k not in ("maximize", "capturable", "differentiable", "foreach", "fused")]
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+def test_a_deleted_group_option_is_named_at_the_step_with_nothing_changed(cls, kw):
+    opt, params = _trained(cls, kw)
+    keys = _step_options(opt)
+    assert "lr" in keys
+    for key in keys:
+        value = opt.param_groups[0].pop(key)
+        good = snapshot(opt)
+        values = [p.detach().clone() for p in params]
+        feed(params, 7)
+        with pytest.raises(KeyError, match=rf"{cls.__name__}: param group 0 has no '{key}'"):
+            opt.step()
+        assert same_state(opt.state_dict(), good), key
+        assert all(torch.equal(p, v) for p, v in zip(params, values)), key
+        opt.param_groups[0][key] = value
+    twin_opt, twin_params = _trained(cls, kw)
+    run(opt, params, 1, start=7)
+    run(twin_opt, twin_params, 1, start=7)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+@pytest.mark.parametrize("bad", [5, None, [1.0]], ids=["int", "None", "list"])
+def test_a_state_entry_that_is_not_a_dict_is_refused_at_the_step(cls, kw, bad):
+    opt, params = _trained(cls, kw)
+    good = snapshot(opt)
+    values = [p.detach().clone() for p in params]
+    saved = opt.state[params[1]]
+    opt.state[params[1]] = bad
+    feed(params, 7)
+    with pytest.raises(TypeError, match=r"state of param 1\b.*dict.*got " + type(bad).__name__):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    opt.state[params[1]] = saved
+    assert same_state(opt.state_dict(), good)
+    run(opt, params, 1, start=7)

@@ -67,6 +67,34 @@ _TORCH_ONLY_OPTIONS = {
 _IGNORED_OPTIONS = ("foreach", "fused")  # executor choices: ours is always fused
 
 
+def check_torch_options(owner: str, group: dict) -> None:
+    """torch.optim's behaviour options (`_TORCH_ONLY_OPTIONS`) at their default only: a group that asks for
+    maximize, capturable or differentiable would otherwise get the plain update without a word."""
+    for key, default in _TORCH_ONLY_OPTIONS.items():
+        if key in group and bool(group[key]) != default:
+            raise ValueError(f"{owner} does not implement {key}={group[key]!r}; expected {key}={default}")
+
+
+def check_no_amsgrad(owner: str, group: dict) -> None:
+    """For the classes whose constructor refuses AMSGrad: a group that asks for it (torch.optim.Adam's
+    ``amsgrad=True`` in a loaded checkpoint, or an added group) would silently get plain Adam's denominator."""
+    if "amsgrad" in group and bool(group["amsgrad"]):
+        raise ValueError(f"{owner} does not support the AMSGrad variant: expected amsgrad=False, got "
+                         f"amsgrad={group['amsgrad']!r} (a torch.optim.Adam(amsgrad=True) checkpoint needs "
+                         "apex.optimizers.NpuFusedAdam or NpuFusedAdamW)")
+
+
+def check_group_keys(owner: str, gi: int, group: dict, defaults: dict) -> None:
+    """Every option of ``defaults`` is still in the group (user code or a scheduler may delete one after the
+    group was added); torch's behaviour options may be absent (their default applies). KeyError, as torch's
+    lookups give, but naming the option, the group and the class. Per group: no per-param cost."""
+    for key in defaults:
+        if key not in group and key not in _TORCH_ONLY_OPTIONS and key not in _IGNORED_OPTIONS:
+            needed = sorted(k for k in defaults if k not in _TORCH_ONLY_OPTIONS and k not in _IGNORED_OPTIONS)
+            raise KeyError(f"{owner}: param group {gi} has no {key!r} (it was removed after the group was added); "
+                           f"every group needs the options {needed}")
+
+
 #: values of `CombinedOptimizer.executor`
 EXECUTORS = ("auto", "torch", "torch_ops")
 
@@ -405,11 +433,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _check_torch_options(self, group: dict) -> None:
-        for key, default in _TORCH_ONLY_OPTIONS.items():
-            if key in group and bool(group[key]) != default:
-                raise ValueError(
-                    f"{type(self).__name__} does not implement {key}={group[key]!r}; expected {key}={default}"
-                )
+        check_torch_options(type(self).__name__, group)
 
     # ------------------------------------------------------------ combining
     def _intact_sets(self, gi: int, group: dict) -> Optional[List[FlatSet]]:
@@ -487,7 +511,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             sets = self._intact_sets(gi, group)
             if sets is None:
-                self._check_rebuild(group)
+                with naming(f"{type(self).__name__}: param group {gi}"):
+                    self._check_rebuild(group)
                 plans.append((gi, group, None, ()))
                 continue
             plans.append((gi, group, sets, [self._plan_grads(s, group, gather) for s in sets]))
@@ -521,6 +546,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{name}: param group {gi} is on the meta device, which holds no values; this "
                                "optimizer's update reads grad norms on the host: materialize the params first "
                                "(e.g. module.to_empty(device=...))")
+        check_group_keys(name, gi, group, self.defaults)
         with naming(f"{name}: param group {gi}"):
             self._check_torch_options(group)
             check_flags(group)
@@ -572,7 +598,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             sets = self._intact_sets(gi, group)
             if sets is None:
-                self._check_rebuild(group)
+                with naming(f"{type(self).__name__}: param group {gi}"):
+                    self._check_rebuild(group)
                 sets = self._build_group(gi, group)
             out += sets
         self._force_rebuild = self._watch.dirty = False

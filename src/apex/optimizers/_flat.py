@@ -91,10 +91,18 @@ def check_grad(k: int, p: torch.Tensor, g: torch.Tensor) -> None:
         raise RuntimeError(f"grad of param {k} has shape {tuple(g.shape)}; expected the param's {tuple(p.shape)}")
 
 
+_NO_STATE = object()
+
+
 def check_states(params: Sequence[torch.Tensor], state: Dict[torch.Tensor, dict], names: Sequence[str]) -> None:
     """Raises if an existing state entry cannot be copied into its param's slot (e.g. a bad checkpoint)."""
     for k, p in enumerate(params):
-        st = state.get(p)
+        st = state.get(p, _NO_STATE)
+        if st is _NO_STATE:
+            continue
+        if not isinstance(st, dict):  # the step binds views into it
+            raise TypeError(f"state of param {k} must be a dict of state entries (optimizer.state[param]), got "
+                            f"{type(st).__name__}")
         if not st:
             continue
         for name in names:

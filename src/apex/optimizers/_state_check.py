@@ -90,6 +90,26 @@ def check_step_value(value: Any, what: str, *, host_only: bool = False) -> None:
                          f"got {v}")
 
 
+def check_live_state(owner: str, gi: int, k: int, p: torch.Tensor, st: Any,
+                     names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> None:
+    """A param's state as a per-tensor step will read it (user code may have rebound it since the last step): an
+    empty dict (a fresh start; pass one for a param without an entry), else a dict holding ``names`` as
+    floating-point tensors shaped like the param, on its device, and a step count."""
+    where = f"{owner}: state of param {k} in group {gi}"
+    if not isinstance(st, dict):
+        raise TypeError(f"{where}: expected a dict of state entries (optimizer.state[param]), got {type(st).__name__}")
+    if not st:
+        return
+    for key in names:
+        v = st.get(key)
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.shape != p.shape or v.device != p.device:
+            got = (f"{v.dtype} tensor of shape {tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor)
+                   else type(v).__name__)
+            raise ValueError(f"{where}: {key!r} must be a floating-point tensor of shape {tuple(p.shape)} on "
+                             f"{p.device}, got {got}")
+    check_step_value(st.get("step"), f"{where}: 'step'", host_only=True)
+
+
 def _check_entry(what: str, kind: str, value: Any, p: torch.Tensor) -> None:
     if kind == PARAM_SHAPED:
         if not isinstance(value, torch.Tensor):

@@ -8,6 +8,9 @@ decay, accumulator starting at 0)::
     adagrad_w_mode=True (decoupled decay):
         h = h + grad^2 ;  p = p - lr * (grad / (sqrt(h) + eps) + weight_decay * p)
 
+A group with torch.optim.Adagrad's ``lr_decay`` other than 0 (a loaded torch checkpoint, an added group) is
+rejected (ValueError) rather than trained without the decay.
+
 Executors: the apex_C ``_raw_adagrad_step`` kernel on CPU (one pass per group x dtype),
 the same math as torch ops on flat slices elsewhere. ``state[p]`` holds ``sum`` only
 (NVIDIA's layout; torch's Adagrad also keeps a ``step``).
@@ -51,6 +54,14 @@ class FusedAdagrad(NvidiaCompatMixin, CombinedOptimizer):
         _check_range("learning rate", group["lr"], 0.0)
         _check_range("epsilon value", group["eps"], 0.0)
         _check_range("weight_decay value", group["weight_decay"], 0.0)
+        if "lr_decay" in group:  # torch.optim.Adagrad's option, in every checkpoint it writes
+            _check_range("lr_decay value", group["lr_decay"], 0.0)
+            if float(group["lr_decay"]) != 0.0:
+                raise ValueError(
+                    f"{type(self).__name__} has no learning-rate decay (NVIDIA's Adagrad): expected lr_decay=0, got "
+                    f"lr_decay={group['lr_decay']!r} (torch.optim.Adagrad's lr / (1 + (step - 1) * lr_decay) would "
+                    "be dropped); continue such a run with torch.optim.Adagrad"
+                )
 
     def _state_names(self, group: dict) -> List[str]:
         return ["sum"]

@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _call_closure, _check_adam_group
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_no_amsgrad
 from ._flat import FlatSet
 from ._functional import adam_math, settler
 from ._nvidia import (
@@ -78,6 +78,12 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
     ``param_groups_master``: per group, the fp32 master of each param with ``master_weights``
     (fp32 params are their own; fp16/bf16 ones get theirs at the first step, None before), all
     None without.
+
+    torch.optim.Adam / AdamW checkpoints load (their per-param steps become the group step). A group that asks for
+    math this class does not have raises ValueError at ``load_state_dict``, ``add_param_group`` or the next step,
+    with nothing changed: ``amsgrad=True``, and a non-zero ``weight_decay`` whose ``decoupled_weight_decay`` is not
+    ``adam_w_mode`` (an AdamW checkpoint into ``adam_w_mode=False``, or the reverse: construct the class with the
+    checkpoint's rule instead). Without decay the two rules are one update, so either loads.
     """
 
     # upstream's kernel handles, for subclasses that replace step() (see `AmpCOp`)
@@ -132,6 +138,20 @@ class FusedAdam(NvidiaCompatMixin, GradScalerMixin, ShadowParamsMixin, CombinedO
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
+        check_no_amsgrad(type(self).__name__, group)
+        # torch.optim.Adam / AdamW checkpoints name their decay: one that is not adam_w_mode's would run the other
+        # decay rule; without decay the two rules are the same update (torch.optim.Adam(weight_decay=0) is FusedAdam's
+        # common source), so only a decay that is used must agree
+        if "decoupled_weight_decay" in group and float(group["weight_decay"]) != 0.0:
+            decoupled = bool(group["decoupled_weight_decay"])
+            if decoupled != self.adam_w_mode:
+                raise ValueError(
+                    f"{type(self).__name__}(adam_w_mode={self.adam_w_mode}) applies "
+                    f"{'decoupled (AdamW)' if self.adam_w_mode else 'L2 (Adam)'} weight decay; the group has "
+                    f"decoupled_weight_decay={group['decoupled_weight_decay']!r} and weight_decay="
+                    f"{group['weight_decay']} ({'torch.optim.AdamW' if decoupled else 'torch.optim.Adam'}'s rule): "
+                    f"construct FusedAdam(adam_w_mode={decoupled}) to continue with it"
+                )
 
     def _shadow_dtypes(self) -> Tuple[torch.dtype, ...]:
         return _LOW_PRECISION if self.master_weights else ()

@@ -37,7 +37,7 @@ from typing import List, Optional, Union
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _call_closure, _check_adam_group, _check_range
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group, _check_range, check_no_amsgrad
 from ._flat import FlatSet
 from ._functional import lamb_trust_ratio
 from ._nvidia import AmpCOp, NvidiaCompatMixin, OverflowFlag
@@ -112,6 +112,7 @@ class FusedLAMB(NvidiaCompatMixin, CombinedOptimizer):
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
+        check_no_amsgrad(type(self).__name__, group)
         if group.get("max_grad_norm") is not None:
             _check_range("max_grad_norm", group["max_grad_norm"], 0.0, allow_inf=True)
 

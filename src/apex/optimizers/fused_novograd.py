@@ -43,7 +43,7 @@ from typing import Dict, List
 import torch
 
 from .. import _core
-from ._base import CombinedOptimizer, _call_closure, _check_adam_group
+from ._base import CombinedOptimizer, _call_closure, _check_adam_group, check_no_amsgrad
 from ._flat import FlatSet
 from ._nvidia import AmpCOp, NvidiaCompatMixin, OverflowFlag
 from ._state_check import SCALAR, _check_entry
@@ -119,6 +119,7 @@ class FusedNovoGrad(NvidiaCompatMixin, CombinedOptimizer):
 
     def _validate_group(self, group: dict) -> None:
         _check_adam_group(group)
+        check_no_amsgrad(type(self).__name__, group)
         if group["norm_type"] not in (0, 2) or isinstance(group["norm_type"], bool):
             raise RuntimeError(
                 f"FusedNovoGrad only support l2/inf norm now: expected norm_type 2 (L2) or 0 (inf), "

@@ -39,8 +39,10 @@ from ._base import (
     _call_closure,
     _check_adam_group,
     _wrap_host_defaults,
+    check_group_keys,
     check_names_agree,
     check_param_kind,
+    check_torch_options,
     group_params,
 )
 from ._flat import FlatSet
@@ -49,7 +51,7 @@ from ._state_check import (
     COUNT,
     PARAM_SHAPED,
     SCALAR,
-    check_step_value,
+    check_live_state,
     check_unique_params,
     naming,
     validate_loaded_state,
@@ -57,22 +59,6 @@ from ._state_check import (
 from .clip import grad_runs, prepared_grad_norm
 
 __all__ = ["Lamb", "NpuFusedLamb", "lamb_direction", "lamb_flat_step", "lamb_moments", "lamb_trust_ratio"]
-
-
-def _check_live_state(name: str, gi: int, k: int, p: torch.Tensor, st: Optional[dict]) -> None:
-    """A param's state as the step will read it: moments shaped like the param, on its device, and a step
-    count (what user code may have rebound since the last step)."""
-    if not st:
-        return
-    where = f"{name}: state of param {k} in group {gi}"
-    for key in ("exp_avg", "exp_avg_sq"):
-        v = st.get(key)
-        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.shape != p.shape or v.device != p.device:
-            got = (f"{v.dtype} tensor of shape {tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor)
-                   else type(v).__name__)
-            raise ValueError(f"{where}: {key!r} must be a floating-point tensor of shape {tuple(p.shape)} on "
-                             f"{p.device}, got {got}")
-    check_step_value(st.get("step"), f"{where}: 'step'", host_only=True)
 
 
 def _validate_lamb_group(group: dict) -> None:
@@ -290,13 +276,15 @@ class Lamb(torch.optim.Optimizer):
         probe = dict(self.defaults)
         probe.update({k: v for k, v in param_group.items() if k != "params"})
         with naming(f"{type(self).__name__}: param group {len(self.param_groups)}"):
+            check_torch_options(type(self).__name__, probe)
             _validate_lamb_group(probe)
         plain_numbers(self.defaults, self.defaults)
         plain_numbers(param_group, self.defaults)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, after the checks of `CombinedOptimizer.load_state_dict` (nothing changes on failure)."""
+        """torch's load, after the checks of `CombinedOptimizer.load_state_dict` (nothing changes on failure); a
+        loaded group without one of the options (a checkpoint of an older version) takes the default, as there."""
         name = type(self).__name__
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
             raise TypeError(f"{name}.load_state_dict expects an optimizer state_dict with 'state' and 'param_groups'")
@@ -306,15 +294,24 @@ class Lamb(torch.optim.Optimizer):
             probe = dict(self.defaults)
             probe.update({k: v for k, v in g.items() if k != "params"})
             with naming(f"{name}.load_state_dict: param group {gi}"):
+                check_torch_options(name, probe)
                 _validate_lamb_group(probe)
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: _LAMB_STATE)
+        defaults = dict(self.defaults)
         super().load_state_dict(state_dict)
+        if "differentiable" not in defaults:  # torch's load adds it; a second load would spread it into the groups
+            self.defaults.pop("differentiable", None)
+        for g in self.param_groups:
+            for key, value in defaults.items():
+                g.setdefault(key, value)
 
     def _check_step_inputs(self) -> None:
         """Everything a step could fail on, for every group, before the first param or state is touched."""
         name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
+            check_group_keys(name, gi, group, self.defaults)
             with naming(f"{name}: param group {gi}"):
+                check_torch_options(name, group)
                 _validate_lamb_group(group)  # options rewritten since add_param_group (a scheduler, user code)
             _check_params(self, group["params"])
             for k, p in enumerate(group["params"]):
@@ -333,13 +330,16 @@ class Lamb(torch.optim.Optimizer):
                 if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
                     raise RuntimeError(f"{name}: param {k} of group {gi} repeats memory (an expanded view, stride "
                                        f"{tuple(p.stride())}): an in-place update cannot write it")
-                _check_live_state(name, gi, k, p, self.state.get(p))
+                check_live_state(name, gi, k, p, self.state.get(p, {}))
 
     def _global_norm(self) -> Optional[torch.Tensor]:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return None
-        norms = [torch.linalg.vector_norm(gr, dtype=torch.float32) for gr in grads]
+        # each grad's norm as the update reads it, in float32; float64 grads (which vector_norm will not narrow
+        # in the same call) are normed in float64, then rounded
+        norms = [torch.linalg.vector_norm(gr).float() if gr.dtype == torch.float64
+                 else torch.linalg.vector_norm(gr, dtype=torch.float32) for gr in grads]
         dev = norms[0].device
         return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]))
 

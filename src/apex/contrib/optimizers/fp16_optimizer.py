@@ -59,11 +59,8 @@ class FP16_Optimizer(WrapsOptimizer):
                     raise ValueError("FP16_Optimizer: dynamic_loss_args may hold init_scale, scale_factor and "
                                      f"scale_window, got {dynamic_loss_args!r}")
                 init_scale = self._positive(dynamic_loss_args.get("init_scale", init_scale), "init_scale")
-                scale_factor = self._positive(dynamic_loss_args.get("scale_factor", scale_factor), "scale_factor")
-                if scale_factor <= 1:
-                    raise ValueError(f"FP16_Optimizer: scale_factor must be > 1, got {scale_factor}")
-                scale_window = check_int(dynamic_loss_args.get("scale_window", scale_window),
-                                         "FP16_Optimizer: scale_window", 1)
+                scale_factor = self._scale_factor(dynamic_loss_args.get("scale_factor", scale_factor))
+                scale_window = self._scale_window(dynamic_loss_args.get("scale_window", scale_window))
         else:
             init_scale = self._positive(static_loss_scale, "static_loss_scale")
         self.optimizer = init_optimizer
@@ -84,8 +81,19 @@ class FP16_Optimizer(WrapsOptimizer):
         self.verbose = verbose
 
     @staticmethod
-    def _positive(value: Any, name: str) -> float:
-        return float(_check_positive(value, name, "FP16_Optimizer"))
+    def _positive(value: Any, name: str, where: str = "FP16_Optimizer") -> float:
+        return float(_check_positive(value, name, where))
+
+    @classmethod
+    def _scale_factor(cls, value: Any, where: str = "FP16_Optimizer") -> float:
+        factor = cls._positive(value, "scale_factor", where)
+        if factor <= 1:  # the scale must grow after a window and shrink at an overflow
+            raise ValueError(f"{where}: scale_factor must be > 1, got {factor}")
+        return factor
+
+    @staticmethod
+    def _scale_window(value: Any, where: str = "FP16_Optimizer") -> int:
+        return check_int(value, f"{where}: scale_window", 1, integral_float=True)
 
     # ------------------------------------------------------------ training
     def zero_grad(self, set_grads_to_None: bool = True) -> None:
@@ -146,30 +154,54 @@ class FP16_Optimizer(WrapsOptimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Everything `state_dict` saved; the masters are copied in place. Checked before anything is set."""
+        """Everything `state_dict` saved; the masters are copied in place. Every field is checked as the
+        constructor checks it (``scale_factor > 1``, ``scale_window >= 1``, ``cur_scale > 0``, counters ints) before
+        the wrapped optimizer's state is loaded or anything is set; a rejected call changes nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"FP16_Optimizer.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        where = "FP16_Optimizer.load_state_dict"
         need = ["dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict", "fp32_groups"]
-        if state_dict.get("dynamic_loss_scale"):
-            need += ["last_overflow_iter", "scale_factor", "scale_window"]
         missing = [k for k in need if k not in state_dict]
         if missing:
-            raise KeyError(f"FP16_Optimizer.load_state_dict: missing {missing}")
+            raise KeyError(f"{where}: missing {missing}")
+        dynamic = state_dict["dynamic_loss_scale"]
+        # NVIDIA's class saved its constructor argument as given: 0 and 1 also occur
+        if not (isinstance(dynamic, bool) or (type(dynamic) is int and dynamic in (0, 1))):
+            raise TypeError(f"{where}: 'dynamic_loss_scale' must be True or False, got {dynamic!r:.80}")
+        dynamic = bool(dynamic)
+        missing = [k for k in ("last_overflow_iter", "scale_factor", "scale_window") if dynamic and k not in state_dict]
+        if missing:
+            raise KeyError(f"{where}: missing {missing} (saved with dynamic_loss_scale=True)")
         saved = state_dict["fp32_groups"]
-        if len(saved) != len(self.fp32_groups) or any(
-                len(a) != len(b) or any(not isinstance(s, torch.Tensor) or s.shape != m.shape for s, m in zip(a, b))
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.fp32_groups) or any(
+                not isinstance(a, (list, tuple)) or len(a) != len(b)
+                or any(not isinstance(s, torch.Tensor) or s.shape != m.shape for s, m in zip(a, b))
                 for a, b in zip(saved, self.fp32_groups)):
-            raise ValueError("FP16_Optimizer.load_state_dict: 'fp32_groups' does not match this optimizer's "
+            raise ValueError(f"{where}: 'fp32_groups' does not match this optimizer's "
                              "groups (number, lengths or shapes)")
-        scale = self._positive(state_dict["cur_scale"], "cur_scale")
+        for gi, group in enumerate(saved):
+            for i, value in enumerate(group):
+                if not value.is_floating_point() or value.is_meta:
+                    raise TypeError(f"{where}: 'fp32_groups' entry {i} of group {gi} must be "
+                                    f"a real floating point tensor holding values, got a {value.dtype} tensor"
+                                    + (" on the meta device" if value.is_meta else ""))
+        # every field converted and checked as the constructor checks it, before the wrapped optimizer's load (itself
+        # all-or-nothing) and before any field is set
+        scale = self._positive(state_dict["cur_scale"], "cur_scale", where)
+        cur_iter = check_int(state_dict["cur_iter"], f"{where}: 'cur_iter'", 0, integral_float=True)
+        if dynamic:
+            last_overflow_iter = check_int(state_dict["last_overflow_iter"], f"{where}: 'last_overflow_iter'", -1,
+                                           integral_float=True)
+            scale_factor = self._scale_factor(state_dict["scale_factor"], where)
+            scale_window = self._scale_window(state_dict["scale_window"], where)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-        self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
+        self.dynamic_loss_scale = dynamic
         self.cur_scale = scale
-        self.cur_iter = int(state_dict["cur_iter"])
-        if self.dynamic_loss_scale:
-            self.last_overflow_iter = int(state_dict["last_overflow_iter"])
-            self.scale_factor = float(state_dict["scale_factor"])
-            self.scale_window = int(state_dict["scale_window"])
+        self.cur_iter = cur_iter
+        if dynamic:
+            self.last_overflow_iter = last_overflow_iter
+            self.scale_factor = scale_factor
+            self.scale_window = scale_window
         with torch.no_grad():
             for current, stored in zip(self.fp32_groups, saved):
                 for master, value in zip(current, stored):
