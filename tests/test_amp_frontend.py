@@ -1094,19 +1094,48 @@ def _overflowing_step(**kw):
     o.step()
 
 
-def test_messages_print_where_logging_is_not_configured(monkeypatch, capsys):
-    """A script that never set up logging sees amp's messages on stdout, as upstream printed them (pytest
-    configures logging, so the unconfigured case is made by hiding the handlers)."""
-    from apex.amp._amp_state import logger
+_UNCONFIGURED_SCRIPT = """
+import sys, torch
+from apex import amp
+verbosity = int(sys.argv[1])
+m = torch.nn.Linear(8, 2)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+m, o = amp.initialize(m, o, opt_level="O1", verbosity=verbosity)
+with amp.scale_loss(m(torch.randn(4, 8)).float().sum() * float("inf"), o) as scaled:
+    scaled.backward()
+o.step()
+amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                     "loss_scaler5": {"loss_scale": 2.0, "unskipped": 0}})
+"""
 
-    monkeypatch.setattr(logger, "hasHandlers", lambda: False)
-    _overflowing_step()
-    out = capsys.readouterr().out
-    assert "Selected optimization level O1" in out
-    assert "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0" in out
-    amp.deinitialize()
-    _overflowing_step(verbosity=0)
-    assert capsys.readouterr().out == ""
+
+@pytest.mark.parametrize("verbosity", [1, 0])
+def test_messages_print_where_logging_is_not_configured(tmp_path, verbosity):
+    """A script that never set up logging, in a process of its own: the banner and the skipped-step line on
+    stdout (as upstream printed them), the warnings on stderr (Python's last-resort handler); verbosity=0
+    silences the messages, not the warnings."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_UNCONFIGURED_SCRIPT)
+    env = dict(os.environ)
+    env.pop("APEX_AMP_DTYPE", None)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(script), str(verbosity)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    out, err = done.stdout, done.stderr
+    overflow = "Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+    if verbosity:
+        assert "Selected optimization level O1" in out
+        assert overflow in out
+    else:
+        assert "Selected optimization level" not in out + err and "Gradient overflow" not in out + err
+    assert "skipping loss_scaler5, since num_losses was set to 1" in err
+    assert "state_dict contains 2 entries, while 1 loss_scalers are used" in err
 
 
 def test_messages_go_to_logging_where_it_is_configured(caplog, capsys):

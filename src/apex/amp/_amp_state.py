@@ -26,6 +26,9 @@ class AmpState:
         self.verbosity: int = 1
         # The handle of the latest amp.init() or amp.initialize() (None before either).
         self.handle: Optional[Any] = None
+        # The latest amp.init() handle: amp.initialize replaces ``handle`` with its own, and the process-wide casts
+        # of an amp.init before it must still end at the next amp.init or amp.deinitialize().
+        self.init_handle: Optional[Any] = None
         # True lets amp.initialize accept params and buffers that are not float32 (upstream's escape hatch).
         self.allow_incoming_model_not_fp32: bool = False
         # The latest amp.initialize's loss-scale bounds (upstream records them here).
@@ -66,7 +69,9 @@ def maybe_log(msg: str, *args: Any, level: int = logging.INFO, rank0: bool = Fal
     """amp's messages (options chosen, skipped steps): through the ``apex.amp`` logger when the program configured
     logging (a handler anywhere from ``apex.amp`` up to the root logger), else printed to stdout, as upstream's amp
     printed them, so a script that never set up logging still sees "Gradient overflow. Skipping step" lines.
-    ``rank0`` messages (the banner) print on rank 0 only. ``verbosity=0`` keeps them at DEBUG, never printed."""
+    ``rank0`` messages (the banner) print on rank 0 only. ``verbosity=0`` keeps them at DEBUG, never printed.
+    (amp's warnings go to the logger directly: unconfigured, Python's last-resort handler prints them on stderr,
+    which is why apex.amp has no NullHandler.)"""
     if _amp_state.verbosity <= 0:
         logger.log(logging.DEBUG, msg, *args)
         return

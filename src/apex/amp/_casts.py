@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -91,7 +92,7 @@ def cast_session():
     session = _amp_state.session
     if session is not None and session.patch_functions:
         return session
-    handle = _amp_state.handle
+    handle = _amp_state.init_handle
     if handle is not None and getattr(handle, "function_patches", None) is not None and handle.is_active():
         return handle
     return None
@@ -176,20 +177,57 @@ def promote_function(fn: Callable) -> Callable:
 # ---------------------------------------------------------------- registry
 
 
-def _register(module: Any, name: str, kind: str) -> None:
+def _describe(module: Any) -> str:
+    return getattr(module, "__name__", None) or type(module).__name__
+
+
+def check_replaceable(module: Any, name: str, where: str) -> None:
+    """``module.name`` exists, is callable, and can be replaced by a wrapper (amp patches it while a session is
+    active): TypeError/ValueError naming it otherwise. Probed by setting the attribute to what it holds, then
+    putting back exactly what was there (an inherited attribute is not left as an own one), so nothing changes."""
     if not isinstance(name, str):
-        raise TypeError(f"register_{kind}_function: name must be a str, got {type(name).__name__}")
+        raise TypeError(f"{where}: name must be a str, got {type(name).__name__}")
     if not hasattr(module, name):
         raise ValueError(f"No function named {name} in module {module}.")
-    if not callable(getattr(module, name)):
-        raise ValueError(f"{module}.{name} is not callable (got {type(getattr(module, name)).__name__})")
+    value = getattr(module, name)
+    if not callable(value):
+        raise ValueError(f"{module}.{name} is not callable (got {type(value).__name__})")
+    own = getattr(module, "__dict__", None)
+    had_own = isinstance(own, Mapping) and name in own
+    try:
+        setattr(module, name, own[name] if had_own else value)
+    except (AttributeError, TypeError) as exc:
+        raise TypeError(f"{where}: {_describe(module)}.{name} cannot be replaced ({exc}); amp wraps the attribute "
+                        f"while an O1 session is active, so it must be a settable attribute of a module or class "
+                        f"(wrap the function in a module of your own, or use the *_function decorators)") from exc
+    if not had_own:
+        own = getattr(module, "__dict__", None)
+        if isinstance(own, Mapping) and name in own:
+            delattr(module, name)
+
+
+def check_registry(where: str) -> None:
+    """Every registered function can still be patched (one may have been deleted or frozen since)."""
+    for module, name, kind in list(_USER_CAST_REGISTRY.values()):
+        check_replaceable(module, name, f"{where}: registered {kind} function")
+
+
+def _register(module: Any, name: str, kind: str) -> None:
+    check_replaceable(module, name, f"register_{kind}_function")
+    # installed first and recorded last: a registration that fails records nothing
+    undo = []
+    try:
+        session = _amp_state.session
+        if session is not None and session.patch_functions:
+            undo.append(session.function_patches.install(module, name, kind))
+        handle = _amp_state.init_handle
+        if handle is not None and getattr(handle, "function_patches", None) is not None and handle.is_active():
+            undo.append(handle.function_patches.install(module, name, kind))
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
     _USER_CAST_REGISTRY[(id(module), name)] = (module, name, kind)
-    session = _amp_state.session
-    if session is not None and session.patch_functions:
-        session.function_patches.install(module, name, kind)
-    handle = _amp_state.handle
-    if handle is not None and getattr(handle, "function_patches", None) is not None and handle.is_active():
-        handle.function_patches.install(module, name, kind)
 
 
 def register_half_function(module: Any, name: str) -> None:
@@ -214,10 +252,18 @@ class FunctionPatches:
         self._installed: Dict[Tuple[int, str], Tuple[Any, str, Callable, Callable]] = {}
 
     def install_registry(self) -> None:
-        for module, name, kind in list(_USER_CAST_REGISTRY.values()):
-            self.install(module, name, kind)
+        """Every registered function, or none: a failure puts back the ones this call installed."""
+        undo = []
+        try:
+            for module, name, kind in list(_USER_CAST_REGISTRY.values()):
+                undo.append(self.install(module, name, kind))
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
 
-    def install(self, module: Any, name: str, kind: str) -> None:
+    def install(self, module: Any, name: str, kind: str) -> Callable[[], None]:
+        """Wrap ``module.name``; returns what undoes exactly this install."""
         key = (id(module), name)
         current = getattr(module, name)
         previous = self._installed.get(key)
@@ -230,6 +276,16 @@ class FunctionPatches:
         wrapper._apex_amp_patch_of = orig  # marks registry wrappers (decorated functions are left alone)
         setattr(module, name, wrapper)
         self._installed[key] = (module, name, orig, wrapper)
+
+        def undo() -> None:
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, current)
+            if previous is None:
+                self._installed.pop(key, None)
+            else:
+                self._installed[key] = previous
+
+        return undo
 
     def restore(self) -> None:
         for module, name, orig, wrapper in self._installed.values():

@@ -14,6 +14,7 @@ from typing import Any, Union
 import torch
 
 from ._amp_state import _amp_state, logger
+from ._casts import check_registry
 from .handle import AmpHandle, NoOpHandle, _check_loss_scale
 
 
@@ -40,16 +41,27 @@ def init(enabled: bool = True, loss_scale: Union[str, float] = "dynamic", enable
     if patch_type not in (torch.float16, torch.bfloat16):
         raise ValueError(f"amp.init: patch_type must be torch.float16 or torch.bfloat16, got {patch_type!r}")
 
-    previous = _amp_state.handle
-    if isinstance(previous, AmpHandle) and previous.is_active():
-        logger.warning("apex.amp: amp.init was called while an earlier amp.init handle was active; the earlier "
-                       "handle is deactivated")
+    if enabled:
+        check_registry("amp.init")  # before the earlier handle is touched
+
+    previous = _amp_state.init_handle
+    replaced = isinstance(previous, AmpHandle) and previous.is_active()
+    if replaced:
         previous._deactivate()
     if not enabled:
         handle: Any = NoOpHandle()
     else:
         handle = AmpHandle(loss_scale=loss_scale, enable_caching=enable_caching, verbose=verbose,
                            patch_type=patch_type, allow_banned=allow_banned)
-        handle._activate()
+        try:
+            handle._activate()  # all or nothing
+        except BaseException:
+            if replaced:
+                previous._activate()
+            raise
+    if replaced:
+        logger.warning("apex.amp: amp.init was called while an earlier amp.init handle was active; the earlier "
+                       "handle is deactivated")
     _amp_state.handle = handle
+    _amp_state.init_handle = handle
     return handle

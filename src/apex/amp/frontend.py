@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import OrderedDict
 from collections.abc import MutableMapping
@@ -15,7 +14,7 @@ from .._checks import check_int
 from . import _ddp
 from ._amp_state import _amp_state, logger, maybe_log
 from ._cast_lists import FLOAT, FUNCTIONAL_SESSION_FLOAT
-from ._casts import FunctionPatches
+from ._casts import FunctionPatches, check_registry
 from ._model import (
     Cast,
     InstancePatch,
@@ -242,6 +241,11 @@ def initialize(
     # ---- every check first: nothing is changed unless all of them pass
     check_opt_level(opt_level)
     check_models(model_list)
+    for i, model in enumerate(model_list):
+        for j in range(i):
+            if model_list[j] is model:
+                raise RuntimeError(f"model {i} appears twice in the list passed to amp.initialize (also as model "
+                                   f"{j}); pass each model once")
     for i, opt in enumerate(opt_list):
         if hasattr(opt, "_amp_stash"):
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
@@ -288,6 +292,10 @@ def initialize(
         if value is not None:
             props.override(name, value)
     props.check_combination()
+    if props.cast_model_type and fp32_state_dict:
+        _check_state_dict_hooks(model_list, opt_level)
+    if props.patch_torch_functions:
+        check_registry("amp.initialize")
     if props.master_weights:
         for i, opt in enumerate(opt_list):
             for p in (p for g in opt.param_groups for p in g["params"]):
@@ -318,17 +326,32 @@ def initialize(
         session.ddp = _ddp.create(session)  # raises before anything changed when no backend is registered
 
     # ---- from here on, models and optimizers are changed
+    # The function casts go first: installing them is the one step left that could still fail (a registered
+    # function replaced by something unpatchable in the meantime), and then nothing else has changed yet.
+    previous = _amp_state.session
+    if previous is not None:
+        previous.function_patches.restore()
+    if session.patch_functions:
+        try:
+            _install_function_casts(session)
+        except BaseException:
+            session.function_patches.restore()
+            if previous is not None and previous.patch_functions:
+                try:
+                    _install_function_casts(previous)
+                except Exception:  # the same registration fails again: that session runs without its casts
+                    previous.function_patches.restore()
+                    logger.warning("apex.amp: the previous session's function casts could not be put back")
+            raise
+    if previous is not None:
+        logger.warning("apex.amp: amp.initialize was called again; the previous session's function casts are "
+                       "removed (its models and optimizers stay prepared until amp.deinitialize(), except the models "
+                       "passed again and the optimizers that update them)")
     # apex optimizers that loaded an amp checkpoint before this call hand over its loss scale (taken now: the
     # state reloads below make them forget it)
     loaded_scalers = [_take_loaded_scalers(opt) for opt in opt_list]
     for model, earlier in holders:
         earlier.release_model(model)
-    previous = _amp_state.session
-    if previous is not None:
-        logger.warning("apex.amp: amp.initialize was called again; the previous session's function casts are "
-                       "removed (its models and optimizers stay prepared until amp.deinitialize(), except the models "
-                       "passed again and the optimizers that update them)")
-        previous.function_patches.restore()
     _amp_state.verbosity = verbosity
     maybe_log("Selected optimization level %s: %s (low-precision dtype %s on %s)", opt_level, props.brief, low,
               device_type, rank0=True)
@@ -369,17 +392,32 @@ def initialize(
     for opt, loaded in zip(opt_list, loaded_scalers):
         if loaded:
             opt._amp_stash.hold_scalers(loaded)  # applied at its first scale_loss per loss (handle.py)
-    if session.patch_functions:
-        # O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
-        # Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32
-        # (torch's CUDA backward of several losses rejects mixed dtypes): the losses and the softmax family keep
-        # that rule process-wide while the session's casts are on. User registrations are installed after, so
-        # theirs win.
-        for name in FUNCTIONAL_SESSION_FLOAT:
-            session.function_patches.install(torch.nn.functional, name, FLOAT)
-        session.function_patches.install_registry()
     _record_upstream_state(session, min_loss_scale, max_loss_scale)
     return result()
+
+
+def _install_function_casts(session: _Session) -> None:
+    """O1 autocasts the forward only; a loss computed after it meets a low-precision output and fp32 targets.
+    Upstream's O1 casts its float32 functions wherever they are called, so such a loss runs in float32 (torch's
+    CUDA backward of several losses rejects mixed dtypes): the losses and the softmax family keep that rule
+    process-wide while the session's casts are on. User registrations are installed after, so theirs win."""
+    for name in FUNCTIONAL_SESSION_FLOAT:
+        session.function_patches.install(torch.nn.functional, name, FLOAT)
+    session.function_patches.install_registry()
+
+
+def _check_state_dict_hooks(models: List[torch.nn.Module], opt_level: str) -> None:
+    """fp32_state_dict puts a state_dict hook on every module of a cast model; TorchScript modules take none,
+    and finding that out after the cast would leave the weights cast by a failed call."""
+    for i, model in enumerate(models):
+        for name, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                where = f"model {i}" + (f" (its submodule {name!r})" if name else "")
+                raise RuntimeError(
+                    f"amp.initialize: {where} is a TorchScript module ({type(module).__name__}), which takes no "
+                    f"state_dict hooks, so {opt_level} with fp32_state_dict=True cannot save its low-precision "
+                    f"weights as float32. Pass fp32_state_dict=False (state_dict() then holds the model's own "
+                    f"dtype)")
 
 
 def _repeats_active_session(models: list, optimizers: list, request: tuple) -> bool:
@@ -434,9 +472,10 @@ def deinitialize() -> None:
     """
     for session in reversed(_amp_state.sessions):
         session.teardown()
-    if _amp_state.handle is not None:  # an amp.init handle's process-wide casts end too
-        _amp_state.handle._deactivate()
-        _amp_state.handle = None
+    for handle in (_amp_state.handle, _amp_state.init_handle):  # an amp.init handle's process-wide casts end too
+        if handle is not None:
+            handle._deactivate()
+    _amp_state.handle = _amp_state.init_handle = None
     _amp_state.clear_sessions()
     _amp_state.session = None
     _amp_state.opt_properties = None
@@ -481,5 +520,3 @@ def active_session() -> Optional[_Session]:
 
 
 __all__ = ["deinitialize", "initialize", "load_state_dict", "state_dict"]
-
-logging.getLogger("apex.amp").addHandler(logging.NullHandler())

@@ -42,6 +42,21 @@ def _optimizer_list(optimizers: Any) -> List[torch.optim.Optimizer]:
                 "it left amp at amp.deinitialize(), or when a model it updates was passed to a later "
                 "amp.initialize; an optimizer goes through amp.initialize once, so pass a new one with the model"
             )
+        for j in range(i):
+            if optimizers[j] is opt:
+                raise ValueError(f"scale_loss: optimizers[{i}] is the same optimizer as optimizers[{j}]; list each "
+                                 "optimizer once")
+        # An exit unscales every grad the optimizer holds that carries the block's scale: an inner block's exit
+        # would take the outer block's backward (before or after it) for its own, and the outer exit would
+        # divide the inner's grads a second time. So blocks of one optimizer follow each other, never nest.
+        block = stash.open_block
+        if block is not None:
+            raise RuntimeError(
+                f"scale_loss: optimizer {i} ({type(opt).__name__}) already has a scale_loss block open (loss_id "
+                f"{block.loss_id}); a block for the same optimizer cannot be nested inside it, as its exit cannot "
+                "tell its grads from the outer block's. Exit the outer block first (blocks of different "
+                "optimizers may nest)"
+            )
     return optimizers
 
 
@@ -90,6 +105,9 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
         return
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss: loss must be a tensor, got {type(loss).__name__}")
+    if loss.is_complex():  # loss.float() would drop the imaginary part (torch only warns)
+        raise TypeError(f"scale_loss: loss must be a real tensor, got a {loss.dtype} one; backward needs a real "
+                        "loss (take .real, .abs() or the loss you meant)")
     optimizers = _optimizer_list(optimizers)
     for name, flag in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
         if not isinstance(flag, (bool, int)):  # (upstream's scripts pass 0/1 too)
@@ -238,8 +256,8 @@ class _BackwardWatch:
 
 class _OpenBlock:
     """A ``scale_loss`` block between its entry and its exit, as its optimizers' stashes see it (``open_block``):
-    what a ``step()`` inside the block needs to do the exit's work (`close_open_block`). Blocks nest per stash (a
-    block opened inside another one for the same optimizer hides it until it is left)."""
+    what a ``step()`` inside the block needs to do the exit's work (`close_open_block`). A stash has at most one
+    open block (`_optimizer_list` refuses a nested one); ``leave`` puts back what was there before all the same."""
 
     def __init__(self, loss_id: int, scaler: LossScaler, scale: float, stashes, delay_overflow_check: bool,
                  use_flag: bool) -> None:
@@ -464,9 +482,21 @@ class AmpHandle:
         self._is_active = False
 
     def _activate(self) -> None:
-        self._casts.install()
-        self._is_active = True
-        self.function_patches.install_registry()
+        """Patch torch's listed functions and the registered ones; a failure puts back whatever this call
+        patched, so a handle is either fully active or not at all."""
+        if self._is_active:
+            return
+        self._casts.enabled = True
+        try:
+            self._casts.install()
+            self._is_active = True
+            self.function_patches.install_registry()
+        except BaseException:
+            self._is_active = False
+            self._casts.enabled = False
+            self.function_patches.restore()
+            self._casts.restore()
+            raise
 
     def is_active(self) -> bool:
         return self._is_active

@@ -99,7 +99,11 @@ class LossScaler:
         window = check_int(scale_window, f"{where}: scale_window", 1, integral_float=True)
         if loss_scale == "dynamic":
             self.dynamic = True
+            # clamped into [min, max] at both ends: an initial scale below min_loss_scale would otherwise be
+            # raised to it by the first overflow's back-off
             scale = min(max_loss_scale, _scale(where, "init_scale", init_scale))
+            if min_loss_scale is not None:
+                scale = max(min_loss_scale, scale)
         elif isinstance(loss_scale, str):
             raise ValueError(f"{where}: loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
         else:
@@ -236,7 +240,8 @@ def check_scaler_states(state_dict: Any, where: str) -> List[Tuple[int, str, flo
 
     Raises RuntimeError for keys other than ``loss_scalerN`` (upstream's message), TypeError for a non-dict or an
     entry that is not a ``{"loss_scale", "unskipped"}`` dict or holds a non-number, ValueError for a non-finite
-    or non-positive scale or a negative count; before anything is set.
+    or non-positive scale, a negative count, or two keys naming one scaler (``loss_scaler0``, ``loss_scaler00``);
+    before anything is set.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
@@ -245,9 +250,14 @@ def check_scaler_states(state_dict: Any, where: str) -> List[Tuple[int, str, flo
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
                            + ", ".join(f'"{k}"' for k in unexpected) + f". ({where})")
     out = []
+    seen = {}
     for key, entry in state_dict.items():
+        idx = int(_KEY.match(key).group(1))
+        if idx in seen:  # "loss_scaler0" and "loss_scaler00": which one was meant cannot be told
+            raise ValueError(f"{where}: keys {seen[idx]!r} and {key!r} both name loss scaler {idx}; keep one")
+        seen[idx] = key
         if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
             raise TypeError(f"{where}: {key} must be a dict with 'loss_scale' and 'unskipped', got {entry!r}")
         scale, unskipped = LossScaler.check_state(key, entry["loss_scale"], entry["unskipped"], where)
-        out.append((int(_KEY.match(key).group(1)), key, scale, unskipped))
+        out.append((idx, key, scale, unskipped))
     return out
