@@ -186,20 +186,26 @@ NOTES = {
         "NPU patch: one norm pass over the combined grad buffers, then one scale pass."),
     "apex.optimizers.FusedAdam": (
         "NVIDIA's signature and defaults (`adam_w_mode=True`, `set_grad_none=True`); runs on every device "
-        "(NVIDIA's needs CUDA). `amsgrad=True` raises as NVIDIA's does."),
+        "(NVIDIA's needs CUDA). `amsgrad=True` raises as NVIDIA's does. torch.optim.Adam/AdamW checkpoints load; "
+        "one asking for AMSGrad, or for the other weight-decay rule than `adam_w_mode` with a non-zero decay, "
+        "raises ValueError (at load, `add_param_group` or the step) instead of running plain Adam or the wrong "
+        "decay."),
     "apex.contrib.optimizers.FusedAdam": (
         "NVIDIA's contrib FusedAdam: same signature, `step(closure, grads, output_params, scale, grad_norms)` and "
         "kernel math (eps inside or outside the root, decay added to the update, combined scale with "
         "`max_grad_norm`); torch ops on every device instead of the `fused_adam_cuda` extension. New here: the "
         "group norm is computed when `max_grad_norm > 0` and no `grad_norms` are given (NVIDIA failed); bad "
-        "lengths, shapes and hyperparameters raise before anything changes; the amp-stash path is not taken "
+        "lengths, shapes and hyperparameters, complex or integer params and grads, unwritable output params, "
+        "non-numeric `grad_norms` and states a step cannot read raise before anything changes, and "
+        "`load_state_dict` checks groups and states first (all or nothing); the amp-stash path is not taken "
         "(amp unscales before `step()`). Not the same math as `apex.optimizers.FusedAdam`."),
     "apex.contrib.optimizers.FP16_Optimizer": (
         "NVIDIA's contrib FP16_Optimizer: fp32 master groups, loss scale (static, or dynamic from 2**16, halved on "
         "overflow to at least 1, doubled every 1000 clean steps), `state_dict` keys. New here: "
         "`dynamic_loss_args` may give `init_scale`, `scale_factor`, `scale_window` (NVIDIA refused any); an "
         "optimizer whose step cannot take flat grads, a closure or a non-tensor loss raise instead of failing "
-        "later; groups without grads get norm 0 (NVIDIA misaligned the norms); banners print only with `verbose`."),
+        "later; groups without grads get norm 0 (NVIDIA misaligned the norms); banners print only with `verbose`; "
+        "`load_state_dict` checks every field as the constructor does before loading anything."),
     "apex.contrib.optimizers.FusedLAMB": (
         "NVIDIA's contrib FusedLAMB signature over `apex.optimizers.FusedLAMB`'s math with `use_nvlamb=False`, on "
         "every device (NVIDIA's needed `fused_lamb_cuda`)."),
@@ -213,7 +219,7 @@ NOTES = {
         "NVIDIA: same signature and result; upstream is torch's `clip_grad_norm_` too, except that it sends the "
         "2-norm of float32/float16 CUDA grads through its multi-tensor kernels (torch's foreach kernels do that "
         "work here). New here: a negative or nan `max_norm` and a non-positive `norm_type` raise ValueError, "
-        "non-tensor entries TypeError, before any grad is scaled."),
+        "non-tensor entries and sparse, nested or meta grads TypeError, before any grad is scaled."),
     "apex.contrib.layer_norm.FastLayerNorm": (
         "NVIDIA: same arguments, parameters (`weight` ones, `bias` zeros), output dtype (the weights') and autocast "
         "rule. Upstream's kernel exists for a list of hidden sizes on CUDA only; here any size on any device, on "
@@ -327,14 +333,17 @@ NOTES = {
         "NVIDIA: same arguments, forward, output (padded with -1 outside the lengths, or packed rows), ReLU, "
         "dropout in training, `mask_probe`; upstream's CUDA kernels, here the packed rows written sequence by "
         "sequence and reduced per sequence in the backward (float32 accumulation), on any device. ReLU and "
-        "dropout work with `opt=0` too (upstream refused them); lengths, shapes and `packed_batch` checked."),
+        "dropout work with `opt=0` too (upstream refused them); lengths, shapes, `packed_batch` and `batch_offset` "
+        "(against the lengths, on any device) checked."),
     "apex.contrib.transducer.TransducerLoss": (
         "NVIDIA: same arguments, forward, per-sequence loss in the logits' dtype, packed input, `debug_list` "
         "(alpha, beta); upstream's CUDA kernels, here the lattices an anti-diagonal at a time over the batch in "
         "float32 (float64 for float64) and the logits' gradient from them, on any device. Both "
         "`fuse_softmax_backward` values give the float32 form (upstream's unfused one went through an fp16 "
-        "log-softmax); the padding of the input, whatever it holds, gets zero gradient; arguments, shapes and "
-        "CPU lengths / labels checked."),
+        "log-softmax); the padding of the input, whatever it holds, gets zero gradient; the lattices end at the "
+        "longest sequence whatever `max_f_len` says (upstream sized them by it); arguments, shapes and CPU "
+        "lengths / labels checked, and with packed input `batch_offset` against the lengths and `max_f_len` "
+        "against `f_len.max()` on any device."),
     "apex.transformer.layers.FusedLayerNorm": (
         "NVIDIA: same arguments (`sequence_parallel_enabled` keyword only) and marks on the module, weight and "
         "bias; the norm is `apex.normalization.FusedLayerNorm`'s. A non-bool flag raises TypeError."),
@@ -458,7 +467,9 @@ NOTES = {
         "to 10, `adam=True` forces trust ratio 1) and its per-param logging entries (`weight_norm`, `adam_norm`, "
         "`trust_ratio`); added here: `use_global_grad_norm`, for parity with NpuFusedLamb. A plain "
         "`torch.optim.Optimizer` (one tensor at a time, nothing combined); the math runs in fp32 for every "
-        "param dtype, states are stored in the param dtype. NVIDIA: no `Lamb` (its LAMB is `FusedLAMB`, with "
+        "param dtype, states are stored in the param dtype. Checked as the combined classes check: torch's "
+        "maximize/capturable/differentiable raise, a loaded group without an option takes the default, a state "
+        "entry that is not a dict raises at the step. NVIDIA: no `Lamb` (its LAMB is `FusedLAMB`, with "
         "bias correction)."),
     "apex.optimizers.NpuFusedAdadelta": (
         "As NpuFusedAdam (standalone, bf16, either zero_grad), with torch.optim.Adadelta's semantics and "
@@ -478,11 +489,13 @@ NOTES = {
     "apex.optimizers.FusedAdagrad": (
         "NVIDIA: same signature, defaults and math (no learning-rate decay, accumulator from 0, "
         "`adagrad_w_mode=True` decouples the decay; `state[p]` holds `sum` only). " + _ON_EVERY_DEVICE
-        + " NPU patch: no NpuFused counterpart."),
+        + " torch.optim.Adagrad checkpoints load, except one with `lr_decay != 0`, which raises ValueError "
+        "rather than train without the decay. NPU patch: no NpuFused counterpart."),
     "apex.optimizers.FusedLAMB": (
         "NVIDIA: same signature, defaults and math (global grad-norm clipping by the constructor's "
         "`max_grad_norm`, bias correction, per-group step, trust ratio where `weight_decay != 0` or `use_nvlamb`; "
-        "`amsgrad=True` raises). " + _ON_EVERY_DEVICE + " The grads are left as they are (NVIDIA writes the update "
+        "`amsgrad=True` raises, also from a loaded or added group). " + _ON_EVERY_DEVICE + " The grads are left as "
+        "they are (NVIDIA writes the update "
         "into `p.grad`); `max_grad_norm=None` turns clipping off. NPU patch: its LAMB is `NpuFusedLamb`, a "
         "different algorithm (no bias correction, weight norm clamped to 10, no clipping)."),
     "apex.optimizers.FusedMixedPrecisionLamb": (
@@ -493,7 +506,8 @@ NOTES = {
         "gets a new master instead of being overwritten from the old one. NPU patch: no counterpart."),
     "apex.optimizers.FusedNovoGrad": (
         "NVIDIA: same signature, defaults and math (per-tensor second moment, `norm_type` 2 or 0, `init_zero`, "
-        "`reg_inside_moment`; `amsgrad=True` raises). " + _ON_EVERY_DEVICE + " The per-tensor norm is kept in "
+        "`reg_inside_moment`; `amsgrad=True` raises, also from a loaded or added group). " + _ON_EVERY_DEVICE
+        + " The per-tensor norm is kept in "
         "`state[p]['exp_avg_sq']` (0-d) rather than per group and dtype in `group['exp_avg_sq']`, so skipped or "
         "added params work; a bad `norm_type` raises when the group is added, not at the first step. NPU patch: "
         "no counterpart."),
