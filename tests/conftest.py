@@ -129,13 +129,18 @@ def _seed():
 @pytest.fixture
 def amp_env():
     """For the amp tests: one intra-op thread while the test runs (tiny models stall when oversubscribed on a
-    shared 2-core runner), and every amp session torn down after it (amp's state is process-wide)."""
+    shared 2-core runner), and every amp session torn down and the user cast registry
+    (``amp.register_*_function``) restored after it (amp's state is process-wide)."""
     import torch
 
     from apex import amp
+    from apex.amp import _casts
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    registry = dict(_casts._USER_CAST_REGISTRY)
     yield
+    _casts._USER_CAST_REGISTRY.clear()
+    _casts._USER_CAST_REGISTRY.update(registry)
     amp.deinitialize()
     torch.set_num_threads(threads)

@@ -17,14 +17,8 @@ LOW = torch.bfloat16  # the CPU default
 
 @pytest.fixture(autouse=True)
 def _amp_env(monkeypatch, amp_env):
-    """On top of amp_env: no dtype from the environment; the user cast registry restored after each test."""
-    from apex.amp import _casts
-
+    """On top of amp_env (which restores the user cast registry): no dtype from the environment."""
     monkeypatch.delenv("APEX_AMP_DTYPE", raising=False)
-    registry = dict(_casts._USER_CAST_REGISTRY)
-    yield
-    _casts._USER_CAST_REGISTRY.clear()
-    _casts._USER_CAST_REGISTRY.update(registry)
 
 
 def net():

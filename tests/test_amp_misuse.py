@@ -21,11 +21,8 @@ from apex.amp.handle import AmpHandle
 
 @pytest.fixture(autouse=True)
 def _amp_env(monkeypatch, amp_env):
+    """On top of amp_env (which restores the user cast registry): no dtype from the environment."""
     monkeypatch.delenv("APEX_AMP_DTYPE", raising=False)
-    registry = dict(_casts._USER_CAST_REGISTRY)
-    yield
-    _casts._USER_CAST_REGISTRY.clear()
-    _casts._USER_CAST_REGISTRY.update(registry)
 
 
 # Functions amp patches (amp.init: torch's lists; O1 sessions: the float losses), compared by identity.

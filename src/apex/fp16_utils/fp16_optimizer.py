@@ -143,23 +143,22 @@ class FP16_Optimizer(WrapsOptimizer):
     def _update_scale(self, has_overflow: bool = False) -> None:
         self.loss_scaler.update_scale(has_overflow)
 
-    # Every group is checked before any is copied: a refused group (a sparse grad) must not leave the earlier
-    # groups' masters updated and the later ones stale.
+    def _every_group(self, check, copy, where: str) -> None:
+        """``check`` every (model params, masters) group pair, then ``copy`` each: a refused group (a sparse grad)
+        must not leave the earlier groups' masters updated and the later ones stale."""
+        pairs = [(list(low), list(masters)) for low, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups)]
+        for low, masters in pairs:
+            check(low, masters, False, where)
+        for low, masters in pairs:
+            copy(low, masters, False)
+
     def _master_params_to_model_params(self) -> None:
-        where = "FP16_Optimizer: master_params_to_model_params"
-        pairs = list(zip(self.fp16_groups, self.fp32_from_fp16_groups))
-        for low, masters in pairs:
-            _check_params_to_models(list(low), list(masters), False, where)
-        for low, masters in pairs:
-            _copy_params_to_models(list(low), list(masters), False)
+        self._every_group(_check_params_to_models, _copy_params_to_models,
+                          "FP16_Optimizer: master_params_to_model_params")
 
     def _model_grads_to_master_grads(self) -> None:
-        where = "FP16_Optimizer: model_grads_to_master_grads"
-        pairs = list(zip(self.fp16_groups, self.fp32_from_fp16_groups))
-        for low, masters in pairs:
-            _check_grads_to_masters(list(low), list(masters), False, where)
-        for low, masters in pairs:
-            _copy_grads_to_masters(list(low), list(masters), False)
+        self._every_group(_check_grads_to_masters, _copy_grads_to_masters,
+                          "FP16_Optimizer: model_grads_to_master_grads")
 
     def _downscale_master(self) -> None:
         if self.loss_scale == 1.0:

@@ -84,6 +84,21 @@ def check_no_amsgrad(owner: str, group: dict) -> None:
                          "apex.optimizers.NpuFusedAdam or NpuFusedAdamW)")
 
 
+def load_filling_defaults(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """torch's ``load_state_dict`` on ``opt`` (states cast to each param's dtype/device), then every loaded group
+    takes the options it lacks from the defaults as they were before the load (checkpoints of older versions lack
+    newer options). torch's load adds "differentiable" to ``opt.defaults``; classes that do not have it (NVIDIA's,
+    the Ascend patch's own) keep their defaults as they were, so a second load does not spread it into the groups.
+    """
+    defaults = dict(opt.defaults)
+    torch.optim.Optimizer.load_state_dict(opt, state_dict)
+    if "differentiable" not in defaults:
+        opt.defaults.pop("differentiable", None)
+    for g in opt.param_groups:
+        for key, value in defaults.items():
+            g.setdefault(key, value)
+
+
 def check_group_keys(owner: str, gi: int, group: dict, defaults: dict) -> None:
     """Every option of ``defaults`` is still in the group (user code or a scheduler may delete one after the
     group was added); torch's behaviour options may be absent (their default applies). KeyError, as torch's
@@ -802,18 +817,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._check_loaded(state_dict)
         masters = self._check_loaded_masters(state_dict.get(AMP_MASTERS_KEY))
         scalers = self._check_loaded_scalers(state_dict.get(AMP_SCALERS_KEY))
-        # torch's load adds "differentiable" to self.defaults; classes that do not have it (NVIDIA's, the Ascend
-        # patch's own) keep their defaults as they were, so a second load does not spread it into the groups
-        defaults = dict(self.defaults)
-        super().load_state_dict(state_dict)
-        if "differentiable" not in defaults:
-            self.defaults.pop("differentiable", None)
+        load_filling_defaults(self, state_dict)
         self._watch_state()  # torch's load made new dicts: watched before user code can take one
         self.loaded_amp_masters = masters
         self.loaded_amp_scalers = scalers
-        for g in self.param_groups:
-            for key, value in defaults.items():  # checkpoints of older versions lack newer options
-                g.setdefault(key, value)
         self._groups.clear()
         self._force_rebuild = True
 

@@ -44,6 +44,7 @@ from ._base import (
     check_param_kind,
     check_torch_options,
     group_params,
+    load_filling_defaults,
 )
 from ._flat import FlatSet
 from ._functional import LAMB_WEIGHT_NORM_CLAMP, l2_grad, lamb_direction, lamb_moments, lamb_trust_ratio
@@ -297,13 +298,7 @@ class Lamb(torch.optim.Optimizer):
                 check_torch_options(name, probe)
                 _validate_lamb_group(probe)
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: _LAMB_STATE)
-        defaults = dict(self.defaults)
-        super().load_state_dict(state_dict)
-        if "differentiable" not in defaults:  # torch's load adds it; a second load would spread it into the groups
-            self.defaults.pop("differentiable", None)
-        for g in self.param_groups:
-            for key, value in defaults.items():
-                g.setdefault(key, value)
+        load_filling_defaults(self, state_dict)
 
     def _check_step_inputs(self) -> None:
         """Everything a step could fail on, for every group, before the first param or state is touched."""

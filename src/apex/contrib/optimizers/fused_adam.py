@@ -41,6 +41,7 @@ from ...optimizers._base import (
     check_param_kind,
     check_torch_options,
     group_params,
+    load_filling_defaults,
 )
 from ...optimizers._state_check import (
     COUNT,
@@ -221,13 +222,7 @@ class FusedAdam(torch.optim.Optimizer):
             probe.update({k: v for k, v in g.items() if k != "params"})
             self._validate(probe, f"{name}.load_state_dict: param group {gi}")
         validate_loaded_state(name, self.param_groups, state_dict, lambda gi, _: _STATE_SPEC)
-        defaults = dict(self.defaults)
-        super().load_state_dict(state_dict)
-        if "differentiable" not in defaults:  # torch's load adds it; a second load would spread it into the groups
-            self.defaults.pop("differentiable", None)
-        for g in self.param_groups:
-            for key, value in defaults.items():
-                g.setdefault(key, value)
+        load_filling_defaults(self, state_dict)
 
     def _plan(self, gi: int, group: dict, gs: Optional[list], outs: Optional[list]) -> list:
         """(param, grad, output) of every param of the group with a grad, after checking all the step will use:
