@@ -113,6 +113,30 @@ def test_an_optimizer_walks_the_objects_once_for_all_its_groups(fresh_tracking):
     assert _bytes(tied.state_dict()) < _own_bytes(tied) + 2048
 
 
+def test_per_param_groups_look_at_each_param_once_per_pass(fresh_tracking, monkeypatch):
+    """One group per param (mmengine's paramwise options make them): the first step hooks the owning modules
+    with one call over the params of every group it combines, a walk included, instead of one call over all
+    groups' params per group (quadratic in the number of groups); later steps hook nothing."""
+    import apex.optimizers._base as base
+
+    seen = []
+    real = base._hook_owning_modules
+    monkeypatch.setattr(base, "_hook_owning_modules", lambda ps: seen.append(len(list(ps))) or real([]))
+    model = torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(20)))
+    params = list(model.parameters())
+    opt = O.NpuFusedAdamW([{"params": [p], "weight_decay": 0.1 * (k % 2)} for k, p in enumerate(params)], lr=0.1)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.zero_grad()
+    assert seen == [len(params)]
+    seen.clear()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.step()
+    assert seen == [1]  # only the new group is combined
+
+
 def test_modules_made_after_the_first_walk_are_found_without_another(fresh_tracking):
     """After the first walk, torch's parameter-registration hook keeps the set of modules: a model built later
     (a test matrix, a second run in one process) is found without walking the interpreter's objects again, also
@@ -529,3 +553,21 @@ def test_an_amp_checkpoint_loads_into_an_optimizer_without_amp():
         plain = make(_bn_net())
         plain.load_state_dict(ck)  # the entry is not the optimizer's: ignored by torch's load, kept by ours
         assert plain.state_dict()["param_groups"][0]["lr"] == ck["param_groups"][0]["lr"], name
+
+
+@amp_env
+def test_o2_per_param_groups_search_the_modules_once_per_pass(fresh_tracking, monkeypatch):
+    """amp O2 with one group per param: the first step combines the masters and their model copies and hooks
+    the modules holding both in one search of the tracked modules (one per set's copies was quadratic in the
+    number of groups); every module holding a model copy gets the compacting hook."""
+    import apex.contrib.combine_tensors as ct
+
+    searches = []
+    real = ct._hook_owners
+    monkeypatch.setattr(ct, "_hook_owners", lambda mods, ids: searches.append(len(ids)) or real(mods, ids))
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(12)))
+    opt = O.NpuFusedAdam([{"params": [p]} for p in model.parameters()], lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    amp_steps(model, opt, 0, 2)
+    assert len(searches) <= 2, searches  # the masters' pass (and a walk), not one per group
+    assert all(ct._has_compact_hook(m) for m in model)

@@ -828,6 +828,37 @@ def test_the_python_screen_of_grad_addresses_agrees_with_the_tensor_test(seed, m
     assert outcomes == {True, False}
 
 
+@pytest.mark.parametrize("nparams", [1, 3])
+def test_the_python_screen_is_exact_for_grads_just_below_a_buffer(nparams, monkeypatch):
+    """A grad that ends at or before a written buffer's start (the allocator often puts a small group's fresh
+    grads right below its buffers) passes the Python screen without the tensor test; one that reaches a byte
+    into the buffer does not; both agree with the tensor test, for the slots with a grad (``live``) too."""
+    from apex.optimizers import _flat
+
+    ps = [torch.nn.Parameter(torch.randn(5 + k)) for k in range(nparams)]
+    opt = NpuFusedSGD(ps, lr=0.1, momentum=0.9)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    s = opt._groups[0].sets[0]
+    spans = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in (s.flat_p, *s.flat_s.values())]
+    lo = min(a for a, _ in spans)
+    far = max(b for _, b in spans) + (1 << 30)
+    sizes = [p.numel() * 4 for p in ps]
+    for gap, clear in ((0, True), (64, True), (-4, False)):
+        ptrs = [far + 4096 * k for k in range(nparams)]
+        ptrs[-1] = lo - sizes[-1] - gap  # the last slot's grad ends `gap` bytes below the lowest buffer
+        for live in (None, list(range(nparams))[-1:]):
+            use = ptrs if live is None else [ptrs[k] for k in live]
+            assert s._clear_of(use, live, spans, 4) is clear, (gap, live)
+            table = _core.int_table(use)
+            fast = s._not_readable(table, live, [], False, 4, use)
+            monkeypatch.setattr(_flat, "PY_SCAN_MAX", 0)
+            exact = s._not_readable(table, live, [], False, 4, use)
+            monkeypatch.undo()
+            assert fast == exact and bool(exact) is not clear, (gap, live, fast, exact)
+
+
 class _GradSubclass(torch.Tensor):
     """A tensor subclass that changes nothing (its Python type is what differs)."""
 

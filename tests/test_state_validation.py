@@ -415,3 +415,88 @@ def test_a_state_entry_that_is_not_a_dict_is_refused_at_the_step(cls, kw, bad):
     opt.state[params[1]] = saved
     assert same_state(opt.state_dict(), good)
     run(opt, params, 1, start=7)
+
+
+# ---------------------------------------------------------------- options rewritten between steps (check cache)
+# A group whose options are plain values equal, type for type, to those of its last passed check is not checked
+# again at the step; every rewrite below must still be seen at the next step, with nothing changed.
+_REWRITES = [  # (option, the value of the checked steps or None to keep it, the rewrite, the error)
+    ("lr", None, float("nan"), ValueError),
+    ("lr", 1.0, True, TypeError),  # equal to the checked 1.0, but no number
+    ("lr", None, -1.0, ValueError),
+    ("weight_decay", None, "0.1", TypeError),
+]
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+@pytest.mark.parametrize("key,before,bad,exc", _REWRITES, ids=[f"{k}={v!r}" for k, _, v, _ in _REWRITES])
+def test_an_option_rewritten_after_checked_steps_is_refused_at_the_next(cls, kw, key, before, bad, exc):
+    opt, params = _trained(cls, kw)
+    group = opt.param_groups[0]
+    if key not in group:
+        pytest.skip(f"{cls.__name__} has no {key!r}")
+    if before is not None:
+        group[key] = before
+    run(opt, params, 2, start=5)  # checked steps: the group's options are the ones last passed
+    good = snapshot(opt)
+    values = [p.detach().clone() for p in params]
+    saved = group[key]
+    group[key] = bad
+    feed(params, 7)
+    with pytest.raises(exc):
+        opt.step()
+    group[key] = saved
+    assert same_state(opt.state_dict(), good)
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    run(opt, params, 1, start=7)
+
+
+def test_betas_changed_in_place_are_checked_again():
+    from apex.optimizers import NpuFusedAdam
+
+    params = make_params()
+    opt = NpuFusedAdam(params, lr=1e-3, betas=[0.9, 0.999])
+    run(opt, params, 2)
+    opt.param_groups[0]["betas"][1] = 1.5  # the same list object, one value rewritten
+    feed(params, 7)
+    with pytest.raises(ValueError, match=r"beta parameter at index 1"):
+        opt.step()
+
+
+def test_an_optimizer_option_changed_after_checked_steps_is_checked_with_the_groups():
+    """FusedAdam's decay rule is checked against each group's; flipping ``adam_w_mode`` on the optimizer makes
+    every group be checked again, though the groups did not change."""
+    from apex.optimizers import FusedAdam
+
+    params = make_params()
+    opt = FusedAdam(params, lr=1e-3, weight_decay=0.01, adam_w_mode=True)
+    opt.param_groups[0]["decoupled_weight_decay"] = True  # a torch AdamW checkpoint's option, which agrees
+    run(opt, params, 2)
+    opt.adam_w_mode = False
+    feed(params, 7)
+    with pytest.raises(ValueError, match=r"adam_w_mode=False"):
+        opt.step()
+
+
+def test_unchanged_groups_are_not_checked_again(monkeypatch):
+    """One group per param: after a step has checked them, a group is checked again only when its options
+    change (a scheduler's new lr), or when an option is a tensor (it can change in place)."""
+    from apex.optimizers import NpuFusedAdamW
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(6)]
+    opt = NpuFusedAdamW([{"params": [p]} for p in params], lr=1e-3)
+    checked = []
+    real = type(opt)._validate_group
+    monkeypatch.setattr(type(opt), "_validate_group", lambda self, g: checked.append(g["lr"]) or real(self, g))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert len(checked) == 6
+    checked.clear()
+    opt.step()
+    assert checked == []
+    opt.param_groups[2]["lr"] = 5e-4
+    opt.param_groups[4]["lr"] = torch.tensor(1e-4)
+    opt.step()
+    opt.step()
+    assert len(checked) == 3 and checked[0] == 5e-4  # group 2 once, group 4 at both steps

@@ -31,7 +31,7 @@ import functools
 import itertools
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Container, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -108,6 +108,33 @@ def check_group_keys(owner: str, gi: int, group: dict, defaults: dict) -> None:
             needed = sorted(k for k in defaults if k not in _TORCH_ONLY_OPTIONS and k not in _IGNORED_OPTIONS)
             raise KeyError(f"{owner}: param group {gi} has no {key!r} (it was removed after the group was added); "
                            f"every group needs the options {needed}")
+
+
+# option values a snapshot holds as they are (immutable; compared with their type, so 1, 1.0 and True differ)
+_SNAPSHOT_TYPES = frozenset((int, float, bool, str, type(None)))
+
+
+def options_snapshot(options: dict, skip: Container[str] = ("params",)) -> Optional[tuple]:
+    """The options (but ``skip``) as a tuple that compares equal only to a snapshot of the same keys, in the
+    same order, with values of the same types and equal values; None when a value is not a plain immutable
+    one (a tensor, a numpy scalar, a dict: those can change in place or compare loosely). A list is recorded
+    as a tuple of its values, so a later in-place change of the list is seen. A NaN never equals a snapshot
+    taken before it was set (and no snapshot is kept of options that failed their check)."""
+    out = []
+    for key, value in options.items():
+        if key in skip:
+            continue
+        kind = type(value)
+        if kind in _SNAPSHOT_TYPES:
+            out.append((key, kind, value))
+        elif kind is tuple or kind is list:
+            kinds = tuple(map(type, value))
+            if not _SNAPSHOT_TYPES.issuperset(kinds):
+                return None
+            out.append((key, kind, kinds, tuple(value)))
+        else:
+            return None
+    return tuple(out)
 
 
 #: values of `CombinedOptimizer.executor`
@@ -364,6 +391,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._executor = "auto"
         self.apex_grad_scale: Optional[float] = None
         self._model_pairs: Optional[Dict[int, torch.Tensor]] = None
+        # the options of each group's last passed step check, under the optimizer's (`_check_step_group`)
+        self._checked_options: Dict[int, tuple] = {}
+        self._checked_fingerprint: Optional[tuple] = None
         # fp32 masters of an amp O2 checkpoint loaded before amp.initialize (taken by its master creation)
         self.loaded_amp_masters: Optional[List[Optional[torch.Tensor]]] = None
         self.loaded_amp_scalers: Optional[list] = None
@@ -490,15 +520,26 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 check_grad(k, p, g)
         check_states(ps, self.state, self._state_names(group))
 
+    def _hook_modules_of(self, groups: Iterable[dict]) -> None:
+        """Hooks the modules holding the params of the groups about to be (re-)combined, and those holding their
+        amp O2 model copies (which `FlatSet.attach_out` combines), for compact state dicts
+        (`_hook_owning_modules`). One call for all of them: params no tracked module holds cost one walk over the
+        interpreter's objects for the whole pass, and the tracked modules are searched once per pass. Once per
+        group (or per set's model copies) it was quadratic in the number of groups: per-param groups, as
+        mmengine's paramwise options make, took seconds to minutes at the first step."""
+        params = [p for group in groups for p in group["params"]]
+        if params and self._model_pairs is not None:
+            pairs = self._model_pairs
+            params += [m for m in map(pairs.get, map(id, params)) if m is not None]
+        if params:
+            _hook_owning_modules(params)
+
     def _build_group(self, gi: int, group: dict) -> List[FlatSet]:
         by_kind: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
         self._check_params(group["params"])
         for p in group["params"]:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
         names = self._state_names(group)
-        # combining a set hooks the modules holding its params (compact state dicts): one walk over the objects
-        # for every group's params here, instead of one per group and dtype
-        _hook_owning_modules(p for g in self.param_groups for p in g["params"])
         sets = [FlatSet(ps, self.state, names, self._state_fill, self._has_step, self._state_dtype_for(dtype))
                 for (dtype, _), ps in by_kind.items()]
         if self._model_pairs is not None:
@@ -520,8 +561,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         Raises (bad params, sparse or mismatched grads, bad states) before anything is changed.
         """
         plans = []
-        for gi, group in enumerate(self.param_groups):
-            self._check_step_group(gi, group)
+        fingerprint = self._options_fingerprint()
+        plain = [self._check_step_group(gi, group, fingerprint) for gi, group in enumerate(self.param_groups)]
         self._watch_state()
         for gi, group in enumerate(self.param_groups):
             sets = self._intact_sets(gi, group)
@@ -531,9 +572,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 plans.append((gi, group, None, ()))
                 continue
             plans.append((gi, group, sets, [self._plan_grads(s, group, gather) for s in sets]))
-        for group in self.param_groups:  # every check passed: numpy options become the numbers they hold
-            plain_numbers(group, self.defaults)
+        for group, known_plain in zip(self.param_groups, plain):
+            if not known_plain:  # every check passed: numpy options become the numbers they hold
+                plain_numbers(group, self.defaults)
         healed = False
+        self._hook_modules_of(group for _, group, sets, _ in plans if sets is None)
         for gi, group, sets, stale in plans:
             if sets is None:
                 # grads were validated by _check_rebuild; the new sets read them in place or adopt them, as below
@@ -550,22 +593,52 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._count_event(healed)
         return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
 
-    def _check_step_group(self, gi: int, group: dict) -> None:
+    def _options_fingerprint(self) -> Optional[tuple]:
+        """What the group checks read besides a group's own options: the optimizer's defaults and its plain
+        attributes (``adam_w_mode``, ``set_grad_none``, ...); None when a default is not a plain value. Taken once
+        per step; a change makes every group be checked again."""
+        defaults = options_snapshot(self.defaults, skip=())
+        if defaults is None:
+            return None
+        caches = _cache_names(type(self))
+        return defaults, tuple((k, type(v), v) for k, v in self.__dict__.items()
+                               if type(v) in _SNAPSHOT_TYPES and k not in caches)
+
+    def _check_step_group(self, gi: int, group: dict, fingerprint: Optional[tuple] = None) -> bool:
         """A group as the step finds it: hyperparameters that user code or a scheduler rewrote since
         `add_param_group` are checked again (they would otherwise fail halfway through the update, or be
         rejected by the kernel binding without a name), and optimizers whose update reads grad values on the
-        host (`_reads_values`) refuse meta params, which hold none. Raises before anything is changed."""
+        host (`_reads_values`) refuse meta params, which hold none. Raises before anything is changed.
+
+        The checks are a function of the group's options and the optimizer's (``fingerprint``, from
+        `_options_fingerprint`), so a group whose options are plain values (Python numbers, strings, bools,
+        None, and tuples or lists of them) equal, type for type, to those of its last passed check is not
+        checked again: with one group per param (mmengine's paramwise options) the checks were a third of the
+        step's cost per group. A tensor or numpy option is checked at every step (it can change in place).
+        Returns whether the group's options are known to be plain values (`plain_numbers` has nothing to do)."""
         name = type(self).__name__
         ps = group["params"]
         if self._reads_values and ps and ps[0].device.type == "meta":
             raise RuntimeError(f"{name}: param group {gi} is on the meta device, which holds no values; this "
                                "optimizer's update reads grad norms on the host: materialize the params first "
                                "(e.g. module.to_empty(device=...))")
+        snap = options_snapshot(group) if fingerprint is not None else None
+        if snap is not None:
+            if fingerprint != self._checked_fingerprint:
+                self._checked_options.clear()
+                self._checked_fingerprint = fingerprint
+            elif self._checked_options.get(gi) == snap:
+                return True
         check_group_keys(name, gi, group, self.defaults)
         with naming(f"{name}: param group {gi}"):
             self._check_torch_options(group)
             check_flags(group)
             self._validate_group(group)
+        if snap is not None:
+            self._checked_options[gi] = snap
+            return True
+        self._checked_options.pop(gi, None)
+        return False
 
     def _plan_grads(self, s: FlatSet, group: dict, gather: bool):
         """How this step's update of `s` gets its grads, as (s, grads, todo, counts): they are the slot views
@@ -610,13 +683,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """Every flat set, (re-)combined where params moved; grads are not synced (see FlatSet.sync_grads)."""
         out: List[FlatSet] = []
         self._watch_state()
-        for gi, group in enumerate(self.param_groups):
-            sets = self._intact_sets(gi, group)
+        found = [(gi, group, self._intact_sets(gi, group)) for gi, group in enumerate(self.param_groups)]
+        for gi, group, sets in found:
             if sets is None:
                 with naming(f"{type(self).__name__}: param group {gi}"):
                     self._check_rebuild(group)
-                sets = self._build_group(gi, group)
-            out += sets
+        self._hook_modules_of(group for _, group, sets in found if sets is None)
+        for gi, group, sets in found:
+            out += self._build_group(gi, group) if sets is None else sets
         self._force_rebuild = self._watch.dirty = False
         return out
 

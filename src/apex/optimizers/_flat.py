@@ -172,7 +172,8 @@ class FlatSet:
         self.has_padding = any(e != s for e, s in zip(ends, self.offsets[1:]))
         self._pad_index: Optional[torch.Tensor] = None
         self._numels: Optional[torch.Tensor] = None
-        self._max_numel = max(e - off for e, off in zip(ends, self.offsets))  # the largest slot, for `_clear_of`
+        self._slot_numels = [e - off for e, off in zip(ends, self.offsets)]  # for `_clear_of`
+        self._max_numel = max(self._slot_numels)  # the largest slot
         self.step_grads: Optional[List[Optional[torch.Tensor]]] = None
 
         # params: rebound in place, values kept
@@ -222,6 +223,8 @@ class FlatSet:
                 if st is not None:
                     bind(st, "step", self.steps[k])
         self.skip = torch.zeros(self.nseg, dtype=torch.uint8)
+        self._advance: Optional[torch.Tensor] = None
+        self._spans: Optional[tuple] = None  # (buffers, their addresses, their spans): `_write_spans`
         self.first = torch.tensor(first, dtype=torch.uint8)
         self._n_first = sum(first)
         self._n_unexposed = self.nseg - sum(self.exposed)
@@ -359,6 +362,9 @@ class FlatSet:
             self.skip.copy_(_core.int_table(skipped, torch.uint8))
         else:
             self.skip.zero_()
+        # what `advance_steps` adds to each slot's count: 1, or 0 for a skipped slot
+        if _core.ext is not None and self.nseg:
+            self._advance = (self.skip == 0).to(torch.float32)
 
     # -- per-step checks ------------------------------------------------------
     def buffers_moved(self) -> bool:
@@ -534,13 +540,10 @@ class FlatSet:
         if bad_layout:
             slots = range(len(lgs)) if live is None else live
             idx.update(j for j, (k, g) in enumerate(zip(slots, lgs)) if not self._layout_ok(k, g))
-        writes = [self.flat_p, *self.flat_s.values()]
-        if self.flat_out is not None:
-            writes.append(self.flat_out)
-        spans = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in writes]
+        spans = self._write_spans()
         if self._numels is None:
             self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
-        if ptrs is None or not self._clear_of(ptrs, spans, elem):
+        if ptrs is None or not self._clear_of(ptrs, live, spans, elem):
             nbytes = (self._numels if live is None else self._numels[_core.int_table(live)]) * elem
             # every grad against every written buffer at once: one (buffers x grads) comparison
             bounds = torch.tensor(spans, dtype=torch.int64)
@@ -557,19 +560,48 @@ class FlatSet:
             idx.update(in_g.nonzero().flatten().tolist())
         return sorted(idx) if live is None else [live[j] for j in sorted(idx)]
 
-    def _clear_of(self, ptrs: List[int], spans: List[Tuple[int, int]], elem: int) -> bool:
-        """A sufficient test that no grad at ``ptrs`` is misaligned or meets a written span, in Python for up to
-        `PY_SCAN_MAX` grads: the low address bits, then, over the sorted addresses, whether any grad starts in
-        (span start - the largest slot's bytes, span end), the only starts from which a grad can reach into the
-        span. Some tens of microseconds for a model's params, where the tensor test costs a dozen small ops;
-        False sends the grads to that exact test."""
+    def _write_spans(self) -> List[Tuple[int, int]]:
+        """(start, end) addresses of every buffer the update writes: params, states, the O2 copy. Their sizes are
+        fixed; only a storage move changes an address, so the spans are kept while the same buffers stay at the
+        same addresses."""
+        writes = [self.flat_p, *self.flat_s.values()]
+        if self.flat_out is not None:
+            writes.append(self.flat_out)
+        key = list(map(data_ptr, writes))
+        cached = self._spans
+        if cached is not None and cached[1] == key and all(map(operator.is_, cached[0], writes)):
+            return cached[2]
+        spans = [(a, a + w.numel() * w.element_size()) for a, w in zip(key, writes)]
+        self._spans = (writes, key, spans)
+        return spans
+
+    def _clear_of(self, ptrs: List[int], live: Optional[List[int]], spans: List[Tuple[int, int]],
+                  elem: int) -> bool:
+        """Whether no grad at ``ptrs`` (of the slots ``live``, None: all) is misaligned or meets a written span,
+        in Python for up to `PY_SCAN_MAX` grads: the low address bits, then, over the sorted addresses, the grads
+        starting in (span start - the largest slot's bytes, span end), the only starts from which a grad can
+        reach into the span, each compared with the span by its own size. Some tens of microseconds for a
+        model's params, where the tensor test costs a dozen small ops; False sends the grads to that test, which
+        names the culprits. Exact for the candidates: small sets' buffers and grads come from the same
+        allocator pools, so a grad often starts just below a buffer without reaching it (one-param groups
+        took the tensor test at most steps)."""
         if len(ptrs) > PY_SCAN_MAX:
             return False
         if elem > 1 and any(map((elem - 1).__and__, ptrs) if elem & (elem - 1) == 0 else (p % elem for p in ptrs)):
             return False
-        starts = sorted(ptrs)
+        sizes = self._slot_numels if live is None else [self._slot_numels[k] for k in live]
+        if len(ptrs) == 1:
+            lo_g = ptrs[0]
+            hi_g = lo_g + sizes[0] * elem
+            return all(hi_g <= lo or lo_g >= hi for lo, hi in spans)
+        order = sorted(range(len(ptrs)), key=ptrs.__getitem__)
+        starts = [ptrs[j] for j in order]
         reach = self._max_numel * elem
-        return all(bisect.bisect_left(starts, hi) == bisect.bisect_right(starts, lo - reach) for lo, hi in spans)
+        for lo, hi in spans:
+            for j in order[bisect.bisect_right(starts, lo - reach):bisect.bisect_left(starts, hi)]:
+                if ptrs[j] + sizes[j] * elem > lo:  # starts below hi (the bisection), ends past lo
+                    return False
+        return True
 
     def use_gather(self, gs: List[Optional[torch.Tensor]], plan, keep: bool = False) -> None:
         """Makes the next kernel call read grads through `table` (from `plan_gather`); ``p.grad`` is kept.
@@ -722,7 +754,14 @@ class FlatSet:
 
     # -- after a step -----------------------------------------------------------
     def advance_steps(self) -> None:
-        if self.n_skipped:
+        """+1 to the step count of every slot with a grad. With apex_C, one call over the host table (``steps +=
+        advance``; an exact 0 or 1 added, the bits of torch's add): a torch op costs several microseconds of
+        dispatch, which with one group per param was a tenth of the step."""
+        if self._advance is not None:
+            ext = _core.ext
+            ext._raw_axpy_(self._advance.data_ptr(), ext.DTYPE_F32, self.steps.data_ptr(), ext.DTYPE_F32, self.nseg,
+                           1.0, False, 1)
+        elif self.n_skipped:
             self.steps.add_((self.skip == 0).to(torch.float32))
         else:
             self.steps.add_(1.0)
