@@ -258,6 +258,11 @@ def test_duplicate_params_rejected_at_construction(cls, kw):
     assert len(opt.param_groups) == 1  # nothing added
     opt.add_param_group({"params": [b]})
     run(opt, [a, b], 1)
+    extra = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    opt.add_param_group({"params": extra[:2]})
+    with pytest.raises(ValueError, match=r"param 1 of param group 3 is param 1 of param group 2"):
+        opt.add_param_group({"params": [extra[2], extra[1]]})
+    assert len(opt.param_groups) == 3
 
 
 @pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
