@@ -51,23 +51,24 @@ def plain_numbers(options: dict, keys: Container[str]) -> None:
     stays in float32 (``1 - np.float32(0.9)``), and torch's ops refuse numpy values in some arguments."""
     for key, value in options.items():
         kind = type(value)
-        if kind in _PLAIN or key not in keys:
+        if kind in PLAIN_TYPES or key not in keys:
             continue
         if kind is tuple or kind is list:
-            if not all(type(v) in _PLAIN for v in value):
+            if not all(type(v) in PLAIN_TYPES for v in value):
                 plain = list(map(_plain, value))
                 options[key] = plain if kind is list else tuple(plain)
         else:
             options[key] = _plain(value)
 
 
-# values plain_numbers leaves as they are without asking (what a param group holds but numbers and tensors)
-_PLAIN = frozenset((int, float, bool, str, type(None)))
+#: values plain_numbers leaves as they are without asking (what a param group holds but numbers and tensors): the
+#: immutable builtins, whose value is their meaning
+PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))
 
 
 def _plain(value: Any) -> Any:
     """``value`` as the Python number it holds, or as it is when it holds none."""
-    if type(value) in _PLAIN:
+    if type(value) in PLAIN_TYPES:
         return value
     number = real_number(value)
     return value if number is None else number

@@ -37,7 +37,7 @@ import torch
 
 from .. import _core, _device
 from .._checkpoint_keys import AMP_MASTERS_KEY, AMP_SCALERS_KEY
-from .._checks import FLOAT32_MAX, plain_numbers, real_number
+from .._checks import FLOAT32_MAX, PLAIN_TYPES, plain_numbers, real_number
 from .._tensor_utils import data_ptr, zero_grad_
 from ..contrib.combine_tensors import _hook_owning_modules, compact_state_dict
 from ._flat import FlatSet, check_grad, check_states
@@ -111,7 +111,7 @@ def check_group_keys(owner: str, gi: int, group: dict, defaults: dict) -> None:
 
 
 # option values a snapshot holds as they are (immutable; compared with their type, so 1, 1.0 and True differ)
-_SNAPSHOT_TYPES = frozenset((int, float, bool, str, type(None)))
+_SNAPSHOT_TYPES = PLAIN_TYPES | {torch.dtype}
 
 
 def options_snapshot(options: dict, skip: Container[str] = ("params",)) -> Optional[tuple]:
@@ -403,10 +403,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
         attributes (``adam_w_mode``, ``set_grad_none``, ...), which torch's ``__getstate__`` drops. Plain values
         only; what `_init_combined` sets (caches of the combined layout) is left out, the executor choice kept."""
         state = super().__getstate__()
-        caches = _cache_names(type(self))
-        state["_apex_options"] = {k: v for k, v in self.__dict__.items()
-                                  if k not in state and k not in caches and isinstance(v, _OPTION_TYPES)}
+        state["_apex_options"] = {k: v for k, v in self._own_options().items() if k not in state}
         return state
+
+    def _own_options(self) -> Dict[str, Any]:
+        """The instance's plain-valued attributes but the caches `_init_combined` sets: the constructor options of
+        NVIDIA's classes (``adam_w_mode``, ``set_grad_none``, ...), the executor choice, torch's own flags."""
+        caches = _cache_names(type(self))
+        return {k: v for k, v in self.__dict__.items() if k not in caches and isinstance(v, _OPTION_TYPES)}
 
     def __setstate__(self, state: dict) -> None:
         # unpickling / deepcopy restore torch's fields and the options: flat buffers are rebuilt at the next step
@@ -594,15 +598,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return [(group, self._groups[gi].sets) for gi, group, _, _ in plans]
 
     def _options_fingerprint(self) -> Optional[tuple]:
-        """What the group checks read besides a group's own options: the optimizer's defaults and its plain
-        attributes (``adam_w_mode``, ``set_grad_none``, ...); None when a default is not a plain value. Taken once
-        per step; a change makes every group be checked again."""
+        """What the group checks read besides a group's own options: the optimizer's defaults and its own options
+        (`_own_options`: ``adam_w_mode``, ...); None when one of them is not a plain value. Taken once per step; a
+        change makes every group be checked again."""
         defaults = options_snapshot(self.defaults, skip=())
-        if defaults is None:
-            return None
-        caches = _cache_names(type(self))
-        return defaults, tuple((k, type(v), v) for k, v in self.__dict__.items()
-                               if type(v) in _SNAPSHOT_TYPES and k not in caches)
+        own = options_snapshot(self._own_options(), skip=())
+        return None if defaults is None or own is None else (defaults, own)
 
     def _check_step_group(self, gi: int, group: dict, fingerprint: Optional[tuple] = None) -> bool:
         """A group as the step finds it: hyperparameters that user code or a scheduler rewrote since

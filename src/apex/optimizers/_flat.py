@@ -223,7 +223,6 @@ class FlatSet:
                 if st is not None:
                     bind(st, "step", self.steps[k])
         self.skip = torch.zeros(self.nseg, dtype=torch.uint8)
-        self._advance: Optional[torch.Tensor] = None
         self._spans: Optional[tuple] = None  # (buffers, their addresses, their spans): `_write_spans`
         self.first = torch.tensor(first, dtype=torch.uint8)
         self._n_first = sum(first)
@@ -362,9 +361,7 @@ class FlatSet:
             self.skip.copy_(_core.int_table(skipped, torch.uint8))
         else:
             self.skip.zero_()
-        # what `advance_steps` adds to each slot's count: 1, or 0 for a skipped slot
-        if _core.ext is not None and self.nseg:
-            self._advance = (self.skip == 0).to(torch.float32)
+        self._advance = (self.skip == 0).to(torch.float32)  # what `advance_steps` adds: 1, or 0 for a skipped slot
 
     # -- per-step checks ------------------------------------------------------
     def buffers_moved(self) -> bool:
@@ -542,7 +539,7 @@ class FlatSet:
             idx.update(j for j, (k, g) in enumerate(zip(slots, lgs)) if not self._layout_ok(k, g))
         spans = self._write_spans()
         if self._numels is None:
-            self._numels = torch.tensor([p.numel() for p in self.params], dtype=torch.int64)
+            self._numels = torch.tensor(self._slot_numels, dtype=torch.int64)
         if ptrs is None or not self._clear_of(ptrs, live, spans, elem):
             nbytes = (self._numels if live is None else self._numels[_core.int_table(live)]) * elem
             # every grad against every written buffer at once: one (buffers x grads) comparison
@@ -757,14 +754,12 @@ class FlatSet:
         """+1 to the step count of every slot with a grad. With apex_C, one call over the host table (``steps +=
         advance``; an exact 0 or 1 added, the bits of torch's add): a torch op costs several microseconds of
         dispatch, which with one group per param was a tenth of the step."""
-        if self._advance is not None:
-            ext = _core.ext
+        ext = _core.ext
+        if ext is not None and self.nseg:
             ext._raw_axpy_(self._advance.data_ptr(), ext.DTYPE_F32, self.steps.data_ptr(), ext.DTYPE_F32, self.nseg,
                            1.0, False, 1)
-        elif self.n_skipped:
-            self.steps.add_((self.skip == 0).to(torch.float32))
         else:
-            self.steps.add_(1.0)
+            self.steps.add_(self._advance)
 
     def expose_new_states(self, state: Dict[torch.Tensor, dict]) -> None:
         """After an update: state[p] entries for params updated for the first time (torch's lazy init),
